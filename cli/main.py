@@ -249,10 +249,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
-    """`[torchrun options] RECIPE [recipe args]` -> (torchrun options, RECIPE, recipe args)."""
+def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
+    """`[torchrun options] RECIPE [recipe args]` -> (torchrun namespace or None, RECIPE, recipe args)."""
     if not argv[0].startswith("-"):
-        return [], argv[0], argv[1:]
+        return None, argv[0], argv[1:]
     # torchrun's own parser knows which of its options take a value; importing it costs a torch import,
     # paid only when torchrun options are present.
     from torch.distributed.run import get_args_parser
@@ -263,12 +263,36 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
     for opt in ("module", "no_python", "run_path"):
         if getattr(ns, opt, False):
             raise RecipeError(f"torchrun option --{opt.replace('_', '-')} is not supported by `recipe run`")
-    cut = len(argv) - len(ns.training_script_args) - 1
-    return argv[:cut], ns.training_script, list(ns.training_script_args)
+    return ns, ns.training_script, list(ns.training_script_args)
 
 
 def _repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: make `components`
+    # importable in the workers also when the project is used from a checkout rather than installed.
+    root = str(_repo_root())
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
+    ns.training_script = str(file)
+    ns.training_script_args = script_args
+    try:
+        run(ns)
+    except ChildFailedError as e:
+        # each failed rank already printed its own `recipe: error: ...` line (or traceback)
+        ranks = sorted(e.failures)
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        raise RecipeError(
+            f"{len(ranks)} worker(s) failed (ranks {', '.join(map(str, ranks))}; exit codes "
+            f"{', '.join(map(str, codes))}): see their errors above"
+        ) from e
+    return 0
 
 
 def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -> int:
@@ -276,7 +300,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
         debug, run_argv = True, run_argv[1:]
     if not run_argv or run_argv[0] in ("-h", "--help"):
         parser.parse_args(["run", "--help"])  # prints help and exits 0
-    torchrun_opts, recipe, script_args = _split_run_args(run_argv)
+    torchrun_ns, recipe, script_args = _split_run_args(run_argv)
     if debug and "--debug" not in script_args:
         script_args.append("--debug")
     if "--config" not in script_args and not any(a.startswith("--config=") for a in script_args):
@@ -284,22 +308,13 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
             f"`recipe run {recipe}` needs --config CONFIG (see `recipe ls` for shipped configs)"
         )
     name, module = load_recipe(recipe)
-    if not torchrun_opts:
+    if torchrun_ns is None:
         run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
     # Validate once here so a bad config fails in one line instead of once per rank.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
     load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
-    file = recipe_file(recipe)[1]
-    env = dict(os.environ)
-    # `python recipes/x.py` puts recipes/ first on sys.path, not the repo: make `components` importable
-    # also when the project is used from a checkout rather than installed.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_repo_root()), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_opts, str(file), *script_args]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, cmd, env)
-    return 0  # not reached
+    return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 
 def cmd_download(args: argparse.Namespace) -> int:

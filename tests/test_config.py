@@ -1,0 +1,238 @@
+"""Config loading, overrides, interpolation, schema validation (file:line errors) and instantiation."""
+
+from pathlib import Path
+
+import pytest
+
+from components.config import (
+    COMPONENT,
+    instantiate,
+    load_config,
+    run_recipe_script,
+    validate_config,
+)
+from components.errors import RecipeError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+CFG = """\
+# a test config
+model:
+  name: tiny
+  dim: 64
+  dropout: null
+lr: 0.001
+steps: 10
+tags: [a, b]
+out_dir: runs/${model.name}
+optimizer:
+  _component_: cli_components.Outer
+  scale: 2
+  inner:
+    _component_: cli_components.Inner
+    a: 1
+"""
+
+SCHEMA = {
+    "model": {"name": str, "dim": int, "dropout": (float, type(None))},
+    "lr": float,
+    "steps": int,
+    "tags": list,
+    "out_dir": str,
+    "optimizer": COMPONENT,
+    "extra": (int, type(None)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _components_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+def _write(tmp_path: Path, text: str = CFG, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_overrides_are_typed_like_yaml(tmp_path):
+    path = _write(tmp_path)
+    cfg = load_config(
+        str(path),
+        [
+            "model.dim=128",
+            "lr=1e-5",
+            "tags=[1,2]",
+            "model.dropout=0.1",
+            "model.name=big",
+            "steps=null",
+            "extra=3",
+        ],
+    )
+    assert cfg.model.dim == 128 and isinstance(cfg.model.dim, int)
+    assert cfg.lr == pytest.approx(1e-5) and isinstance(cfg.lr, float)
+    assert list(cfg.tags) == [1, 2]
+    assert cfg.model.dropout == 0.1
+    assert cfg.steps is None
+    assert cfg.extra == 3
+    # the interpolation sees the overridden value
+    assert cfg.out_dir == "runs/big"
+    cfg = load_config(str(path), ["model.name=true", "tags=[]", "lr=1"])
+    assert cfg.model.name is True and list(cfg.tags) == [] and cfg.lr == 1
+
+
+def test_tilde_deletes_and_missing_delete_is_an_error(tmp_path):
+    path = _write(tmp_path)
+    cfg = load_config(str(path), ["~model.dropout", "~optimizer.inner"])
+    assert "dropout" not in cfg.model and "inner" not in cfg.optimizer
+    with pytest.raises(RecipeError, match=r"cannot delete 'model\.nope'"):
+        load_config(str(path), ["~model.nope"])
+    with pytest.raises(RecipeError, match=r"bad override 'lr'"):
+        load_config(str(path), ["lr"])
+
+
+def test_broken_interpolation_names_key_and_line(tmp_path):
+    path = _write(tmp_path, CFG.replace("runs/${model.name}", "runs/${model.nme}"))
+    with pytest.raises(RecipeError) as e:
+        load_config(str(path))
+    msg = str(e.value)
+    assert "cfg.yaml:9" in msg and "key 'out_dir'" in msg and "${model.nme}" in msg
+    with pytest.raises(RecipeError, match=r"override 'lr=\$\{nope\}': key 'lr'"):
+        load_config(str(_write(tmp_path)), ["lr=${nope}"])
+
+
+def test_unknown_key_names_key_line_and_what_the_recipe_reads(tmp_path):
+    text = CFG.replace("  dim: 64\n", "  dim: 64\n  foo: 1\n")
+    path = _write(tmp_path, text)
+    cfg = load_config(str(path))
+    with pytest.raises(RecipeError) as e:
+        validate_config(cfg, SCHEMA, path, recipe="kd")
+    msg = str(e.value)
+    assert f"{path.name}:5: unknown key 'model.foo'" in msg
+    assert "(recipe kd reads: model.name, model.dim, model.dropout)" in msg
+
+
+def test_unknown_top_level_key_line(tmp_path):
+    path = _write(tmp_path, CFG + "\nbatch_sise: 4\n")
+    cfg = load_config(str(path))
+    with pytest.raises(
+        RecipeError, match=r"cfg\.yaml:17: unknown key 'batch_sise' \(this recipe reads: model, lr,"
+    ):
+        validate_config(cfg, SCHEMA, path)
+
+
+def test_override_of_unknown_key_names_the_override(tmp_path):
+    path = _write(tmp_path)
+    cfg = load_config(str(path), ["model.bar=1"])
+    with pytest.raises(RecipeError, match=r"^override 'model\.bar=1': unknown key 'model\.bar'"):
+        validate_config(cfg, SCHEMA, path)
+
+
+def test_types_are_checked_int_counts_as_float(tmp_path):
+    path = _write(tmp_path)
+    validate_config(load_config(str(path), ["lr=1"]), SCHEMA, path)  # int is a valid float
+    with pytest.raises(RecipeError, match=r"cfg\.yaml:7: key 'steps' must be int, got str 'ten'"):
+        validate_config(
+            load_config(str(_write(tmp_path, CFG.replace("steps: 10", "steps: ten")))), SCHEMA, path
+        )
+    with pytest.raises(
+        RecipeError, match=r"override 'model\.dim=true': key 'model\.dim' must be int, got bool"
+    ):
+        validate_config(load_config(str(path), ["model.dim=true"]), SCHEMA, path)
+    with pytest.raises(RecipeError, match=r"key 'model\.dropout' must be float or null"):
+        validate_config(load_config(str(path), ["model.dropout=high"]), SCHEMA, path)
+    with pytest.raises(RecipeError, match=r"key 'model' must be a section"):
+        validate_config(load_config(str(path), ["~out_dir", "model=3"]), SCHEMA, path)
+
+
+def test_component_bad_argument_names_key_line_and_signature(tmp_path):
+    path = _write(tmp_path, CFG.replace("    a: 1\n", "    a: 1\n    c: 5\n"))
+    with pytest.raises(RecipeError) as e:
+        validate_config(load_config(str(path)), SCHEMA, path)
+    msg = str(e.value)
+    assert "cfg.yaml:16: key 'optimizer.inner.c'" in msg
+    assert "cli_components.Inner has no argument 'c' (it takes: a, b)" in msg
+
+
+def test_component_missing_import_names_key_and_path(tmp_path):
+    path = _write(tmp_path, CFG.replace("cli_components.Outer", "cli_componentz.Outer"))
+    with pytest.raises(RecipeError) as e:
+        validate_config(load_config(str(path)), SCHEMA, path)
+    msg = str(e.value)
+    assert "cfg.yaml:11" in msg and "optimizer._component_" in msg and "cli_componentz.Outer" in msg
+    with pytest.raises(RecipeError, match=r"'cli_components' has no attribute 'Nope'"):
+        validate_config(load_config(str(path), ["optimizer._component_=cli_components.Nope"]), SCHEMA, path)
+
+
+def test_component_must_be_a_component_node(tmp_path):
+    path = _write(tmp_path)
+    with pytest.raises(RecipeError, match=r"key 'optimizer' must be a mapping with '_component_"):
+        validate_config(load_config(str(path), ["optimizer=adam"]), SCHEMA, path)
+    validate_config(load_config(str(path), ["optimizer=null"]), SCHEMA, path)  # null: recipe default
+
+
+def test_instantiate_nested_components_with_kwargs(tmp_path):
+    text = CFG + "  parts:\n    - _component_: cli_components.make_pair\n      x: 7\n"
+    cfg = load_config(str(_write(tmp_path, text)))
+    validate_config(cfg, SCHEMA, None)
+    obj = instantiate(cfg.optimizer, scale=0.5)
+    assert type(obj).__name__ == "Outer" and obj.scale == 0.5
+    assert type(obj.inner).__name__ == "Inner" and (obj.inner.a, obj.inner.b) == (1, 2)
+    assert obj.parts == [(7, 0)]
+
+
+def test_instantiate_bind_failure_names_key(tmp_path):
+    cfg = load_config(str(_write(tmp_path)), ["~optimizer.inner.a"])
+    with pytest.raises(
+        RecipeError, match=r"config key 'optimizer\.inner': cannot call cli_components\.Inner: .*'a'"
+    ):
+        instantiate(cfg.optimizer)
+    with pytest.raises(RecipeError, match=r"config key 'optimizer\._component_': cannot import 'nope\.X'"):
+        instantiate(load_config(str(_write(tmp_path)), ["optimizer._component_=nope.X"]).optimizer)
+
+
+def test_yaml_syntax_error_has_file_line(tmp_path):
+    path = _write(tmp_path, "a: 1\nb: [1, 2\nc: 3\n")
+    with pytest.raises(RecipeError, match=r"cfg\.yaml:3: invalid YAML"):
+        load_config(str(path))
+    path = _write(tmp_path, "a: 1\na: 2\n", name="dup.yaml")
+    with pytest.raises(RecipeError, match=r"dup\.yaml:2: invalid YAML"):
+        load_config(str(path))
+
+
+def test_missing_config_suggests_recipe_ls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"'kd/nope'.*recipe ls"):
+        load_config("kd/nope")
+    with pytest.raises(RecipeError, match=r"'missing\.yaml' not found.*recipe ls"):
+        load_config("missing.yaml")
+
+
+def test_shipped_names_resolve_in_configs_package(tmp_path, monkeypatch):
+    import components.config as config
+
+    (tmp_path / "kd").mkdir()
+    (tmp_path / "kd" / "demo.yaml").write_text("lr: 2\n")
+    monkeypatch.setattr(config, "configs_dir", lambda: tmp_path)
+    assert load_config("kd/demo").lr == 2
+    assert config.shipped_configs() == {"kd": ["kd/demo"]}
+
+
+def test_run_recipe_script_passes_overrides_and_reports_errors(tmp_path, capsys):
+    path = _write(tmp_path)
+    seen = {}
+
+    def main(cfg):
+        seen["cfg"] = cfg
+
+    run_recipe_script(SCHEMA, main, ["--config", str(path), "lr=0.5", "~tags"], name="kd")
+    assert seen["cfg"].lr == 0.5 and "tags" not in seen["cfg"]
+    with pytest.raises(SystemExit) as e:
+        run_recipe_script(SCHEMA, main, ["--config", str(path), "lrr=0.5"], name="kd")
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "recipe: error: override 'lrr=0.5': unknown key 'lrr' (recipe kd reads: model, lr, steps, tags, "
+        "out_dir, optimizer, extra)"
+    ]
+    assert "Traceback" not in err
