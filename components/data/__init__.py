@@ -1,0 +1,42 @@
+"""Datasets, tokenization formats, collation, packing and the resumable loader.
+
+Items are `{"tokens", "labels"}` (labels -100 where no loss is taken); `collate` returns labels already shifted.
+"""
+
+from components.data.collate import PackedDataset, block_causal_mask, collate, collate_packed, shift_labels
+from components.data.dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
+from components.data.formats import (
+    IGNORE_INDEX,
+    ChatFormat,
+    InstructFormat,
+    TextFormat,
+    chat_segments,
+    make_format,
+    tokenize_segments,
+)
+from components.data.loader import StatefulLoader
+from components.data.sources import Rows, load_rows
+from components.data.transfer import transfer_set_path
+
+__all__ = [
+    "DATASET_KEYS",
+    "IGNORE_INDEX",
+    "ChatFormat",
+    "InstructFormat",
+    "PackedDataset",
+    "Rows",
+    "StatefulLoader",
+    "TextFormat",
+    "TokenizedDataset",
+    "block_causal_mask",
+    "build_dataset",
+    "build_loader",
+    "chat_segments",
+    "collate",
+    "collate_packed",
+    "load_rows",
+    "make_format",
+    "shift_labels",
+    "tokenize_segments",
+    "transfer_set_path",
+]

@@ -1,0 +1,118 @@
+"""`build_dataset`: the one entry point recipes call; a YAML `dataset:` section maps 1:1 onto its keywords."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from components.data.collate import PackedDataset, collate
+from components.data.formats import IGNORE_INDEX, RowError, make_format
+from components.data.loader import StatefulLoader
+from components.data.sources import load_rows
+from components.errors import RecipeError
+
+if TYPE_CHECKING:
+    from components.models.tokenizer import Tokenizer
+
+
+class TokenizedDataset(Sequence):
+    """Tokenized (optionally packed) examples plus the batching options chosen in the config."""
+
+    def __init__(self, items: Sequence[dict], pad_id: int, max_seq_len: int, packed: bool, shuffle: bool,
+                 bucket: bool, origin: str) -> None:
+        self.items = items
+        self.pad_id = pad_id
+        self.max_seq_len = max_seq_len
+        self.packed = packed
+        self.shuffle = shuffle
+        self.bucket = bucket
+        self.origin = origin
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        return self.items[i]
+
+    def lengths(self) -> list[int]:
+        """Token count of each item (used by the bucketing sampler)."""
+        return [len(x["tokens"]) for x in self.items]
+
+    def num_loss_tokens(self) -> int:
+        """Positions that carry a target after shifting (for logging / sanity checks)."""
+        total = 0
+        for x in self.items:
+            if "seq_lens" in x:
+                start = 0
+                for n in x["seq_lens"]:
+                    total += sum(lab != IGNORE_INDEX for lab in x["labels"][start + 1 : start + n])
+                    start += n
+            else:
+                total += sum(lab != IGNORE_INDEX for lab in x["labels"][1:])
+        return total
+
+    def collate(self, batch: list[dict]) -> dict:
+        """Collate with this dataset's pad id (see `components.data.collate.collate`)."""
+        return collate(batch, self.pad_id)
+
+
+def build_dataset(
+    tokenizer: Tokenizer,
+    source: str,
+    format: str = "text",
+    split: str = "train",
+    name: str | None = None,
+    data_files: Any = None,
+    column_map: Mapping[str, str] | None = None,
+    max_seq_len: int = 2048,
+    train_on_input: bool = False,
+    use_chat_template: bool = False,
+    packed: bool = False,
+    limit: int | None = None,
+    shuffle: bool = True,
+    bucket: bool = False,
+) -> TokenizedDataset:
+    """Load rows, tokenize them in `format`, truncate to max_seq_len and optionally pack.
+
+    source: file, `save_to_disk` folder, HF dataset name/path, or `transfer:passages|chat`. split may slice
+    (`train[:90%]`, `train[-200:]`). limit keeps the first N rows after slicing. shuffle/bucket are read by
+    `build_loader`. A malformed row raises RecipeError naming `file:line` (or `row N`).
+    """
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise RecipeError(f"dataset.max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise RecipeError(f"dataset.limit must be a positive integer or null, got {limit!r}")
+    if column_map is not None and not isinstance(column_map, Mapping):
+        raise RecipeError(f"dataset.column_map must be a mapping like {{instruction: prompt}}, got {column_map!r}")
+    fmt = make_format(format, tokenizer, column_map, train_on_input, use_chat_template)
+    rows = load_rows(source, split=split, name=name, data_files=data_files)
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    if len(rows) == 0:
+        raise RecipeError(f"dataset source '{source}' split '{split}' has no rows")
+    items = []
+    for i in range(len(rows)):
+        row = rows[i]
+        if not isinstance(row, Mapping):
+            raise RecipeError(f"{rows.where(i)}: expected an object with columns, got {type(row).__name__}")
+        try:
+            ex = fmt(row)
+        except RowError as e:
+            raise RecipeError(f"{rows.where(i)}: {e}") from None
+        items.append({"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]})
+    if packed:
+        items = PackedDataset(items, max_seq_len, tokenizer.pad_id)
+    return TokenizedDataset(items, tokenizer.pad_id, max_seq_len, packed, shuffle, bucket, rows.origin)
+
+
+DATASET_KEYS = tuple(p for p in inspect.signature(build_dataset).parameters if p != "tokenizer")
+
+
+def build_loader(dataset: TokenizedDataset, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False) -> StatefulLoader:
+    """A StatefulLoader over `dataset` using its shuffle/bucket options and its pad id for collation."""
+    return StatefulLoader(dataset, batch_size, shuffle=dataset.shuffle, seed=seed,
+                          collate_fn=partial(collate, pad_id=dataset.pad_id), drop_last=drop_last,
+                          rank=rank, world_size=world_size, bucket=dataset.bucket)

@@ -1,0 +1,201 @@
+"""Read raw rows from local files, `save_to_disk` folders, HF `datasets` names or the shipped transfer set.
+
+Every row remembers where it came from (`file:line` for JSON Lines, `file:N` for CSV with a header, `row N`
+otherwise) so that a bad row is reported precisely.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from components.errors import RecipeError
+
+TRANSFER_PREFIX = "transfer:"
+_SPLIT_RE = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*([^:\]]*)\s*:\s*([^\]]*)\s*\])?\s*$")
+
+
+class Rows(Sequence):
+    """Rows (dicts) of one source, each with a human-readable location for error messages."""
+
+    def __init__(self, rows: Sequence[dict], origin: str, locations: Sequence[str] | None = None,
+                 index: Sequence[int] | None = None) -> None:
+        self._rows = rows
+        self.origin = origin
+        self._locations = locations
+        self._index = list(range(len(rows))) if index is None else list(index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        return self._rows[self._index[i]]
+
+    def __iter__(self) -> Iterator[dict]:
+        for i in self._index:
+            yield self._rows[i]
+
+    def where(self, i: int) -> str:
+        """Location of row i: `file:line` (JSONL/CSV) or `source:row N` (N = index in the unsliced source)."""
+        j = self._index[i]
+        if self._locations is not None:
+            return self._locations[j]
+        return f"{self.origin}:row {j}"
+
+    def select(self, index: Sequence[int]) -> Rows:
+        """A view of some rows (positions relative to this view), keeping their original locations."""
+        return Rows(self._rows, self.origin, self._locations, [self._index[i] for i in index])
+
+
+def _bound(text: str, n: int, spec: str) -> int:
+    text = text.strip()
+    if text == "":
+        return -1
+    try:
+        if text.endswith("%"):
+            return round(float(text[:-1]) * n / 100)
+        v = int(text)
+    except ValueError:
+        raise RecipeError(f"split '{spec}': '{text}' is not an integer or a percentage like 90%") from None
+    return max(0, n + v) if v < 0 else min(v, n)
+
+
+def parse_split(split: str) -> tuple[str, str | None, str | None]:
+    """`train[:90%]` -> ("train", "", "90%"); `train` -> ("train", None, None)."""
+    m = _SPLIT_RE.match(split or "train")
+    if not m:
+        raise RecipeError(f"split '{split}': expected NAME or NAME[start:end] like train[:90%] or train[100:]")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def slice_rows(rows: Rows, split: str) -> Rows:
+    """Apply the `[start:end]` part of a split spec (ints, negative ints or percentages) to rows."""
+    _, start, end = parse_split(split)
+    if start is None:
+        return rows
+    n = len(rows)
+    lo = _bound(start, n, split)
+    hi = _bound(end, n, split)
+    lo = 0 if lo < 0 else lo
+    hi = n if hi < 0 else hi
+    return rows.select(range(lo, max(lo, hi)))
+
+
+def _read_jsonl(path: Path) -> Rows:
+    rows, locs = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecipeError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise RecipeError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+            rows.append(obj)
+            locs.append(f"{path}:{lineno}")
+    return Rows(rows, str(path), locs)
+
+
+def _read_json(path: Path) -> Rows:
+    text = path.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several objects, one per line: JSON Lines in a .json file
+            return _read_jsonl(path)
+        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(obj, dict):
+        # {"data": [...]} or {"train": [...], ...}: take the one list of objects if unambiguous
+        lists = [k for k, v in obj.items() if isinstance(v, list)]
+        if len(lists) != 1:
+            if not lists:  # a single object on one line is a one-row JSON Lines file
+                return Rows([obj], str(path), [f"{path}:1"])
+            raise RecipeError(f"{path}: top-level object has several lists ({', '.join(lists)}); "
+                              "save the rows as a JSON list or JSON Lines")
+        obj = obj[lists[0]]
+    if not isinstance(obj, list):
+        raise RecipeError(f"{path}: expected a JSON list of objects or JSON Lines, got {type(obj).__name__}")
+    for i, r in enumerate(obj):
+        if not isinstance(r, dict):
+            raise RecipeError(f"{path}:row {i}: expected a JSON object, got {type(r).__name__}")
+    return Rows(obj, str(path))
+
+
+def _read_csv(path: Path) -> Rows:
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        rows, locs = [], []
+        for row in reader:
+            # csv line numbers count physical lines; report the record's first line (header is line 1)
+            rows.append(dict(row))
+            locs.append(f"{path}:{len(rows) + 1}")
+    return Rows(rows, str(path), locs)
+
+
+def _read_parquet(path: Path) -> Rows:
+    import pyarrow.parquet as pq  # lazy: only parquet sources need it
+
+    return Rows(pq.read_table(path).to_pylist(), str(path))
+
+
+def _load_from_disk(path: Path, split_name: str) -> Rows:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split_name not in ds:
+            raise RecipeError(f"{path}: no split '{split_name}'; it has {', '.join(ds)}")
+        ds = ds[split_name]
+    return Rows(ds, str(path))
+
+
+def _load_hf(source: str, split_name: str, name: str | None, data_files: Any) -> Rows:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, name=name, split=split_name, data_files=data_files)
+    except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ValueError...)
+        raise RecipeError(f"dataset source '{source}' (name={name}, split={split_name}) could not be loaded: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return Rows(ds, source)
+
+
+def resolve_source(source: str) -> str:
+    """Expand `transfer:NAME` to the shipped file; other sources are returned unchanged."""
+    if source.startswith(TRANSFER_PREFIX):
+        from components.data.transfer import transfer_set_path
+
+        return str(transfer_set_path(source[len(TRANSFER_PREFIX):]))
+    return source
+
+
+def load_rows(source: str, split: str = "train", name: str | None = None, data_files: Any = None) -> Rows:
+    """Rows of a dataset source, sliced by `split` (e.g. `train[:90%]`).
+
+    source: a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, `transfer:passages|chat`, or a
+    `datasets.load_dataset` name/path (with optional `name` config and `data_files`).
+    """
+    if not isinstance(source, str) or not source:
+        raise RecipeError(f"dataset.source must be a path or dataset name, got {source!r}")
+    split_name, _, _ = parse_split(split)
+    path = Path(resolve_source(source)).expanduser()
+    if path.is_file() and data_files is None:
+        suffix = path.suffix.lower()
+        readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
+        if suffix not in readers:
+            raise RecipeError(f"{path}: unsupported file type '{suffix}'; use .json, .jsonl, .csv or .parquet")
+        rows = readers[suffix](path)
+    elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        rows = _load_from_disk(path, split_name)
+    elif (source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in (".json", ".jsonl", ".csv",
+                                                                                 ".parquet")) and not path.exists():
+        raise RecipeError(f"dataset source {path}: no such file or directory")
+    else:
+        rows = _load_hf(str(path) if path.exists() else source, split_name, name, data_files)
+    return slice_rows(rows, split)
