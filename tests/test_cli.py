@@ -1,0 +1,226 @@
+"""The `recipe` command through real subprocesses, against a fake shipped tree (recipes/ + configs/ packages
+placed first on PYTHONPATH) so the expected listing is known exactly."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+RECIPE = FIXTURES / "cli_echo_recipe.py"
+CONFIG = FIXTURES / "cli_echo.yaml"
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A fake install: recipes `echo` (+ a half-written module and a private one), configs incl. an orphan."""
+    pkgs = tmp_path / "pkgs"
+    (pkgs / "recipes").mkdir(parents=True)
+    (pkgs / "recipes" / "__init__.py").write_text("")
+    shutil.copy(RECIPE, pkgs / "recipes" / "echo.py")
+    (pkgs / "recipes" / "half.py").write_text("SCHEMA = {}\n")  # no main yet: not a recipe
+    (pkgs / "recipes" / "_util.py").write_text("SCHEMA = {}\ndef main(cfg): ...\n")
+    (pkgs / "recipes" / "broken.py").write_text("def main(:\n")  # mid-edit syntax error: skipped
+    for sub in ("echo", "orphan"):
+        (pkgs / "configs" / sub).mkdir(parents=True)
+    (pkgs / "configs" / "__init__.py").write_text("")
+    shutil.copy(CONFIG, pkgs / "configs" / "echo" / "basic.yaml")
+    shutil.copy(CONFIG, pkgs / "configs" / "echo" / "another.yaml")
+    (pkgs / "configs" / "orphan" / "x.yaml").write_text("a: 1\n")  # no recipe `orphan`: not listed
+    work = tmp_path / "work"
+    work.mkdir()
+    return tmp_path
+
+
+def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "pkgs"), str(ROOT)])
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        cwd=cwd or tree / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The process failed with exit 1 and exactly one `recipe: error:` line, no traceback."""
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("recipe: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_ls_lists_recipes_with_their_configs_only(tree):
+    proc = recipe(tree, "ls")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "RECIPE    CONFIG",
+        "echo      echo/another",
+        "          echo/basic",
+    ]
+
+
+def test_ls_on_the_real_tree_lists_each_shipped_recipe():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "ls"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = {line.split()[0] for line in proc.stdout.splitlines()[1:] if line and not line.startswith(" ")}
+    for name in listed - {"(no"}:
+        assert (ROOT / "recipes" / f"{name}.py").is_file()
+
+
+def test_cp_appends_suffix_and_respects_no_clobber(tree):
+    work = tree / "work"
+    proc = recipe(tree, "cp", "echo/basic", "mine")
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "mine.yaml").read_text() == CONFIG.read_text()
+    (work / "mine.yaml").write_text("edited: true\n")
+    err = one_error_line(recipe(tree, "cp", "echo/basic", "mine.yaml", "--no-clobber"))
+    assert "'mine.yaml' already exists" in err and "--no-clobber" in err
+    assert (work / "mine.yaml").read_text() == "edited: true\n"  # untouched
+    assert recipe(tree, "cp", "echo/basic", "mine.yaml").returncode == 0  # default overwrites
+    assert (work / "mine.yaml").read_text() == CONFIG.read_text()
+    assert recipe(tree, "cp", "echo", "my_recipe").returncode == 0
+    assert (work / "my_recipe.py").read_text() == RECIPE.read_text()
+    (work / "dir").mkdir()
+    assert recipe(tree, "cp", "echo/another", "dir").returncode == 0
+    assert (work / "dir" / "another.yaml").is_file()
+
+
+def test_cp_make_parents_and_unknown_names(tree):
+    err = one_error_line(recipe(tree, "cp", "echo/basic", "a/b/c.yaml"))
+    assert "'a/b' does not exist" in err and "--make-parents" in err
+    assert recipe(tree, "cp", "echo/basic", "a/b/c.yaml", "--make-parents").returncode == 0
+    assert (tree / "work" / "a" / "b" / "c.yaml").is_file()
+    for name in ("echo/nope", "nope", "half", "orphan"):
+        err = one_error_line(recipe(tree, "cp", name, "x.yaml"))
+        assert f"unknown config or recipe '{name}'" in err and "recipe ls" in err
+
+
+def test_cat_prints_the_yaml_with_comments(tree):
+    proc = recipe(tree, "cat", "echo/basic")
+    assert proc.returncode == 0 and proc.stdout == CONFIG.read_text()
+    err = one_error_line(recipe(tree, "cat", "echo/nope"))
+    assert "'echo/nope'" in err and "recipe ls" in err
+
+
+def test_validate_shipped_user_and_fixture_recipe(tree):
+    proc = recipe(tree, "validate", "echo/basic")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        proc.stdout.strip()
+        == f"OK: {tree / 'pkgs' / 'configs' / 'echo' / 'basic.yaml'} is a valid echo config"
+    )
+    shutil.copy(CONFIG, tree / "work" / "mine.yaml")
+    err = one_error_line(recipe(tree, "validate", "mine.yaml"))
+    assert "cannot tell which recipe reads 'mine.yaml'" in err and "--recipe" in err
+    proc = recipe(tree, "validate", "mine.yaml", "--recipe", str(RECIPE), "lr=2", "~tags")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK: mine.yaml is a valid cli_echo_recipe config"
+    err = one_error_line(recipe(tree, "validate", "mine.yaml", "--recipe", "echo", "wrapper.widht=3"))
+    assert err.startswith("recipe: error: override 'wrapper.widht=3': key 'wrapper.widht'")
+    assert "textwrap.TextWrapper has no argument 'widht'" in err
+
+
+def test_validate_reports_file_line_of_unknown_key(tree):
+    text = CONFIG.read_text().replace("  name: tiny\n", "  name: tiny\n  nmae: oops\n")
+    (tree / "work" / "bad.yaml").write_text(text)
+    err = one_error_line(recipe(tree, "validate", "bad.yaml", "--recipe", "echo"))
+    assert err == (
+        "recipe: error: bad.yaml:8: unknown key 'model.nmae' (recipe echo reads: model.name, model.dropout)"
+    )
+    proc = recipe(tree, "--debug", "validate", "bad.yaml", "--recipe", "echo")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "bad.yaml:8" in proc.stderr
+
+
+def test_run_in_process_overrides_reach_main(tree):
+    out = tree / "out.json"
+    proc = recipe(
+        tree,
+        "run",
+        "echo",
+        "--config",
+        "basic",
+        f"output_file={out}",
+        "lr=0.5",
+        "tags=[x, 1]",
+        "~model.dropout",
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(out.read_text())
+    assert seen["lr"] == 0.5 and seen["tags"] == ["x", 1] and seen["model"] == {"name": "tiny"}
+    assert seen["_wrapper_width"] == 40 and seen["_world_size"] is None  # in-process, not torchrun
+
+
+def test_run_path_recipe_with_user_config(tree):
+    shutil.copy(CONFIG, tree / "work" / "mine.yaml")
+    proc = recipe(tree, "run", str(RECIPE), "--config", "mine.yaml", "steps=7", "wrapper.width=12")
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads((tree / "work" / "out.json").read_text())
+    assert seen["steps"] == 7 and seen["_wrapper_width"] == 12
+
+
+def test_run_errors_are_one_line(tree):
+    err = one_error_line(recipe(tree, "run", "echo", "--config", "basic", "stepz=1"))
+    assert "override 'stepz=1': unknown key 'stepz'" in err
+    err = one_error_line(recipe(tree, "run", "echo", "--config", "basic", "steps=-1"))  # raised inside main
+    assert err == "recipe: error: steps must be >= 0, got -1"
+    err = one_error_line(recipe(tree, "run", "nope", "--config", "basic"))
+    assert "unknown recipe 'nope'" in err and "echo" in err
+    err = one_error_line(recipe(tree, "run", "echo"))
+    assert "needs --config" in err
+    (tree / "work" / "norecipe.py").write_text("x = 1\n")
+    err = one_error_line(recipe(tree, "run", "norecipe.py", "--config", "basic"))
+    assert "does not define SCHEMA and main" in err
+    proc = recipe(tree, "run", "--debug", "echo", "--config", "basic", "steps=-1")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+
+
+def test_run_with_torchrun_options_launches_workers(tree):
+    out = tree / "dist.json"
+    proc = recipe(
+        tree,
+        "run",
+        "--nproc-per-node",
+        "1",
+        "--standalone",
+        "echo",
+        "--config",
+        "echo/basic",
+        f"output_file={out}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(out.read_text())
+    assert seen["_world_size"] == "1" and seen["output_file"] == str(out)
+    # a bad config fails once, before any worker starts
+    err = one_error_line(
+        recipe(tree, "run", "--nproc-per-node", "1", "--standalone", "echo", "--config", "basic", "x=1")
+    )
+    assert "unknown key 'x'" in err
+
+
+def test_usage_errors_exit_2_and_help_has_examples(tree):
+    assert recipe(tree, "bogus").returncode == 2
+    assert recipe(tree, "cp", "echo/basic").returncode == 2
+    assert recipe(tree, "download", "a/b").returncode == 2  # --output-dir is required
+    proc = recipe(tree, "--help")
+    assert proc.returncode == 0 and "recipe run kd --config" in proc.stdout
+    for verb in ("ls", "cp", "cat", "validate", "run", "download", "assets"):
+        proc = recipe(tree, verb, "--help")
+        assert proc.returncode == 0 and "example" in proc.stdout, verb
