@@ -1,0 +1,40 @@
+"""Models: HF config -> torchtune-module decoders, checkpoint I/O, tokenizer, GGUF import.
+
+The only package that imports torchtune (through `_compat`, which aliases torchao's moved NF4 module first).
+"""
+
+from components.models import _compat  # noqa: F401  (must run before any torchtune import)
+from components.models.args import ModelArgs, read_model_args
+from components.models.builder import LORA_TARGETS, Decoder, LoRASettings, build_model, output_weight
+from components.models.convert import hf_to_tune_names, tune_to_hf_names
+from components.models.hf_io import load_hf_state_dict, write_hf_folder
+from components.models.loader import (
+    keep_every,
+    load_model,
+    lora_modules,
+    merged_state_dict,
+    prune_layers,
+    resolve_dtype,
+    save_model,
+)
+
+__all__ = [
+    "LORA_TARGETS",
+    "Decoder",
+    "LoRASettings",
+    "ModelArgs",
+    "build_model",
+    "hf_to_tune_names",
+    "keep_every",
+    "load_hf_state_dict",
+    "load_model",
+    "lora_modules",
+    "merged_state_dict",
+    "output_weight",
+    "prune_layers",
+    "read_model_args",
+    "resolve_dtype",
+    "save_model",
+    "tune_to_hf_names",
+    "write_hf_folder",
+]

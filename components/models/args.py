@@ -1,0 +1,133 @@
+"""Model hyper-parameters read from (and written back to) a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from components.errors import RecipeError
+
+# model_type -> family. All are Llama-style decoders; they differ in biases and RoPE details.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The subset of a HF config that decides the module graph; `hf_config` keeps the rest for round trips."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    rope_scaling: dict | None = None
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise RecipeError(
+                f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if cfg.get("mlp_bias"):
+            raise RecipeError(f"{source}: mlp_bias=true is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise RecipeError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            # transformers >= 5 writes `rope_parameters` (theta + scaling); hub configs use rope_theta/rope_scaling.
+            rope = cfg.get("rope_parameters") or {}
+            hidden = int(cfg["hidden_size"])
+            attention_bias = bool(cfg.get("attention_bias", False))
+            return cls(
+                family=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 has biases on q/k/v only; Llama's attention_bias covers q/k/v and o.
+                qkv_bias=True if model_type == "qwen2" else attention_bias,
+                o_bias=False if model_type == "qwen2" else attention_bias,
+                rope_scaling=_rope_scaling(cfg, source),
+                hf_config=copy.deepcopy(cfg),
+            )
+        except KeyError as e:
+            raise RecipeError(f"{source}: missing key {e.args[0]!r}") from None
+
+    def to_hf_config(self, dtype: str | None = None) -> dict[str, Any]:
+        """The HF config for this model (layer count and vocab reflect pruning/trimming)."""
+        cfg = copy.deepcopy(self.hf_config)
+        cfg.update(
+            model_type=self.family,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+        if "rope_parameters" in cfg:
+            cfg["rope_parameters"]["rope_theta"] = self.rope_theta
+        else:
+            cfg["rope_theta"] = self.rope_theta
+        cfg.setdefault("architectures", [_ARCH[self.family]])
+        cfg.pop("quantization_config", None)
+        if dtype is not None:
+            cfg["torch_dtype"] = dtype
+            cfg.pop("dtype", None)
+        return cfg
+
+    def with_layers(self, num_layers: int) -> ModelArgs:
+        return replace(self, num_layers=num_layers)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _rope_scaling(cfg: dict, source: str) -> dict | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("llama3", "linear"):
+        raise RecipeError(f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear)")
+    return dict(rs, rope_type=kind)
+
+
+def read_model_args(ckpt_dir: str | Path) -> ModelArgs:
+    """Read `<ckpt_dir>/config.json`; a clear error when the folder is not a HF model folder."""
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        raise RecipeError(f"{ckpt_dir}: no config.json (expected a Hugging Face model folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    return ModelArgs.from_hf_config(cfg, source=str(path))

@@ -1,0 +1,142 @@
+"""Build Llama-family decoders (Llama 3.x, SmolLM2, Mistral, Qwen2/2.5) from `ModelArgs` with torchtune modules.
+
+One builder serves every family and optionally swaps chosen linears for torchtune's LoRA/DoRA layers
+(NF4-quantized base for QLoRA). Module names follow torchtune; `convert.py` maps them to HF names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import (
+    FeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
+from torchtune.modules.peft import DoRALinear, LoRALinear
+
+import components.models._compat  # noqa: F401
+from components.errors import RecipeError
+from components.models.args import ModelArgs
+from components.models.rope import RotaryEmbedding
+
+# LoRA targets use PEFT/HF module names, so adapter configs read the same in both tools.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """Which linears get low-rank adapters, and how."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    use_dora: bool = False
+    quantize_base: bool = False  # QLoRA: NF4 base weights (torchao)
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad:
+            raise RecipeError(f"lora.targets: unknown module(s) {bad}; choose from {list(LORA_TARGETS)}")
+        if self.rank <= 0:
+            raise RecipeError(f"lora.rank must be positive, got {self.rank}")
+
+
+class Decoder(TransformerDecoder):
+    """torchtune's decoder plus `skip_output`: return normed final hidden states so losses can chunk the
+    output projection themselves (full logits of two models are never alive at once)."""
+
+    skip_output: bool = False
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        if self.skip_output:
+            return self.norm(h)
+        return super().unembed(h)
+
+
+class DoRA(DoRALinear):
+    """torchtune's DoRA with the bias added after the magnitude rescaling, as in the DoRA paper and PEFT
+    (torchtune rescales the bias too, which its own merge and PEFT do not reproduce)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype)  # dequantizes an NF4 base
+        base = F.linear(x, weight)
+        if not self.disabled:
+            lora = self.lora_b(self.lora_a(self.dropout(x)))
+            # The adapter's dense weight through the modules themselves, so FSDP hooks still fire.
+            eye = torch.eye(self.lora_a.weight.shape[1], device=x.device, dtype=x.dtype)
+            lora_weight = self.lora_b(self.lora_a(eye)).T
+            norm = self._get_weight_norm(weight, lora_weight.detach()).detach()
+            base = (self.magnitude / norm).view(1, -1) * (base + self.scaling * lora)
+        return base if self.bias is None else base + self.bias
+
+
+def _linear(name: str, d_in: int, d_out: int, bias: bool, lora: LoRASettings | None) -> nn.Module:
+    if lora is None or name not in lora.targets:
+        return nn.Linear(d_in, d_out, bias=bias)
+    cls = DoRA if lora.use_dora else LoRALinear
+    return cls(d_in, d_out, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, use_bias=bias,
+               quantize_base=lora.quantize_base)
+
+
+def build_model(args: ModelArgs, lora: LoRASettings | None = None, max_seq_len: int | None = None) -> Decoder:
+    """Instantiate the decoder (parameters in the current default dtype and device)."""
+    max_seq_len = max_seq_len or min(args.max_position_embeddings, 8192)
+    d, hd = args.hidden_size, args.head_dim
+    rope = RotaryEmbedding(hd, max_seq_len=max_seq_len, base=args.rope_theta, scaling=args.rope_scaling)
+    layers = []
+    for _ in range(args.num_layers):
+        attn = MultiHeadAttention(
+            embed_dim=d,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=hd,
+            q_proj=_linear("q_proj", d, args.num_heads * hd, args.qkv_bias, lora),
+            k_proj=_linear("k_proj", d, args.num_kv_heads * hd, args.qkv_bias, lora),
+            v_proj=_linear("v_proj", d, args.num_kv_heads * hd, args.qkv_bias, lora),
+            output_proj=_linear("o_proj", args.num_heads * hd, d, args.o_bias, lora),
+            pos_embeddings=rope,
+            max_seq_len=max_seq_len,
+        )
+        mlp = FeedForward(
+            gate_proj=_linear("gate_proj", d, args.intermediate_size, False, lora),
+            down_proj=_linear("down_proj", args.intermediate_size, d, False, lora),
+            up_proj=_linear("up_proj", d, args.intermediate_size, False, lora),
+        )
+        layers.append(
+            TransformerSelfAttentionLayer(
+                attn=attn,
+                mlp=mlp,
+                sa_norm=RMSNorm(d, eps=args.rms_norm_eps),
+                mlp_norm=RMSNorm(d, eps=args.rms_norm_eps),
+            )
+        )
+    embed = nn.Embedding(args.vocab_size, d)
+    if args.tie_word_embeddings:
+        if lora is not None and "lm_head" in lora.targets:
+            raise RecipeError("lora.targets: lm_head cannot take LoRA when embeddings are tied")
+        output = TiedLinear(embed)
+    else:
+        output = _linear("lm_head", d, args.vocab_size, False, lora)
+    return Decoder(
+        tok_embeddings=embed,
+        layers=nn.ModuleList(layers),
+        max_seq_len=max_seq_len,
+        num_heads=args.num_heads,
+        head_dim=hd,
+        norm=RMSNorm(d, eps=args.rms_norm_eps),
+        output=output,
+    )
+
+
+def output_weight(model: TransformerDecoder) -> torch.Tensor:
+    """The output projection's weight (the embedding when tied)."""
+    out = model.output
+    return out.tied_module.weight if isinstance(out, TiedLinear) else out.weight

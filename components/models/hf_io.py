@@ -1,0 +1,96 @@
+"""Read and write Hugging Face checkpoint folders (safetensors, single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from components.checkpoint import atomic_directory
+from components.errors import RecipeError
+
+# Files that travel with the weights so the folder is self-contained for transformers, lm-eval and us.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder: model.safetensors, sharded safetensors, or (weights_only) pytorch_model.bin."""
+    d = Path(ckpt_dir)
+    try:
+        if (d / "model.safetensors").is_file():
+            return load_file(d / "model.safetensors")
+        if (d / INDEX_FILE).is_file():
+            index = json.loads((d / INDEX_FILE).read_text())
+            sd: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(index["weight_map"].values())):
+                if not (d / shard).is_file():
+                    raise RecipeError(f"{d / INDEX_FILE}: shard {shard} is missing")
+                sd.update(load_file(d / shard))
+            return sd
+    except SafetensorError as e:
+        raise RecipeError(f"{d}: cannot read safetensors ({e})") from None
+    if (d / "pytorch_model.bin").is_file():
+        return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise RecipeError(f"{d}: no model.safetensors, {INDEX_FILE} or pytorch_model.bin")
+
+
+def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    return shards
+
+
+def write_hf_folder(
+    out_dir: str | Path,
+    hf_state_dict: dict[str, torch.Tensor],
+    config: dict,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write config, weights (sharded above `max_shard_bytes`) and tokenizer files atomically."""
+    out_dir = Path(out_dir)
+    sd = {k: v.detach().contiguous().cpu() for k, v in hf_state_dict.items()}
+    with atomic_directory(out_dir) as tmp:
+        shards = _shards(sd, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            total = 0
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                for k, v in shard.items():
+                    weight_map[k] = name
+                    total += v.numel() * v.element_size()
+            (tmp / INDEX_FILE).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return out_dir

@@ -1,0 +1,140 @@
+"""Load a HF folder into our torchtune-module decoder (optionally LoRA-wrapped or layer-pruned) and save back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchtune.modules.peft import DoRALinear, LoRALinear, get_merged_lora_ckpt
+
+import components.models._compat  # noqa: F401
+from components.errors import RecipeError
+from components.models.args import ModelArgs, read_model_args
+from components.models.builder import Decoder, LoRASettings, build_model
+from components.models.convert import hf_to_tune_names, tune_to_hf_names
+from components.models.hf_io import load_hf_state_dict, write_hf_folder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise RecipeError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def prune_layers(sd: dict[str, torch.Tensor], keep: Sequence[int], num_layers: int) -> dict[str, torch.Tensor]:
+    """Keep only layers `keep` (in order), renumbered 0..len(keep)-1: the student init of pruning-then-KD."""
+    bad = [i for i in keep if not 0 <= i < num_layers]
+    if bad or len(set(keep)) != len(keep) or not keep:
+        raise RecipeError(f"keep_layers {list(keep)}: need distinct layer indices in [0, {num_layers})")
+    new_index = {old: new for new, old in enumerate(keep)}
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("layers."):
+            _, idx, rest = k.split(".", 2)
+            if int(idx) in new_index:
+                out[f"layers.{new_index[int(idx)]}.{rest}"] = v
+        else:
+            out[k] = v
+    return out
+
+
+def keep_every(num_layers: int, every: int) -> list[int]:
+    """Layer indices 0, every, 2*every, ... (the last layer is kept too, it shapes the output distribution)."""
+    keep = list(range(0, num_layers, every))
+    if keep[-1] != num_layers - 1:
+        keep.append(num_layers - 1)
+    return keep
+
+
+def load_model(
+    ckpt_dir: str | Path,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    lora: LoRASettings | None = None,
+    keep_layers: Sequence[int] | None = None,
+    max_seq_len: int | None = None,
+) -> tuple[Decoder, ModelArgs]:
+    """Build the decoder for a HF folder and load its weights; LoRA params are freshly initialised."""
+    args = read_model_args(ckpt_dir)
+    sd = hf_to_tune_names(load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
+    if keep_layers is not None:
+        sd = prune_layers(sd, keep_layers, args.num_layers)
+        args = args.with_layers(len(keep_layers))
+    torch_dtype = resolve_dtype(dtype)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = build_model(args, lora=lora, max_seq_len=max_seq_len)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not _is_adapter_key(k)]
+    if missing or unexpected:
+        raise RecipeError(f"{ckpt_dir}: weights do not match config.json (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    for m in model.modules():
+        if isinstance(m, DoRALinear):
+            m.initialize_dora_magnitude()
+    return model, args
+
+
+def _is_adapter_key(key: str) -> bool:
+    return ".lora_a." in key or ".lora_b." in key or key.endswith(".magnitude")
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
+
+
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4 bases dequantized."""
+    sd = {}
+    for k, v in model.state_dict().items():
+        if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
+            v = v.get_original_weight()
+        sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
+    loras = lora_modules(model)
+    if loras:
+        first = next(iter(loras.values()))
+        rank = first.lora_a.out_features  # DoRALinear keeps only `scaling` = alpha / rank
+        sd = get_merged_lora_ckpt(sd, rank=rank, alpha=getattr(first, "alpha", None) or first.scaling * rank)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    return sd
+
+
+def save_model(
+    model: nn.Module,
+    args: ModelArgs,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None,
+    dtype: str | torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write a HF folder (adapters merged) that transformers, lm-eval and llama.cpp converters load."""
+    sd = state_dict if state_dict is not None else merged_state_dict(model)
+    if dtype is not None:
+        sd = {k: v.to(resolve_dtype(dtype)) for k, v in sd.items()}
+    if args.tie_word_embeddings:
+        sd.pop("output.weight", None)
+    out_dtype = next(iter(sd.values())).dtype
+    config = args.to_hf_config(dtype=_DTYPE_NAMES.get(out_dtype, "float32"))
+    return write_hf_folder(out_dir, tune_to_hf_names(sd), config, tokenizer_dir)
