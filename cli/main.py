@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         lead += 1
     try:
         if lead < len(argv) and argv[lead] == "run":
+            debug = lead > 0 or "--debug" in argv
             return cmd_run(argv[lead + 1 :], lead > 0, parser)
         args, extra = parser.parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
