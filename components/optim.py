@@ -1,0 +1,159 @@
+"""Optimizer and LR scheduler builders.
+
+Optimizers come from a config node `{_component_: torch.optim.AdamW | torchao.optim.AdamW8bit | AdamW4bit |
+AdamWFp8 | CPUOffloadOptimizer, ...kwargs}`. Their state (torchao's low-bit state tensor subclasses included)
+is saved and restored by `components.checkpoint.state`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from components.errors import RecipeError
+
+# Optimizers this project documents and tests (bit-exact resume); other classes under torch.optim / torchao.optim
+# are accepted too, as they follow the same Optimizer API.
+SUPPORTED_OPTIMIZERS = (
+    "torch.optim.AdamW",
+    "torchao.optim.AdamW8bit",
+    "torchao.optim.AdamW4bit",
+    "torchao.optim.AdamWFp8",
+    "torchao.optim.CPUOffloadOptimizer",
+)
+_ALLOWED_PREFIXES = ("torch.optim.", "torchao.optim.")
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+def _resolve_optimizer_class(path: Any, key: str) -> type:
+    # A tiny resolver rather than components.config.instantiate: it restricts targets to optimizer namespaces,
+    # so a typo or an arbitrary import path in a config fails with a message naming the key.
+    if isinstance(path, type):
+        return path
+    if not isinstance(path, str) or not path.startswith(_ALLOWED_PREFIXES):
+        raise RecipeError(f"{key}={path!r} is not an optimizer: use one of {', '.join(SUPPORTED_OPTIMIZERS)}")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise RecipeError(
+            f"{key}={path!r} does not exist: use one of {', '.join(SUPPORTED_OPTIMIZERS)}"
+        ) from e
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise RecipeError(f"{key}={path!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def build_optimizer(
+    node: Mapping[str, Any], params: Iterable[Any], runtime: Any, key: str = "optimizer"
+) -> torch.optim.Optimizer:
+    """Build the optimizer a config node names, with device-aware defaults (fused AdamW on CUDA).
+
+    `params`: parameters or param-group dicts; frozen parameters (requires_grad=False) are dropped.
+    `runtime`: a `components.runtime.Runtime` (only `.device` is read). `key` names the node in errors.
+    """
+    kwargs = {str(k): _plain(v) for k, v in dict(node).items()}
+    target = kwargs.pop("_component_", None)
+    if target is None:
+        raise RecipeError(f"{key} needs a `_component_` (e.g. torch.optim.AdamW)")
+    cls = _resolve_optimizer_class(target, f"{key}._component_")
+    device = torch.device(getattr(runtime, "device", "cpu"))
+
+    plist = list(params)
+    if plist and isinstance(plist[0], dict):
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in plist]
+        groups = [g for g in groups if g["params"]]
+        plist = groups
+    else:
+        plist = [p for p in plist if p.requires_grad]
+    if not plist:
+        raise RecipeError(f"{key}: the model has no trainable parameters (all have requires_grad=False)")
+
+    if cls.__name__ == "CPUOffloadOptimizer":
+        if device.type != "cuda":
+            raise RecipeError(
+                f"{key}._component_=torchao.optim.CPUOffloadOptimizer needs a CUDA device (got {device.type}): "
+                "use torch.optim.AdamW or a torchao low-bit AdamW on CPU"
+            )
+        if "optimizer_class" in kwargs:
+            kwargs["optimizer_class"] = _resolve_optimizer_class(
+                kwargs["optimizer_class"], f"{key}.optimizer_class"
+            )
+    elif (
+        cls is torch.optim.AdamW
+        and device.type == "cuda"
+        and "fused" not in kwargs
+        and "foreach" not in kwargs
+    ):
+        kwargs["fused"] = True
+    if "betas" in kwargs and isinstance(kwargs["betas"], list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(plist, **kwargs)
+    except TypeError as e:
+        raise RecipeError(f"{key}: bad arguments for {target}: {e}") from e
+    except ValueError as e:
+        raise RecipeError(f"{key}: {e}") from e
+
+
+def _plain(v: Any) -> Any:
+    # omegaconf ListConfig/DictConfig -> python containers, without importing omegaconf here.
+    if hasattr(v, "items") and not isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig":
+        return [_plain(x) for x in v]
+    return v
+
+
+class _Schedule:
+    """LR multiplier: linear warmup to 1, then cosine/linear decay to `min_lr_ratio` (or constant).
+
+    A class (not a closure) so LambdaLR.state_dict can save its settings.
+    """
+
+    def __init__(self, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        self.name = name
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        # The first optimizer step uses lr * 1/warmup (not 0), and the warmup ends at exactly `warmup_steps`.
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.name == "constant":
+            return 1.0
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, max(0.0, progress))
+        if self.name == "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            decay = 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    name: str = "cosine",
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR with linear warmup over `warmup_steps` then `name` decay to `min_lr_ratio * lr` at `total_steps`.
+
+    Call `scheduler.step()` once after each `optimizer.step()`.
+    """
+    if name not in SCHEDULERS:
+        raise RecipeError(f"lr_scheduler.name={name!r} is unknown: use one of {', '.join(SCHEDULERS)}")
+    if int(total_steps) < 1:
+        raise RecipeError(f"lr_scheduler total_steps={total_steps} must be >= 1")
+    if not 0 <= int(warmup_steps):
+        raise RecipeError(f"lr_scheduler.warmup_steps={warmup_steps} must be >= 0")
+    if not 0.0 <= float(min_lr_ratio) <= 1.0:
+        raise RecipeError(f"lr_scheduler.min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+    schedule = _Schedule(name, int(warmup_steps), int(total_steps), float(min_lr_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
