@@ -149,3 +149,22 @@ def test_torchtune_imports_through_nf4_alias_and_qlora_trains(tmp_path):
             p.requires_grad_("lora" in n or "magnitude" in n)
         model(tokens).logsumexp(-1).mean().backward()
         assert all(p.grad is not None for p in trainable)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_peft_adapter_loads_in_peft_with_same_logits(dora, tmp_path):
+    peft = pytest.importorskip("peft")
+    from components.models.peft_adapter import save_peft_adapter
+
+    hf, path = _hf_model("qwen2", tmp_path)
+    lora = LoRASettings(rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "up_proj"), use_dora=dora)
+    model, _ = load_model(path, lora=lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n or "magnitude" in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    save_peft_adapter(model, lora, tmp_path / "adapter", base_model=str(path))
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits, model(tokens), atol=1e-4, rtol=0)

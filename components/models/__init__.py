@@ -17,6 +17,7 @@ from components.models.loader import (
     resolve_dtype,
     save_model,
 )
+from components.models.peft_adapter import adapter_state_dict, save_peft_adapter
 
 __all__ = [
     "LORA_TARGETS",
@@ -34,6 +35,8 @@ __all__ = [
     "prune_layers",
     "read_model_args",
     "resolve_dtype",
+    "adapter_state_dict",
+    "save_peft_adapter",
     "save_model",
     "tune_to_hf_names",
     "write_hf_folder",
