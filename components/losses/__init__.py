@@ -1,0 +1,47 @@
+"""Losses: chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
+
+from components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
+from components.losses.kd import (
+    IGNORE_INDEX,
+    JSD,
+    KD_LOSSES,
+    ForwardKL,
+    KDLoss,
+    ReverseKL,
+    SkewForwardKL,
+    SkewReverseKL,
+    SymmetricKL,
+    build_kd_loss,
+    forward_kl,
+    jsd,
+    reverse_kl,
+    same_tokenizer,
+    shared_vocab,
+    skew_kl,
+    skew_reverse_kl,
+    symmetric_kl,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "JSD",
+    "KD_LOSSES",
+    "ForwardKL",
+    "KDLoss",
+    "ReverseKL",
+    "SkewForwardKL",
+    "SkewReverseKL",
+    "SymmetricKL",
+    "build_kd_loss",
+    "chunked_cross_entropy",
+    "chunked_kd_and_ce",
+    "forward_kl",
+    "jsd",
+    "kd_ratio_loss",
+    "reverse_kl",
+    "same_tokenizer",
+    "shared_vocab",
+    "skew_kl",
+    "skew_reverse_kl",
+    "symmetric_kl",
+]
