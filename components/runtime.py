@@ -1,0 +1,325 @@
+"""One place for device, dtype, rank, seeding and sharding decisions.
+
+Recipes call `setup_runtime(...)` once, then `rt.prepare_model(model)`; everything that depends on whether
+we run on CPU, one GPU or many (torchrun) lives here so recipes stay free of `if distributed:` branches.
+
+dtype policy: "fp32" works everywhere. "bf16" on a CUDA device without bf16 support is a RecipeError.
+"bf16" on CPU falls back to fp32 with a warning (PyTorch emulates bf16 matmuls on most CPUs, which is
+slower than fp32 and gains nothing for the small models one trains on CPU). "fp16" needs CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from components.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Runtime:
+    """Where and how this process trains: device, compute dtype and its place in the process group."""
+
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    distributed: bool = False
+    seed: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the one process that logs and writes files."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ model
+    def prepare_model(
+        self,
+        model: nn.Module,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        fsdp: bool | None = None,
+        cast: bool = True,
+    ) -> nn.Module:
+        """Cast to the run dtype, move to the device, checkpoint/compile each of `model.layers`, shard with FSDP2.
+
+        `fsdp=None` shards exactly when world_size > 1. Returns the same module object (modified in place).
+        """
+        use_fsdp = self.world_size > 1 if fsdp is None else fsdp
+        if use_fsdp and not self.distributed:
+            raise RecipeError("fsdp=true needs a distributed run: launch with torchrun --nproc_per_node=N")
+        layers = getattr(model, "layers", None)
+        if (activation_checkpointing or compile or use_fsdp) and not isinstance(layers, nn.ModuleList):
+            raise RecipeError(
+                f"{type(model).__name__} has no `layers` ModuleList: activation_checkpointing, compile and "
+                "fsdp work per transformer layer"
+            )
+        if cast:
+            _cast_floating(model, self.dtype)
+        if not use_fsdp:
+            # FSDP2 moves (sharded) parameters to the mesh device itself; moving the full model first would
+            # cost a full copy per GPU.
+            model.to(self.device)
+        if activation_checkpointing:
+            for layer in layers:
+                _checkpoint_forward(layer)
+        if compile:
+            for layer in layers:
+                # nn.Module.compile keeps parameter names and the module type (unlike torch.compile(module)).
+                layer.compile()
+        if use_fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict as plain CPU tensors on rank 0; an empty dict on other ranks.
+
+        Every rank must call it (it gathers shards when the model is FSDP-sharded).
+        """
+        if _is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return sd if self.is_main else {}
+        return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+
+    def load_full_state_dict(
+        self, model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Load a full state dict (needed on rank 0 only when sharded: it is broadcast) into `model`."""
+        if _is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(
+                model,
+                sd,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict),
+            )
+            return
+        model.load_state_dict(sd, strict=strict)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state to checkpoint: full (gathered, CPU) on rank 0 when sharded, else `state_dict()`."""
+        if _is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            sd = get_optimizer_state_dict(
+                model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            return sd if self.is_main else {}
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> None:
+        """Inverse of `optimizer_state_dict` (rank 0's copy is broadcast when sharded)."""
+        if _is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(
+                model,
+                optimizer,
+                sd,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            return
+        optimizer.load_state_dict(sd)
+
+    # ------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        """Wait for every rank (no-op when not distributed)."""
+        if self.distributed:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.local_rank])
+            else:
+                dist.barrier()
+
+    def all_reduce_mean(self, x: torch.Tensor | float) -> torch.Tensor | float:
+        """Mean of `x` over ranks; returns the same kind (tensor or float) it was given."""
+        return self._all_reduce(x, mean=True)
+
+    def all_reduce_sum(self, x: torch.Tensor | float) -> torch.Tensor | float:
+        """Sum of `x` over ranks (e.g. token counts for a token-weighted mean)."""
+        return self._all_reduce(x, mean=False)
+
+    def _all_reduce(self, x: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
+        if not self.distributed:
+            return x
+        is_tensor = isinstance(x, torch.Tensor)
+        t = x.detach().clone() if is_tensor else torch.tensor(float(x), dtype=torch.float64)
+        orig_device = t.device
+        t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if mean:
+            t = t / self.world_size
+        return t.to(orig_device) if is_tensor else float(t.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (e.g. a resume path decided on rank 0)."""
+        if not self.distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    # ---------------------------------------------------------------- memory
+    def peak_memory_gib(self) -> float:
+        """Peak memory so far in GiB: CUDA max allocated on GPU, the process's peak RSS on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # ru_maxrss is in KiB on Linux and in bytes on macOS.
+        return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+    def reset_peak_memory(self) -> None:
+        """Start a new CUDA peak-memory window (the CPU RSS peak cannot be reset)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def teardown(self) -> None:
+        """Destroy the process group if this runtime created one."""
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        self.distributed = False
+
+
+def setup_runtime(
+    device: str = "auto", dtype: str = "bf16", seed: int = 0, deterministic: bool | None = None
+) -> Runtime:
+    """Pick device and dtype, join the torchrun process group if launched by torchrun, seed every RNG.
+
+    `device`: "auto" (cuda when available), "cpu", "cuda" or "cuda:N". `deterministic` (default: on for CPU)
+    turns on `torch.use_deterministic_algorithms(True, warn_only=True)`.
+    """
+    if dtype not in DTYPES:
+        raise RecipeError(f"dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    if device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise RecipeError(f"device={device!r} is not a device: use auto, cpu or cuda") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RecipeError(f"device={device!r} but CUDA is not available here: use device=cpu or auto")
+        if dev.type not in ("cpu", "cuda"):
+            raise RecipeError(f"device={device!r} is not supported: use auto, cpu or cuda")
+    if dev.type == "cuda":
+        index = local_rank if world_size > 1 or dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise RecipeError(
+                f"LOCAL_RANK/device index {index} but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
+        dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)
+
+    torch_dtype = DTYPES[dtype]
+    if dev.type == "cuda" and torch_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise RecipeError(
+            f"dtype=bf16 but {torch.cuda.get_device_name(dev)} has no bf16 support: use dtype=fp32 (or fp16)"
+        )
+    if dev.type == "cpu" and torch_dtype is torch.float16:
+        raise RecipeError("dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
+    if dev.type == "cpu" and torch_dtype is torch.bfloat16:
+        if rank == 0:
+            log.warning("dtype=bf16 on CPU: training in fp32 instead (bf16 is emulated and slower on CPU)")
+        torch_dtype = torch.float32
+
+    distributed = False
+    if world_size > 1:
+        if not dist.is_available():
+            raise RecipeError("WORLD_SIZE>1 but this PyTorch build has no torch.distributed")
+        if not dist.is_initialized():
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+            kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
+            if dev.type == "cuda":
+                kwargs["device_id"] = dev
+            dist.init_process_group(**kwargs)
+        distributed = True
+
+    if deterministic is None:
+        deterministic = dev.type == "cpu"
+    if deterministic:
+        if dev.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(seed)
+    return Runtime(
+        device=dev,
+        dtype=torch_dtype,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        distributed=distributed,
+        seed=seed,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all CUDA devices too) with the same seed; same on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    # Cast plain floating parameters/buffers only: quantized tensor subclasses (NF4, QAT) keep their own
+    # storage, and `module.to(dtype)` would dequantize or reject them.
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if type(p) is nn.Parameter and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if type(b) is torch.Tensor and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = b.to(dtype)
+
+
+def _checkpoint_forward(layer: nn.Module) -> None:
+    # Recompute the layer's activations in backward. Wrapping `forward` (rather than the module, as
+    # checkpoint_wrapper does) keeps parameter names and the layer type, so state dicts, LoRA/PEFT names and
+    # optimizer FQNs are the same with or without checkpointing.
+    if getattr(layer, "_recipe_checkpointed", False):
+        return
+    inner = layer.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward
+    layer._recipe_checkpointed = True
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())

@@ -1,0 +1,247 @@
+"""Runtime: device/dtype policy, seeding, per-layer activation checkpointing and compile, state dicts, and a
+two-process gloo run (torchrun env vars, all-reduce, FSDP2 sharding and full state dict gathering)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from components.errors import RecipeError
+from components.runtime import setup_runtime
+
+
+class Layer(nn.Module):
+    """Stands in for a torchtune TransformerSelfAttentionLayer: forward(x, mask=None, input_pos=None)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ff = nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x, mask=None, input_pos=None):
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+        return x + torch.tanh(self.ff(self.norm(x)))
+
+
+class Tiny(nn.Module):
+    def __init__(self, d: int = 16, n_layers: int = 2, vocab: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Layer(d) for _ in range(n_layers)])
+        self.out = nn.Linear(d, vocab)
+        self.register_buffer("cache", torch.ones(4))
+
+    def forward(self, tokens, mask=None):
+        h = self.tok(tokens)
+        for layer in self.layers:
+            h = layer(h, mask=mask)
+        return self.out(h)
+
+
+def _tiny(seed: int = 0) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def _loss_and_grads(model, tokens):
+    loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_cpu_runtime_fields_and_dtype_policy():
+    rt = setup_runtime("cpu", "fp32", seed=0)
+    assert (rt.device.type, rt.dtype, rt.rank, rt.world_size, rt.is_main, rt.distributed) == (
+        "cpu",
+        torch.float32,
+        0,
+        1,
+        True,
+        False,
+    )
+    assert setup_runtime("auto", "bf16", seed=0).dtype == (
+        torch.bfloat16 if torch.cuda.is_available() else torch.float32  # documented CPU fallback
+    )
+    with pytest.raises(RecipeError, match="dtype=fp16 needs a CUDA GPU"):
+        setup_runtime("cpu", "fp16", seed=0)
+    with pytest.raises(RecipeError, match="dtype='float64' is not supported"):
+        setup_runtime("cpu", "float64", seed=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RecipeError, match="device='cuda' but CUDA is not available"):
+            setup_runtime("cuda", "fp32", seed=0)
+    with pytest.raises(RecipeError, match="device='tpu9'"):
+        setup_runtime("tpu9", "fp32", seed=0)
+
+
+def test_seed_makes_every_rng_repeat():
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    setup_runtime("cpu", "fp32", seed=123)
+    a = draw()
+    setup_runtime("cpu", "fp32", seed=123)
+    assert draw() == a
+    setup_runtime("cpu", "fp32", seed=124)
+    assert draw() != a
+
+
+def test_activation_checkpointing_recomputes_and_keeps_names_and_grads():
+    rt = setup_runtime("cpu", "fp32", seed=0)
+    tokens = torch.randint(0, 32, (2, 5))
+    ref = _tiny()
+    ref_loss, ref_grads = _loss_and_grads(ref, tokens)
+    model = rt.prepare_model(_tiny(), activation_checkpointing=True)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert type(model.layers[0]) is Layer
+    loss, grads = _loss_and_grads(model, tokens)
+    assert torch.equal(loss, ref_loss)
+    for n, g in ref_grads.items():
+        assert torch.equal(grads[n], g), n
+    # Each layer ran its forward twice (forward + recomputation in backward); once without checkpointing.
+    assert [layer.calls for layer in model.layers] == [2, 2]
+    assert [layer.calls for layer in ref.layers] == [1, 1]
+    with torch.no_grad():
+        model(tokens)
+    assert [layer.calls for layer in model.layers] == [3, 3]
+
+
+def test_compile_per_layer_on_cpu_matches_eager():
+    rt = setup_runtime("cpu", "fp32", seed=0)
+    tokens = torch.randint(0, 32, (2, 5))
+    ref_loss, ref_grads = _loss_and_grads(_tiny(), tokens)
+    model = rt.prepare_model(_tiny(), activation_checkpointing=True, compile=True)
+    assert list(dict(model.named_parameters())) == list(ref_grads)
+    loss, grads = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss, ref_loss)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, msg=n)
+
+
+def test_prepare_model_casts_plain_floats_and_needs_layers():
+    rt = setup_runtime("cpu", "fp32", seed=0)
+    rt.dtype = torch.bfloat16  # as on a bf16 GPU
+    model = _tiny()
+    model.register_buffer("ids", torch.arange(3))
+    rt.prepare_model(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.cache.dtype == torch.bfloat16 and model.ids.dtype == torch.int64
+    with pytest.raises(RecipeError, match="Linear has no `layers` ModuleList"):
+        rt.prepare_model(nn.Linear(2, 2), activation_checkpointing=True)
+    with pytest.raises(RecipeError, match="fsdp=true needs a distributed run"):
+        rt.prepare_model(_tiny(), fsdp=True)
+
+
+def test_state_dicts_memory_and_collectives_single_process():
+    rt = setup_runtime("cpu", "fp32", seed=0)
+    model = rt.prepare_model(_tiny(0))
+    sd = rt.full_state_dict(model)
+    other = _tiny(1)
+    rt.load_full_state_dict(other, sd)
+    for k, v in model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v), k
+    opt = torch.optim.AdamW(model.parameters())
+    assert rt.optimizer_state_dict(model, opt) == opt.state_dict()
+    assert rt.all_reduce_mean(3.0) == 3.0 and rt.all_reduce_sum(torch.tensor(2.0)) == 2.0
+    assert rt.broadcast_object({"a": 1}) == {"a": 1}
+    rt.barrier()
+    big = torch.ones(64, 2**20, dtype=torch.uint8)  # 64 MiB touched: the RSS peak is at least that
+    big.add_(1)
+    assert 0.0625 < rt.peak_memory_gib() < 512
+    rt.teardown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        rt = setup_runtime("cpu", "fp32", seed=7)
+        out = {"rank": rt.rank, "distributed": rt.distributed, "is_main": rt.is_main}
+        out["rand"] = torch.rand(2).tolist()  # same seed on every rank
+        out["mean"] = rt.all_reduce_mean(float(rank))
+        out["sum"] = rt.all_reduce_sum(torch.tensor([1.0, rank])).tolist()
+        out["bcast"] = rt.broadcast_object(f"from {rank}")
+
+        model = rt.prepare_model(_tiny(0), activation_checkpointing=True)  # fsdp: auto because world_size > 1
+        from torch.distributed.fsdp import FSDPModule
+
+        out["sharded"] = isinstance(model, FSDPModule) and all(
+            isinstance(m, FSDPModule) for m in model.layers
+        )
+        tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(rank))
+        loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt.step()
+        sd = rt.full_state_dict(model)
+        out["sd"] = {k: v.clone() for k, v in sd.items()}
+        osd = rt.optimizer_state_dict(model, opt)
+        out["opt_keys"] = sorted(osd.get("state", {}))
+        # Round trip: load rank 0's full state into a fresh sharded model.
+        fresh = rt.prepare_model(_tiny(5))
+        rt.load_full_state_dict(fresh, sd if rt.is_main else {})
+        out["reloaded"] = {k: v.clone() for k, v in rt.full_state_dict(fresh).items()}
+        rt.teardown()
+        queue.put(out)
+    except Exception as e:  # surface the worker's error in the test
+        queue.put({"rank": rank, "error": repr(e)})
+        raise
+
+
+def test_two_process_gloo_fsdp2():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        out = queue.get(timeout=120)
+        results[out["rank"]] = out
+    for p in procs:
+        p.join(timeout=30)
+    assert not [r["error"] for r in results.values() if "error" in r]
+    r0, r1 = results[0], results[1]
+    assert r0["distributed"] and r0["is_main"] and not r1["is_main"]
+    assert r0["rand"] == r1["rand"]
+    assert r0["mean"] == r1["mean"] == 0.5
+    assert r0["sum"] == r1["sum"] == [2.0, 1.0]
+    assert r0["bcast"] == r1["bcast"] == "from 0"
+    assert r0["sharded"] and r1["sharded"]
+    # Rank 0 holds the gathered full state dict (plain tensors, full shapes), rank 1 an empty one.
+    ref = _tiny(0).state_dict()
+    assert set(r0["sd"]) == set(ref) and r1["sd"] == {}
+    for k, v in ref.items():
+        assert type(r0["sd"][k]) is torch.Tensor and r0["sd"][k].shape == v.shape, k
+    # The step changed the weights (gradients were averaged across ranks and applied to every shard).
+    assert not torch.equal(r0["sd"]["layers.0.ff.weight"], ref["layers.0.ff.weight"])
+    assert len(r0["opt_keys"]) == len(list(_tiny().parameters()))
+    for k, v in r0["sd"].items():
+        assert torch.equal(r0["reloaded"][k], v), k
