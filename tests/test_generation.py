@@ -8,7 +8,7 @@ from components.models.generation import generate, sample_next
 
 ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
-                 tie_word_embeddings=True, qkv_bias=False, o_bias=False)
+                 tie_word_embeddings=False, qkv_bias=False, o_bias=False)
 
 
 def _model():
