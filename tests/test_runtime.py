@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 from torch import nn
 
 from components.errors import RecipeError
@@ -200,13 +202,15 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt.step()
         sd = rt.full_state_dict(model)
-        out["sd"] = {k: v.clone() for k, v in sd.items()}
+        # Tensors cross the queue as safetensors bytes (shared-memory tensors die with the worker).
+        out["sd"] = st_save(sd) if sd else b""
         osd = rt.optimizer_state_dict(model, opt)
         out["opt_keys"] = sorted(osd.get("state", {}))
         # Round trip: load rank 0's full state into a fresh sharded model.
         fresh = rt.prepare_model(_tiny(5))
         rt.load_full_state_dict(fresh, sd if rt.is_main else {})
-        out["reloaded"] = {k: v.clone() for k, v in rt.full_state_dict(fresh).items()}
+        reloaded = rt.full_state_dict(fresh)
+        out["reloaded"] = st_save(reloaded) if reloaded else b""
         rt.teardown()
         queue.put(out)
     except Exception as e:  # surface the worker's error in the test
@@ -229,6 +233,8 @@ def test_two_process_gloo_fsdp2():
         p.join(timeout=30)
     assert not [r["error"] for r in results.values() if "error" in r]
     r0, r1 = results[0], results[1]
+    for r in (r0, r1):
+        r["sd"], r["reloaded"] = (st_load(r[k]) if r[k] else {} for k in ("sd", "reloaded"))
     assert r0["distributed"] and r0["is_main"] and not r1["is_main"]
     assert r0["rand"] == r1["rand"]
     assert r0["mean"] == r1["mean"] == 0.5
