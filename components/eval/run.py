@@ -1,0 +1,112 @@
+"""`evaluate()`: lm-eval's `simple_evaluate` with our model wrapper and offline task pack, writing results.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from components.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+def task_manager() -> Any:
+    """An lm-eval TaskManager that knows the stock tasks plus our offline pack (`recipe_*`)."""
+    from lm_eval.tasks import TaskManager
+
+    from components.eval import TASKS_DIR
+
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+def offline_task_names() -> list[str]:
+    """Names of the tasks in the offline pack (usable with no network)."""
+    from components.eval import TASKS_DIR
+
+    return sorted(p.stem for p in TASKS_DIR.glob("recipe_*.yaml"))
+
+
+def _as_lm(model_or_checkpoint: Any, batch_size: int, device: str | None, dtype: str,
+           max_length: int | None) -> Any:
+    from lm_eval.api.model import LM
+
+    from components.eval.lm import RecipeLM
+
+    if isinstance(model_or_checkpoint, LM):
+        return model_or_checkpoint
+    if isinstance(model_or_checkpoint, (str, os.PathLike)):
+        return RecipeLM(checkpoint=str(model_or_checkpoint), batch_size=batch_size, device=device, dtype=dtype,
+                        max_length=max_length)
+    if isinstance(model_or_checkpoint, tuple) and len(model_or_checkpoint) == 2:
+        model, tokenizer = model_or_checkpoint
+        device = device or str(next(model.parameters()).device)
+        return RecipeLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                        max_length=max_length)
+    raise RecipeError(
+        f"evaluate(): model must be a checkpoint folder, a (model, tokenizer) pair or an lm-eval LM, "
+        f"got {type(model_or_checkpoint).__name__}"
+    )
+
+
+def evaluate(
+    model_or_checkpoint: Any,
+    tasks: Sequence[str],
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    apply_chat_template: bool = False,
+    output_dir: str | Path | None = None,
+    seed: int = 1234,
+    device: str | None = None,
+    dtype: str = "float32",
+    max_length: int | None = None,
+    log_samples: bool = False,
+) -> dict:
+    """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
+    `output_dir/results.json`. Returns lm-eval's results dict."""
+    import lm_eval
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",") if t]
+    if not tasks:
+        raise RecipeError("eval tasks: empty list; name at least one, e.g. recipe_hellaswag")
+    tm = task_manager()
+    unknown = [t for t in tasks if not tm.match_tasks([t])]
+    if unknown:
+        raise RecipeError(
+            f"eval tasks: unknown task(s) {unknown}; offline tasks are {offline_task_names()} "
+            "(any stock lm-eval task name also works when its dataset is in the HF cache)"
+        )
+    lm = _as_lm(model_or_checkpoint, batch_size, device, dtype, max_length)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=tm,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    if results is None:  # non-zero ranks under torchrun
+        return {}
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False),
+                       encoding="utf-8")
+        os.replace(tmp, out / "results.json")
+        log.info("wrote %s", out / "results.json")
+    return results
