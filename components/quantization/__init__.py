@@ -1,0 +1,32 @@
+"""Quantization: QAT (torchao QATConfig), PTQ, and exports that other tools load (HF torchao, GGUF, ExecuTorch)."""
+
+from components.quantization.ptq import quantize_model, size_on_disk, summarize_sizes
+from components.quantization.qat import (
+    QAT_METADATA_FILE,
+    convert_qat,
+    fake_quant_enabled_at,
+    prepare_qat,
+    qat_metadata,
+    read_qat_metadata,
+    set_fake_quant_enabled,
+    write_qat_metadata,
+)
+from components.quantization.schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
+
+__all__ = [
+    "QAT_METADATA_FILE",
+    "QAT_SCHEMES",
+    "SCHEMES",
+    "base_config",
+    "check_device",
+    "convert_qat",
+    "fake_quant_enabled_at",
+    "prepare_qat",
+    "qat_metadata",
+    "quantize_model",
+    "read_qat_metadata",
+    "set_fake_quant_enabled",
+    "size_on_disk",
+    "summarize_sizes",
+    "write_qat_metadata",
+]

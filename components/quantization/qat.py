@@ -1,0 +1,234 @@
+"""Quantization-aware training with torchao 0.18's `QATConfig` (prepare -> train -> convert).
+
+Plain linears become torchao `FakeQuantizedLinear`s. LoRA linears (torchtune `LoRALinear`, base frozen) keep
+their class, parameters and state-dict keys, and fake-quantize their *effective* weight `W + s * B @ A`:
+convert merges the adapters and quantizes exactly that merged weight, so what trains is what ships (fake-
+quantizing only the frozen base, as torchtune did, trains against `q(W) + s*B@A`, which no deployed int4
+kernel computes). The cost is one transient full-size weight (and its gradient) per LoRA layer in each step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from components.errors import RecipeError
+from components.quantization.schemes import (
+    QAT_SCHEMES,
+    _is_lora,
+    base_config,
+    check_device,
+    check_group_size,
+    linear_filter,
+    model_device_dtype,
+    scheme_info,
+)
+
+QAT_METADATA_FILE = "quantization.json"
+_FQ_ATTRS = ("activation_fake_quantizer", "weight_fake_quantizer")
+
+
+def _check_qat_scheme(scheme: str) -> None:
+    scheme_info(scheme, key="qat.scheme")
+    if scheme not in QAT_SCHEMES:
+        raise RecipeError(f"qat.scheme: {scheme!r} has no QAT support; choose one of {list(QAT_SCHEMES)}")
+
+
+def prepare_qat(model: nn.Module, scheme: str = "8da4w", group_size: int = 32,
+                include_output: bool = False) -> nn.Module:
+    """Insert fake quantizers (in place) into the transformer blocks' linears (and the untied output
+    projection when `include_output`); embeddings stay full precision. Returns `model`."""
+    _check_qat_scheme(scheme)
+    check_group_size(model, scheme, group_size, include_output)
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    base = base_config(scheme, group_size, for_qat_prepare=True)
+    # LoRA layers first (their adapters are nn.Linear too and must not be fake-quantized themselves).
+    lora_fqns = []
+    for fqn, module in list(model.named_modules()):
+        if _is_lora(module) and (fqn.startswith("layers.") or (include_output and fqn == "output")):
+            _prepare_lora(module, fqn, base)
+            lora_fqns.append(fqn)
+    keep = linear_filter(include_output)
+    under_lora = tuple(f + "." for f in lora_fqns)
+    quantize_(model, QATConfig(base, step="prepare"),
+              filter_fn=lambda m, fqn: keep(m, fqn) and not fqn.startswith(under_lora))
+    return model
+
+
+def _fake_quantizers(base, in_features: int, out_features: int) -> tuple[nn.Module | None, nn.Module | None]:
+    """The fake quantizers torchao's QATConfig would put on a linear of this shape (built on the meta device
+    through the public API, so the mapping base config -> fake-quant config stays torchao's)."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    probe = nn.Sequential(nn.Linear(in_features, out_features, bias=False, device="meta"))
+    quantize_(probe, QATConfig(base, step="prepare"))
+    return probe[0].activation_fake_quantizer, probe[0].weight_fake_quantizer
+
+
+def _qat_lora_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LoRA forward on the fake-quantized merged weight (see module docstring)."""
+    w = self.weight
+    if not getattr(self, "disabled", False):
+        w = w + _lora_scale(self) * (self.lora_b.weight @ self.lora_a.weight).to(w.dtype)
+    if self.activation_fake_quantizer is not None:
+        x = self.activation_fake_quantizer(x)
+    if self.weight_fake_quantizer is not None:
+        w = self.weight_fake_quantizer(w)
+    return F.linear(x, w, getattr(self, "bias", None))
+
+
+def _lora_scale(module: nn.Module) -> float:
+    return module.alpha / module.rank  # torchtune LoRALinear scales the adapter output by alpha / rank
+
+
+_QAT_LORA_CLASSES: dict[type, type] = {}
+
+
+def _qat_lora_class(cls: type) -> type:
+    # A subclass (not a wrapper) keeps isinstance checks, parameter names and adapter helpers working; FSDP2's
+    # fully_shard swaps module classes the same way.
+    if cls not in _QAT_LORA_CLASSES:
+        _QAT_LORA_CLASSES[cls] = type(f"FakeQuantized{cls.__name__}", (cls,),
+                                      {"forward": _qat_lora_forward, "__module__": __name__})
+    return _QAT_LORA_CLASSES[cls]
+
+
+def _prepare_lora(module: nn.Module, fqn: str, base) -> None:
+    if hasattr(module, "magnitude"):
+        raise RecipeError(f"{fqn}: QAT does not support DoRA adapters; set lora.use_dora: false")
+    if getattr(module, "_quantize_base", False) or type(module.weight.data) is not torch.Tensor:
+        raise RecipeError(f"{fqn}: QAT needs a plain base weight, not a quantized one (QLoRA); "
+                          "set lora.quantize_base: false")
+    if isinstance(module.dropout, nn.Dropout) and module.dropout.p > 0:
+        raise RecipeError(f"{fqn}: QAT with LoRA fake-quantizes the merged weight, which has no place for "
+                          f"adapter dropout; set lora.dropout: 0.0 (got {module.dropout.p})")
+    out_features, in_features = module.weight.shape
+    act_fq, weight_fq = _fake_quantizers(base, in_features, out_features)
+    module.__class__ = _qat_lora_class(type(module))
+    module.activation_fake_quantizer = act_fq
+    module.weight_fake_quantizer = weight_fq
+
+
+def _fake_quantizer_modules(model: nn.Module) -> list[nn.Module]:
+    out = []
+    for m in model.modules():
+        for attr in _FQ_ATTRS:
+            fq = getattr(m, attr, None)
+            if fq is not None and hasattr(fq, "enabled"):
+                out.append(fq)
+    return out
+
+
+def set_fake_quant_enabled(model: nn.Module, enabled: bool) -> int:
+    """Turn every fake quantizer on or off; returns how many were set (0 means the model is not prepared).
+
+    A local flag flip with no communication or randomness: every rank calling it with the same `enabled` at
+    the same step stays in lockstep under torchrun/FSDP2 (the flag lives on the module, not on the sharded
+    parameters). Use `fake_quant_enabled_at(step, after_n_steps)` to decide the flag for a step.
+    """
+    quantizers = _fake_quantizer_modules(model)
+    for fq in quantizers:
+        fq.enabled = bool(enabled)
+    return len(quantizers)
+
+
+def fake_quant_enabled_at(step: int, after_n_steps: int | None) -> bool:
+    """The `fake_quant_after_n_steps` schedule: off for optimizer steps 0..N-1, on from step N (None/0: always)."""
+    return after_n_steps is None or step >= after_n_steps
+
+
+def _merge_lora_into_linear(module: nn.Module) -> nn.Linear:
+    w = module.weight.detach()
+    if not getattr(module, "disabled", False):
+        w = w + _lora_scale(module) * (module.lora_b.weight.detach() @ module.lora_a.weight.detach()).to(w.dtype)
+    bias = getattr(module, "bias", None)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if bias is not None:
+            lin.bias.copy_(bias.detach())
+    lin.weight.requires_grad_(False)
+    return lin
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def convert_qat(model: nn.Module, scheme: str = "8da4w", group_size: int = 32) -> nn.Module:
+    """Replace fake quantizers by real torchao quantized weights (in place; LoRA adapters are merged first).
+
+    The result equals PTQ (`quantize_model`) of the trained, merged weights: same configs, same layers.
+    """
+    _check_qat_scheme(scheme)
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
+
+    device, dtype = model_device_dtype(model)
+    check_device(scheme, device, dtype)
+    base = base_config(scheme, group_size)
+    merged = []
+    for fqn, module in list(model.named_modules()):
+        if type(module) in _QAT_LORA_CLASSES.values():
+            _set_submodule(model, fqn, _merge_lora_into_linear(module))
+            merged.append(fqn)
+    fq_linears = {fqn for fqn, m in model.named_modules() if isinstance(m, FakeQuantizedLinear)}
+    if not merged and not fq_linears:
+        raise RecipeError("convert_qat: the model has no fake-quantized layers; call prepare_qat first "
+                          "(or use quantize_model for post-training quantization)")
+    with torch.no_grad():
+        if fq_linears:
+            quantize_(model, QATConfig(base, step="convert"), filter_fn=lambda m, fqn: fqn in fq_linears)
+        if merged:
+            quantize_(model, base, filter_fn=lambda m, fqn: fqn in merged)
+    return model
+
+
+def qat_metadata(scheme: str, group_size: int, include_output: bool = False) -> dict:
+    """What `convert_qat` needs to turn a QAT-trained HF folder into the quantized model (quantization.json)."""
+    _check_qat_scheme(scheme)
+    import torchao
+    from torchao.core.config import config_to_dict
+
+    return {
+        "method": "qat",
+        "scheme": scheme,
+        "group_size": group_size if scheme_info(scheme).grouped else None,
+        "include_output": include_output,
+        "modules": "transformer block linears (q/k/v/o, gate/up/down)" + (" + lm_head" if include_output else ""),
+        "torchao_version": torchao.__version__,
+        "torchao_config": config_to_dict(base_config(scheme, group_size)),
+    }
+
+
+def write_qat_metadata(out_dir: str | Path, scheme: str, group_size: int, include_output: bool = False) -> Path:
+    """Write `quantization.json` into `out_dir` (beside the HF weights)."""
+    path = Path(out_dir) / QAT_METADATA_FILE
+    path.write_text(json.dumps(qat_metadata(scheme, group_size, include_output), indent=2) + "\n")
+    return path
+
+
+def read_qat_metadata(model_dir: str | Path) -> dict:
+    """Read and check `quantization.json`; a RecipeError names the file when it is missing or malformed."""
+    path = Path(model_dir) / QAT_METADATA_FILE
+    if not path.is_file():
+        raise RecipeError(f"{path}: not found; this folder was not written by a QAT run "
+                          "(pass scheme/group_size explicitly)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    for key in ("scheme", "group_size"):
+        if key not in meta:
+            raise RecipeError(f"{path}: missing key {key!r}")
+    _check_qat_scheme(meta["scheme"])
+    return meta
