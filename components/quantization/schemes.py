@@ -105,6 +105,8 @@ def linear_filter(include_output: bool = False) -> Callable[[nn.Module, str], bo
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
             return False
+        if _is_torchao_tensor(module.weight):  # already quantized
+            return False
         return fqn.startswith("layers.") or (include_output and fqn == "output")
 
     return keep
@@ -123,6 +125,12 @@ def check_group_size(model: nn.Module, scheme: str, group_size: int, include_out
         if in_features % group_size:
             raise RecipeError(f"group_size {group_size} does not divide the input width {in_features} of {fqn}; "
                               f"choose a divisor of {in_features} (e.g. 32)")
+
+
+def _is_torchao_tensor(t: torch.Tensor) -> bool:
+    from torchao.utils import TorchAOBaseTensor
+
+    return isinstance(t, TorchAOBaseTensor)
 
 
 def _in_features(module: nn.Module) -> int | None:
