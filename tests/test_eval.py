@@ -260,3 +260,17 @@ def test_lm_eval_cli_runs_recipe_model(model_dir, tmp_path):
     assert results, list((tmp_path / "out").rglob("*"))
     data = json.loads(results[0].read_text())
     assert 0.0 <= data["results"]["recipe_arc_easy"]["acc,none"] <= 1.0
+
+
+def test_torchao_checkpoint_is_scored_quantized(model_dir, ours, tmp_path):
+    """A folder from the torchao HF export loads with its quantized tensors (not silently as floats)."""
+    from components.models import load_model
+    from components.quantization.export_hf import export_hf_torchao
+
+    model, args = load_model(model_dir)
+    qdir = export_hf_torchao(model, args, model_dir, tmp_path / "q", "int8_weight_only")
+    q = RecipeLM(checkpoint=str(qdir), batch_size=4)
+    assert "torchao" in type(q.model.layers[0].attn.q_proj.weight).__module__
+    req = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0)]
+    (lq, _), (lf, _) = q.loglikelihood(req, disable_tqdm=True)[0], ours.loglikelihood(req, disable_tqdm=True)[0]
+    assert lq != lf and lq == pytest.approx(lf, abs=0.1)  # int8 weights: close to, not equal to, float

@@ -68,26 +68,30 @@ def saved_quantization(ckpt_dir: str | Path) -> dict | None:
 
 def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
                     device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
-    """Load model + tokenizer of a HF folder written by our tools, re-applying its saved quantization."""
+    """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
+    `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
+    (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
     from components.models import load_model  # lazy: keeps `import components.eval` light
     from components.models.tokenizer import Tokenizer
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
         raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
-    model, _ = load_model(ckpt_dir, dtype=dtype, device=device)
     qcfg = saved_quantization(ckpt_dir)
-    if qcfg is not None:
-        # Assumption (see docs/eval.md): the quantization component rebuilds the quantized modules from the
-        # float weights + the recorded scheme, the same way the quantize recipe produced them.
-        try:
-            from components.quantization import apply_saved_quantization
-        except ImportError as e:
-            raise RecipeError(
-                f"{ckpt_dir}: checkpoint is quantized ({qcfg}) but components.quantization."
-                "apply_saved_quantization is unavailable; evaluate the float checkpoint instead"
-            ) from e
-        model = apply_saved_quantization(model, ckpt_dir) or model
+    if qcfg is not None and qcfg.get("quant_method") == "torchao":
+        from components.quantization.export_hf import load_hf_torchao
+
+        model, _ = load_hf_torchao(ckpt_dir, device=device)
+    else:
+        model, _ = load_model(ckpt_dir, dtype=dtype, device=device)
+        if qcfg is not None:
+            if qcfg.get("method") != "qat" or "scheme" not in qcfg:
+                raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
+                                  "quantization_config in config.json or a QAT quantization.json")
+            from components.quantization import convert_qat, read_qat_metadata
+
+            meta = read_qat_metadata(ckpt_dir)
+            model = convert_qat(model, meta["scheme"], meta.get("group_size") or 32)
     model.eval()
     return model, Tokenizer.from_dir(ckpt_dir)
 
