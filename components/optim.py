@@ -83,6 +83,14 @@ def build_optimizer(
             kwargs["optimizer_class"] = _resolve_optimizer_class(
                 kwargs["optimizer_class"], f"{key}.optimizer_class"
             )
+    elif cls.__module__.startswith("torchao.optim") and getattr(runtime, "world_size", 1) > 1:
+        # Seen with torchao 0.18 + torch 2.11 on 2 GPUs: the first step fails in torch.compile with bf16
+        # FSDP2 shards (aten.view.dtype on OptimState8bit), and the full-state resume cannot broadcast the
+        # low-bit state (c10d.broadcast_ unimplemented). Refuse early rather than fail mid-run.
+        raise RecipeError(
+            f"{key}._component_={target} is not supported with FSDP (world_size={runtime.world_size}) in "
+            "this version: use torch.optim.AdamW for multi-GPU runs, or a low-bit AdamW on one GPU"
+        )
     elif (
         cls is torch.optim.AdamW
         and device.type == "cuda"
@@ -98,6 +106,31 @@ def build_optimizer(
         raise RecipeError(f"{key}: bad arguments for {target}: {e}") from e
     except ValueError as e:
         raise RecipeError(f"{key}: {e}") from e
+
+
+def sync_offloaded_params(optimizer: torch.optim.Optimizer) -> None:
+    """Re-sync CPUOffloadOptimizer after weights or state were loaded (no-op for other optimizers).
+
+    CPUOffloadOptimizer snapshots the weights when it is built and steps on that CPU copy, so weights loaded
+    into the model afterwards (e.g. on resume) must be pushed to it, or the next step reverts them.
+    """
+    d2h = getattr(optimizer, "param_d2h_map", None)
+    if d2h is None:
+        return
+    with torch.no_grad():
+        for p_device, p_host in d2h.items():
+            p_host.copy_(p_device.detach())
+    # torchao 0.18's CPUOffloadOptimizer.param_groups (what LR schedulers update) lists `d_param_groups`,
+    # but `d_opt.load_state_dict` replaced the on-device optimizer's group dicts: re-point them, or the
+    # scheduler would stop changing the lr of the small on-device parameters after a resume.
+    if getattr(optimizer, "d_opt", None) is not None:
+        optimizer.d_param_groups = optimizer.d_opt.param_groups
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, plus the CPU weight sync CPUOffloadOptimizer needs after a resume."""
+    optimizer.load_state_dict(state)
+    sync_offloaded_params(optimizer)
 
 
 def _plain(v: Any) -> Any:

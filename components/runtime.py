@@ -145,7 +145,9 @@ class Runtime:
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
             return
-        optimizer.load_state_dict(sd)
+        from components.optim import load_optimizer_state
+
+        load_optimizer_state(optimizer, sd)
 
     # ------------------------------------------------------------ collectives
     def barrier(self) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from components.checkpoint.state import capture_rng, load_recipe_state, restore_rng, save_checkpoint
 from components.errors import RecipeError
-from components.optim import build_optimizer, build_scheduler
+from components.optim import build_optimizer, build_scheduler, load_optimizer_state
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 STEPS = 3  # steps before and after the checkpoint
@@ -146,6 +146,12 @@ def test_build_optimizer_defaults_and_errors():
         build_optimizer({"_component_": "torch.optim.AdamWW"}, model.parameters(), CPU)
     with pytest.raises(RecipeError, match="bad arguments for torch.optim.AdamW"):
         build_optimizer({"_component_": "torch.optim.AdamW", "lrr": 1.0}, model.parameters(), CPU)
+    with pytest.raises(RecipeError, match="AdamW8bit is not supported with FSDP"):
+        build_optimizer(
+            {"_component_": "torchao.optim.AdamW8bit"},
+            model.parameters(),
+            SimpleNamespace(device=CPU.device, world_size=2),
+        )
     with pytest.raises(RecipeError, match="no trainable parameters"):
         build_optimizer({"_component_": "torch.optim.AdamW"}, [model.bias], CPU)
 
@@ -189,8 +195,8 @@ def test_cpu_offload_optimizer_resume_on_cuda(tmp_path: Path):
     )
     loaded = load_recipe_state(ckpt)
     model, opt, sched = fresh()
-    model.load_state_dict(weights)
-    opt.load_state_dict(loaded["optimizer"])
+    model.load_state_dict(weights)  # after the optimizer snapshotted the initial weights to CPU
+    load_optimizer_state(opt, loaded["optimizer"])  # loads state and re-syncs the CPU weights
     sched.load_state_dict(loaded["scheduler"])
     restore_rng(loaded)
     train(model, opt, sched, 3)

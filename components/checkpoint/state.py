@@ -193,14 +193,19 @@ def load_recipe_state(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------- RNG
 def capture_rng() -> dict[str, Any]:
-    """The RNG states of python, numpy, torch (CPU) and every CUDA device, for `recipe_state["rng"]`."""
+    """The RNG states of python, numpy, torch (CPU) and the current CUDA device, for `recipe_state["rng"]`.
+
+    Only rank 0's states are saved. That is exact because the runtime seeds every rank identically and ranks
+    draw the same random numbers; the CUDA state is that of the rank's *own* device, and it is restored
+    into each rank's own device (saving all devices would hand rank 1 rank 0's idle device-1 stream).
+    """
     rng: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+        rng["cuda"] = torch.cuda.get_rng_state()
     return rng
 
 
@@ -214,13 +219,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "torch" in rng:
         torch.set_rng_state(rng["torch"].to(torch.uint8))
     if "cuda" in rng and torch.cuda.is_available():
-        cuda_states = [s.to(torch.uint8) for s in rng["cuda"]]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            # A different GPU count: restore what the devices have in common.
-            for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(s, i)
+        torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))  # the current device (the rank's own)
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
