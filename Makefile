@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	# lm-eval reads no plugin entry points: a one-line .pth registers `--model recipe` and our task pack.
+	$(BIN)/python -m components.eval.plugin install
 	rm -f $(VENV)/.installed-*
 	touch $@
 

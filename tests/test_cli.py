@@ -40,6 +40,7 @@ def tree(tmp_path: Path) -> Path:
 def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(tree / "pkgs"), str(ROOT)])
+    env["RECIPE_RECIPES_DIR"] = str(tree / "pkgs" / "recipes")
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         cwd=cwd or tree / "work",

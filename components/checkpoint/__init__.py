@@ -1,5 +1,26 @@
-"""Checkpoint helpers: atomic directory writes and (in state.py) recipe state save/resume."""
+"""Checkpoints: atomic directory writes and recipe state (optimizer, scheduler, data position, RNG) save/resume."""
 
 from components.checkpoint.atomic import atomic_directory, atomic_write_bytes
+from components.checkpoint.state import (
+    capture_rng,
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_recipe_state,
+    restore_rng,
+    save_checkpoint,
+    write_recipe_state,
+)
 
-__all__ = ["atomic_directory", "atomic_write_bytes"]
+__all__ = [
+    "atomic_directory",
+    "atomic_write_bytes",
+    "capture_rng",
+    "checkpoint_dir",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_recipe_state",
+    "restore_rng",
+    "save_checkpoint",
+    "write_recipe_state",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,9 @@ from components.errors import RecipeError
 
 if TYPE_CHECKING:
     from components.models.tokenizer import Tokenizer
+
+
+log = logging.getLogger(__name__)
 
 
 class TokenizedDataset(Sequence):
@@ -101,7 +105,17 @@ def build_dataset(
             ex = fmt(row)
         except RowError as e:
             raise RecipeError(f"{rows.where(i)}: {e}") from None
-        items.append({"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]})
+        item = {"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
+        # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many).
+        if any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
+            items.append(item)
+    dropped = len(rows) - len(items)
+    if dropped:
+        log.warning("dataset: dropped %d of %d rows with no target tokens within max_seq_len=%d",
+                    dropped, len(rows), max_seq_len)
+    if not items:
+        raise RecipeError(f"dataset '{source}': no row has a target token within max_seq_len={max_seq_len}; "
+                          "raise dataset.max_seq_len")
     if packed:
         items = PackedDataset(items, max_seq_len, tokenizer.pad_id)
     return TokenizedDataset(items, tokenizer.pad_id, max_seq_len, packed, shuffle, bucket, rows.origin)

@@ -104,10 +104,15 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
 
 
-def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4 bases dequantized."""
+def merged_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4 bases dequantized.
+
+    `state_dict`: a full state dict gathered elsewhere (e.g. from FSDP shards); default `model.state_dict()`.
+    """
     sd = {}
-    for k, v in model.state_dict().items():
+    for k, v in (state_dict if state_dict is not None else model.state_dict()).items():
         if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
             v = v.get_original_weight()
         sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
@@ -128,6 +133,7 @@ def save_model(
     tokenizer_dir: str | Path | None,
     dtype: str | torch.dtype | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write a HF folder (adapters merged) that transformers, lm-eval and llama.cpp converters load."""
     sd = state_dict if state_dict is not None else merged_state_dict(model)
@@ -137,4 +143,4 @@ def save_model(
         sd.pop("output.weight", None)
     out_dtype = next(iter(sd.values())).dtype
     config = args.to_hf_config(dtype=_DTYPE_NAMES.get(out_dtype, "float32"))
-    return write_hf_folder(out_dir, tune_to_hf_names(sd), config, tokenizer_dir)
+    return write_hf_folder(out_dir, tune_to_hf_names(sd), config, tokenizer_dir, extra_files=extra_files)

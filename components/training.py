@@ -1,0 +1,309 @@
+"""Building blocks shared by the training recipes (full, lora, kd, qat).
+
+Each recipe reads top to bottom — setup, loop, checkpoint — and calls these helpers for the parts that are the
+same everywhere: config schema, data, optimizer, the accumulation window, resume and checkpoint writing.
+There is deliberately no trainer class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
+from components.config import COMPONENT
+from components.data.dataset import build_dataset, build_loader
+from components.errors import RecipeError
+from components.losses import chunked_cross_entropy
+from components.metrics import MetricLogger, check_finite
+from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
+from components.models.loader import merged_state_dict
+from components.models.tokenizer import Tokenizer
+from components.optim import build_optimizer, build_scheduler
+from components.runtime import Runtime
+
+IGNORE_INDEX = -100
+OPT_INT = (int, type(None))
+OPT_FLOAT = (float, type(None))
+OPT_STR = (str, type(None))
+
+DATASET_SCHEMA = {
+    "source": str,
+    "format": str,
+    "split": str,
+    "name": OPT_STR,
+    "data_files": (str, list, dict, type(None)),
+    "column_map": (dict, type(None)),
+    "max_seq_len": int,
+    "train_on_input": bool,
+    "use_chat_template": bool,
+    "packed": bool,
+    "limit": OPT_INT,
+    "shuffle": bool,
+    "bucket": bool,
+}
+LORA_SCHEMA = {
+    "rank": int,
+    "alpha": float,
+    "dropout": float,
+    "targets": list,
+    "use_dora": bool,
+    "quantize_base": bool,
+}
+# Keys every training recipe reads; recipes add their model/loss sections.
+TRAIN_SCHEMA: dict[str, Any] = {
+    "output_dir": str,
+    "seed": int,
+    "device": str,
+    "dtype": str,
+    "max_steps": OPT_INT,
+    "epochs": int,
+    "batch_size": int,
+    "gradient_accumulation_steps": int,
+    "max_grad_norm": OPT_FLOAT,
+    "optimizer": COMPONENT,
+    "lr_scheduler": {"name": str, "warmup_steps": int, "min_lr_ratio": float},
+    "dataset": DATASET_SCHEMA,
+    "num_output_chunks": int,
+    "activation_checkpointing": bool,
+    "compile": bool,
+    "save_every_n_steps": OPT_INT,
+    "keep_last_n": OPT_INT,
+    "resume": bool,
+    "tensorboard": bool,
+    "wandb": (dict, type(None)),
+}
+
+
+def lora_settings(node: DictConfig | None) -> LoRASettings | None:
+    """`lora:` section -> LoRASettings (None when the section is absent or null)."""
+    if node is None:
+        return None
+    kw = OmegaConf.to_container(node, resolve=True)
+    if "targets" in kw:
+        kw["targets"] = tuple(kw["targets"])
+    return LoRASettings(**kw)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime):
+    """The tokenized dataset and its resumable loader, sharded over ranks."""
+    kw = OmegaConf.to_container(cfg.dataset, resolve=True)
+    dataset = build_dataset(tokenizer, **kw)
+    return build_loader(dataset, cfg.get("batch_size", 4), seed=cfg.get("seed", 0), rank=rt.rank,
+                        world_size=rt.world_size)
+
+
+def total_steps(cfg: DictConfig, loader) -> int:
+    """Optimizer steps of the run: `max_steps`, or `epochs` passes over the data."""
+    if cfg.get("max_steps") is not None:
+        if cfg.max_steps < 1:
+            raise RecipeError(f"max_steps={cfg.max_steps} must be >= 1")
+        return int(cfg.max_steps)
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    return max(1, cfg.get("epochs", 1) * len(loader) // accum)
+
+
+def freeze_all_but_adapters(model: nn.Module) -> None:
+    """LoRA/DoRA: only adapter matrices (and DoRA magnitudes) train."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_a." in name or ".lora_b." in name or name.endswith(".magnitude"))
+
+
+def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), rt)
+    sched_cfg = cfg.get("lr_scheduler") or {}
+    scheduler = build_scheduler(optimizer, name=sched_cfg.get("name", "cosine"),
+                                warmup_steps=sched_cfg.get("warmup_steps", 0), total_steps=steps,
+                                min_lr_ratio=sched_cfg.get("min_lr_ratio", 0.0))
+    return optimizer, scheduler
+
+
+def windows(loader, accum: int) -> Iterator[list[dict]]:
+    """Endless stream of accumulation windows (lists of `accum` micro-batches), epoch after epoch."""
+    window: list[dict] = []
+    while True:
+        for batch in loader:
+            window.append(batch)
+            if len(window) == accum:
+                yield window
+                window = []
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:
+    """Tokens that carry a loss in this window, summed over ranks: the loss normaliser."""
+    n = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window)
+    return torch.as_tensor(rt.all_reduce_sum(float(n))).clamp_min(1.0)
+
+
+def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Final normed hidden states (the output projection is applied chunk by chunk by the loss)."""
+    model.skip_output = True
+    return model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+
+
+def lm_loss_sum(model: nn.Module, batch: dict, num_chunks: int) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch, never materialising full logits."""
+    loss_sum, _ = chunked_cross_entropy(hidden_states(model, batch), model.output, batch["labels"], num_chunks)
+    return loss_sum
+
+
+def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float | None) -> float | None:
+    """Clip (if asked), step, advance the schedule, zero grads. Returns the pre-clip grad norm."""
+    norm = None
+    if max_grad_norm is not None:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@dataclass
+class Throughput:
+    """Tokens per second over the last optimizer step."""
+
+    start: float = 0.0
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+
+    def rate(self, window: list[dict], rt: Runtime) -> float:
+        tokens = sum(b["tokens"].numel() for b in window) * rt.world_size
+        return tokens / max(time.perf_counter() - self.start, 1e-9)
+
+
+def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
+    """The latest complete checkpoint when `resume: true` (an error when there is none)."""
+    if not cfg.get("resume", False):
+        return None
+    ckpt = latest_checkpoint(cfg.output_dir)
+    if ckpt is None:
+        raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
+                          "run without resume to start fresh")
+    return ckpt
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable adapter parameters by module name (saved in the recipe state for LoRA resume)."""
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, loader, rt: Runtime,
+                           adapters: bool) -> int:
+    """Load optimizer, scheduler, data position, RNG (and adapter weights for LoRA); return the step."""
+    state = load_recipe_state(ckpt)
+    if adapters:
+        missing = set(adapter_tensors(model)) - set(state["adapters"])
+        if missing:
+            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
+                              "(was it written with different lora settings?)")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in state["adapters"]:
+                    p.copy_(state["adapters"][n])
+    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["loader"])
+    restore_rng(state["rng"])
+    return int(state["step"])
+
+
+def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.Module, args: ModelArgs,
+                             tokenizer_dir: str | Path, optimizer, scheduler, loader, adapters: bool) -> Path:
+    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`."""
+    from components.checkpoint.state import capture_rng
+
+    full = rt.full_state_dict(model)
+    state = {
+        "step": step,
+        "optimizer": rt.optimizer_state_dict(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "loader": loader.state_dict(),
+        "rng": capture_rng(),
+    }
+    if adapters:
+        state["adapters"] = adapter_tensors(model)
+    return save_checkpoint(
+        cfg.output_dir, step,
+        write_model=lambda d: save_model(model, args, d, tokenizer_dir, state_dict=merged_state_dict(model, full)),
+        recipe_state=state, keep_last_n=cfg.get("keep_last_n"), runtime=rt,
+    )
+
+
+def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path,
+                      lora: LoRASettings | None = None, base_model: str | None = None,
+                      extra_files: dict[str, str] | None = None) -> Path:
+    """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format)."""
+    full = rt.full_state_dict(model)
+    out = Path(cfg.output_dir)
+    if rt.is_main:
+        save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
+                   extra_files=extra_files)
+        if lora is not None:
+            save_peft_adapter(model, lora, out / "adapter", base_model=base_model)
+    rt.barrier()
+    return out / "model"
+
+
+LossFn = Callable[[dict], dict[str, torch.Tensor]]
+
+
+def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path, loader,
+          optimizer, scheduler, steps: int, loss_fn: LossFn, start_step: int = 0, last_checkpoint: Path | None = None,
+          adapters: bool = False, before_step: Callable[[int], None] | None = None) -> int:
+    """The optimizer loop every training recipe shares: accumulate, clip, step, log, checkpoint.
+
+    `loss_fn(batch)` returns summed (not averaged) losses over the batch's target tokens: key "loss" is
+    back-propagated, the others are logged as `<key>_loss`. Sums are divided by the target count of the whole
+    accumulation window on all ranks, so the result does not depend on how tokens fall into micro-batches.
+    `before_step(step)` runs before each optimizer step's forward passes (e.g. QAT's fake-quant switch).
+    """
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    save_every = cfg.get("save_every_n_steps")
+    logger = MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
+                          start_step=start_step)
+    clock = Throughput()
+    step = start_step
+    model.train()
+    for window in windows(loader, accum):
+        if step >= steps:
+            break
+        if before_step is not None:
+            before_step(step)
+        clock.begin()
+        n = count_targets(window, rt)
+        totals: dict[str, float] = {}
+        for batch in window:
+            sums = loss_fn(to_device(batch, rt.device))
+            (sums["loss"] / n * rt.world_size).backward()
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v.detach() / n)
+        totals = {k: float(rt.all_reduce_sum(v)) for k, v in totals.items()}
+        check_finite(totals["loss"], step + 1, last_checkpoint)
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.get("max_grad_norm"))
+        step += 1
+        logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in totals.items()},
+                   lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
+                   peak_memory_gib=rt.peak_memory_gib())
+        if save_every and step % save_every == 0 and step < steps:
+            last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
+                                                       scheduler, loader, adapters)
+    save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
+    logger.close()
+    return step

@@ -1,0 +1,62 @@
+"""Full fine-tuning: every weight trains on next-token cross-entropy.
+
+setup (runtime, tokenizer, model, data, optimizer, resume) -> loop (components.training.train: accumulate,
+clip, step, log, checkpoint) -> final HF folder in output_dir/model.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from components.config import run_recipe_script
+from components.models import load_model
+from components.runtime import setup_runtime
+from components.training import (
+    TRAIN_SCHEMA,
+    build_train_loader,
+    find_resume_checkpoint,
+    lm_loss_sum,
+    load_tokenizer,
+    restore_training_state,
+    setup_optimizer,
+    total_steps,
+    train,
+    write_final_model,
+)
+
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": str}}
+
+
+def main(cfg: DictConfig) -> None:
+    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+    base_dir = cfg.model.checkpoint_dir
+    tokenizer = load_tokenizer(base_dir)
+
+    # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
+    resume_from = find_resume_checkpoint(cfg)
+    model, args = load_model(resume_from or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
+    rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                     compile=cfg.get("compile", False))
+
+    loader = build_train_loader(cfg, tokenizer, rt)
+    steps = total_steps(cfg, loader)
+    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
+    start = 0
+    if resume_from is not None:
+        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters=False)
+
+    # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
+    chunks = cfg.get("num_output_chunks", 8)
+
+    def loss_fn(batch: dict) -> dict:
+        return {"loss": lm_loss_sum(model, batch, chunks)}
+
+    train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from)
+    final = write_final_model(cfg, rt, model, args, base_dir)
+    if rt.is_main:
+        print(f"model: {final}\nmetrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
+    rt.teardown()
+
+
+if __name__ == "__main__":
+    run_recipe_script(SCHEMA, main)

@@ -1,0 +1,72 @@
+"""LoRA / DoRA / QLoRA fine-tuning: the base stays frozen (NF4-quantized for QLoRA), low-rank adapters train.
+
+setup (runtime, tokenizer, base + adapters, data, optimizer, resume) -> loop (components.training.train)
+-> output_dir/model (adapters merged, a plain HF folder) and output_dir/adapter (PEFT format).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from components.config import run_recipe_script
+from components.errors import RecipeError
+from components.models import load_model
+from components.runtime import setup_runtime
+from components.training import (
+    LORA_SCHEMA,
+    TRAIN_SCHEMA,
+    build_train_loader,
+    find_resume_checkpoint,
+    freeze_all_but_adapters,
+    lm_loss_sum,
+    load_tokenizer,
+    lora_settings,
+    restore_training_state,
+    setup_optimizer,
+    total_steps,
+    train,
+    write_final_model,
+)
+
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": str}, "lora": LORA_SCHEMA}
+
+
+def main(cfg: DictConfig) -> None:
+    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+    base_dir = cfg.model.checkpoint_dir
+    tokenizer = load_tokenizer(base_dir)
+    lora = lora_settings(cfg.get("lora"))
+    if lora is None:
+        raise RecipeError("lora: the lora recipe needs a lora section (rank, alpha, targets, ...)")
+
+    # The base always comes from model.checkpoint_dir; a resumed run restores only the adapters.
+    model, args = load_model(base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
+    freeze_all_but_adapters(model)
+    rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                     compile=cfg.get("compile", False))
+
+    loader = build_train_loader(cfg, tokenizer, rt)
+    steps = total_steps(cfg, loader)
+    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
+    resume_from = find_resume_checkpoint(cfg)
+    start = 0
+    if resume_from is not None:
+        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters=True)
+
+    # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
+    chunks = cfg.get("num_output_chunks", 8)
+
+    def loss_fn(batch: dict) -> dict:
+        return {"loss": lm_loss_sum(model, batch, chunks)}
+
+    train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
+          adapters=True)
+    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir))
+    if rt.is_main:
+        print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter\n"
+              f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
+    rt.teardown()
+
+
+if __name__ == "__main__":
+    run_recipe_script(SCHEMA, main)
