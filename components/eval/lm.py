@@ -88,10 +88,12 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
             if qcfg.get("method") != "qat" or "scheme" not in qcfg:
                 raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
                                   "quantization_config in config.json or a QAT quantization.json")
-            from components.quantization import convert_qat, read_qat_metadata
+            from components.quantization import quantize_model, read_qat_metadata
 
+            # Converting a QAT run is PTQ of its trained weights with the scheme it trained for.
             meta = read_qat_metadata(ckpt_dir)
-            model = convert_qat(model, meta["scheme"], meta.get("group_size") or 32)
+            model = quantize_model(model, meta["scheme"], meta.get("group_size") or 32,
+                                   bool(meta.get("include_output", False)))
     model.eval()
     return model, Tokenizer.from_dir(ckpt_dir)
 

@@ -1,0 +1,50 @@
+"""Evaluate a model folder with the lm-eval harness (our `recipe` model; offline task pack or stock tasks).
+
+Works on float, LoRA-merged, QAT (`quantization.json`) and torchao-quantized folders. Prints lm-eval's table
+and writes output_dir/results.json.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from components.config import run_recipe_script
+from components.eval.run import evaluate
+
+SCHEMA = {
+    "model": {"checkpoint_dir": str},
+    "tasks": list,
+    "limit": (int, float, type(None)),
+    "num_fewshot": (int, type(None)),
+    "batch_size": int,
+    "max_length": (int, type(None)),
+    "apply_chat_template": bool,
+    "log_samples": bool,
+    "device": str,
+    "dtype": str,
+    "seed": int,
+    "output_dir": str,
+}
+
+
+def main(cfg: DictConfig) -> None:
+    device = cfg.get("device", "auto")
+    evaluate(
+        cfg.model.checkpoint_dir,
+        tasks=list(OmegaConf.to_container(cfg.tasks)),
+        limit=cfg.get("limit"),
+        num_fewshot=cfg.get("num_fewshot"),
+        batch_size=cfg.get("batch_size", 8),
+        apply_chat_template=cfg.get("apply_chat_template", False),
+        output_dir=cfg.get("output_dir"),
+        seed=cfg.get("seed", 1234),
+        device=None if device == "auto" else device,
+        dtype=cfg.get("dtype", "float32"),
+        max_length=cfg.get("max_length"),
+        log_samples=cfg.get("log_samples", False),
+    )
+    print(f"results: {cfg.output_dir}/results.json")
+
+
+if __name__ == "__main__":
+    run_recipe_script(SCHEMA, main)
