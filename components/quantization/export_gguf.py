@@ -1,0 +1,355 @@
+"""Export our model (or a HF state dict) as a llama.cpp GGUF file with the `gguf` package's `GGUFWriter`.
+
+Tensors get llama.cpp names, and for the `llama` architecture (Llama, Mistral) Q/K rows are permuted into
+llama.cpp's order: its RoPE rotates interleaved pairs, ours and HF's rotate halves. Qwen2 uses NEOX RoPE in
+llama.cpp (halves, like HF) and is written unpermuted. Norms stay F32.
+
+Quantized types: F32, F16, BF16, Q8_0, Q4_0. In a Q4_0 file the token embedding (and an untied output) are
+Q8_0, as llama.cpp's own quantizer keeps the embedding at higher precision. Weights that torchao already
+quantized (8da4w int4, int8 weight-only) are packed *exactly*: Q4_0/Q8_0 store one fp16 scale per 32 values
+and the integer codes, so a torchao group whose size is a multiple of 32 maps onto GGUF blocks code for code
+(`gguf.quants.quantize` would re-derive scales from the float weights and lose what QAT learned). Only the
+scale is rounded to fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from components.errors import RecipeError
+from components.models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
+from components.quantization.schemes import _is_torchao_tensor
+
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+_BLOCK = 32  # values per Q4_0 / Q8_0 block
+
+# HF Llama-family names -> gguf MODEL_TENSOR members (llama.cpp names come from gguf.TENSOR_NAMES).
+_LAYER_TENSORS = {
+    "input_layernorm": "ATTN_NORM",
+    "self_attn.q_proj": "ATTN_Q",
+    "self_attn.k_proj": "ATTN_K",
+    "self_attn.v_proj": "ATTN_V",
+    "self_attn.o_proj": "ATTN_OUT",
+    "post_attention_layernorm": "FFN_NORM",
+    "mlp.gate_proj": "FFN_GATE",
+    "mlp.up_proj": "FFN_UP",
+    "mlp.down_proj": "FFN_DOWN",
+}
+_GLOBAL_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rotate-half row order -> llama.cpp interleaved order, per head (rows: n_head * head_dim).
+
+    Within each head the first half of the rows (rotated with the second half in HF) become the even rows.
+    Works on weights [rows, in] and biases [rows]; the inverse of the un-permute applied on GGUF import.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise RecipeError(f"cannot permute {rows} rows into {n_head} heads of even size")
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_key: str) -> tuple[str, str]:
+    """(llama.cpp tensor name, HF module key) for a HF parameter key."""
+    import gguf
+
+    module, _, kind = hf_key.rpartition(".")
+    if module in _GLOBAL_TENSORS:
+        base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[_GLOBAL_TENSORS[module]]]
+        return f"{base}.{kind}", module
+    parts = module.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_TENSORS:
+        base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[_LAYER_TENSORS[parts[3]]]].format(bid=int(parts[2]))
+        return f"{base}.{kind}", parts[3]
+    raise RecipeError(f"no llama.cpp name for tensor {hf_key!r}")
+
+
+def _hf_state_dict(source: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(source, nn.Module):
+        sd = merged_state_dict(source) if lora_modules(source) else dict(source.state_dict())
+        return tune_to_hf_names({k: v.detach().cpu() for k, v in sd.items()})
+    if not source:
+        raise RecipeError("export_gguf: the state dict is empty")
+    if any(k.startswith("model.") for k in source):
+        return {k: v.detach().cpu() for k, v in source.items() if not k.endswith("rotary_emb.inv_freq")}
+    return tune_to_hf_names({k: v.detach().cpu() for k, v in source.items()})
+
+
+def _integer_grid(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
+    """(codes int8 [out, in], scale fp32 [out, in/32], code dtype: torch.int4 or int8) when a torchao weight is a symmetric integer
+    grid whose scale is constant over each run of 32 inputs; None otherwise (then we requantize floats)."""
+    qdata, scale = getattr(t, "qdata", None), getattr(t, "scale", None)
+    block = getattr(t, "block_size", None)
+    if qdata is None or scale is None or block is None or qdata.dtype != torch.int8 or qdata.dim() != 2:
+        return None
+    zp = getattr(t, "zero_point", None)
+    if zp is not None and bool((zp != 0).any()):
+        return None
+    group = int(block[-1])
+    if tuple(block[:-1]) != (1,) or group % _BLOCK or qdata.shape[1] % group:
+        return None
+    per_block = scale.float().reshape(qdata.shape[0], -1).repeat_interleave(group // _BLOCK, dim=1)
+    if per_block.shape[1] * _BLOCK != qdata.shape[1]:
+        return None
+    return qdata, per_block, getattr(t, "target_dtype", torch.int8)
+
+
+def _pack_blocks(codes: torch.Tensor, scale: torch.Tensor, qtype: str) -> np.ndarray:
+    """Lay out integer codes and per-block scales as GGUF Q4_0 / Q8_0 bytes (rows x bytes-per-row).
+
+    Block layout (ggml): fp16 scale d, then Q8_0: 32 int8 codes; Q4_0: 16 bytes, byte j = (c[j]+8) | (c[j+16]+8) << 4.
+    """
+    rows, cols = codes.shape
+    c = codes.reshape(rows, cols // _BLOCK, _BLOCK).numpy()
+    d = scale.numpy().astype(np.float16).reshape(rows, cols // _BLOCK, 1).view(np.uint8)
+    if qtype == "Q8_0":
+        q = c.astype(np.int8).view(np.uint8)
+    else:
+        u = (c.astype(np.int16) + 8).astype(np.uint8)
+        q = u[..., : _BLOCK // 2] | (u[..., _BLOCK // 2:] << np.uint8(4))
+    return np.concatenate([d, q], axis=-1).reshape(rows, -1)
+
+
+def _tensor_type(gguf_name: str, tensor: torch.Tensor, qtype: str) -> str:
+    """The GGUF type of one tensor under file type `qtype` (llama.cpp's convention)."""
+    if tensor.dim() < 2 or qtype == "F32":
+        return "F32"
+    if qtype in ("F16", "BF16"):
+        return qtype
+    if tensor.shape[-1] % _BLOCK:
+        return "F16"  # rows that do not split into 32-blocks cannot be block-quantized
+    if qtype == "Q4_0" and gguf_name.split(".")[0] in ("token_embd", "output"):
+        return "Q8_0"
+    return qtype
+
+
+def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None) -> tuple[np.ndarray, object]:
+    """Return (array, raw_dtype or None) ready for GGUFWriter.add_tensor."""
+    import gguf
+
+    grid = _integer_grid(t) if _is_torchao_tensor(t) else None
+    if grid is not None and ttype in ("Q4_0", "Q8_0") and (ttype == "Q8_0" or grid[2] == torch.int4):
+        codes, scale, _ = grid
+        if permute_heads:
+            codes, scale = llama_cpp_permute(codes, permute_heads), llama_cpp_permute(scale, permute_heads)
+        return _pack_blocks(codes, scale, ttype), gguf.GGMLQuantizationType[ttype]
+    w = t.dequantize() if _is_torchao_tensor(t) else t
+    w = w.float()
+    if permute_heads:
+        w = llama_cpp_permute(w, permute_heads)
+    arr = w.contiguous().numpy()
+    if ttype == "F32":
+        return arr.astype(np.float32), None
+    if ttype == "F16":
+        return arr.astype(np.float16), None
+    qt = gguf.GGMLQuantizationType[ttype]
+    return gguf.quants.quantize(arr, qt), qt
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: not found (the GGUF needs the tokenizer files)") from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def _pre_tokenizer_name(tok: dict) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json pre-tokenizer (the splits we know how to name)."""
+    from components.models.gguf_import import _LLAMA3_SPLIT, _QWEN2_SPLIT
+
+    pre = tok.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+        return "smollm"  # digits one by one, then GPT-2 splitting (SmolLM, StarCoder)
+    if kinds[:1] == ["Split"]:
+        regex = (parts[0].get("pattern") or {}).get("Regex")
+        if regex == _LLAMA3_SPLIT:
+            return "llama-bpe"
+        if regex == _QWEN2_SPLIT:
+            return "qwen2"
+    raise RecipeError(f"tokenizer.json: pre_tokenizer {kinds} has no known llama.cpp name; "
+                      "pass tokenizer_pre= (e.g. 'llama-bpe', 'qwen2', 'smollm', 'gpt-2')")
+
+
+def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: str | None) -> None:
+    import gguf
+
+    tok = _read_json(tokenizer_dir / "tokenizer.json")
+    cfg_path = tokenizer_dir / "tokenizer_config.json"
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise RecipeError(f"{tokenizer_dir / 'tokenizer.json'}: only byte-level BPE tokenizers can go into a GGUF "
+                          f"(found model type {model.get('type')!r})")
+    ids = dict(model["vocab"])
+    types: dict[int, int] = {}
+    for added in tok.get("added_tokens", []):
+        ids[added["content"]] = added["id"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    n = max(ids.values()) + 1
+    if n > vocab_size:
+        raise RecipeError(f"tokenizer has {n} tokens but the model's vocab_size is {vocab_size}")
+    tokens: list[str | None] = [None] * vocab_size
+    for text, i in ids.items():
+        tokens[i] = text
+    token_types = [types.get(i, gguf.TokenType.NORMAL) for i in range(vocab_size)]
+    for i, text in enumerate(tokens):  # embedding rows the tokenizer never emits (vocab padded for speed)
+        if text is None:
+            tokens[i] = f"[PAD{i}]"
+            token_types[i] = gguf.TokenType.UNUSED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer_pre or _pre_tokenizer_name(tok))
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+
+    def special(key: str) -> int | None:
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return ids.get(value) if value is not None else None
+
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        idx = special(key)
+        if idx is not None:
+            add(idx)
+    writer.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    writer.add_add_eos_token(bool(cfg.get("add_eos_token", False)))
+    template = cfg.get("chat_template")
+    if template is None and (tokenizer_dir / "chat_template.jinja").is_file():
+        template = (tokenizer_dir / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def _rope_freq_factors(args: ModelArgs) -> torch.Tensor:
+    """Llama 3.x RoPE scaling as llama.cpp stores it: per-frequency divisors in a `rope_freqs` tensor."""
+    from components.models.rope import _scale_frequencies
+
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
+    return (inv / _scale_frequencies(inv, args.rope_scaling)).float()
+
+
+def _file_type(qtype: str) -> int:
+    import gguf
+
+    return {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+            "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+            "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
+
+
+def export_gguf(
+    source: nn.Module | dict[str, torch.Tensor],
+    args: ModelArgs,
+    tokenizer_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    qtype: str = "Q8_0",
+    tokenizer_pre: str | None = None,
+    name: str | None = None,
+) -> Path:
+    """Write a GGUF (atomically) from our model (LoRA merged, torchao weights packed exactly where possible)
+    or a state dict with HF or torchtune names. `tokenizer_pre` overrides the detected llama.cpp pre-tokenizer."""
+    import gguf
+
+    if qtype not in QTYPES:
+        raise RecipeError(f"gguf qtype {qtype!r} is not supported; choose one of {list(QTYPES)}")
+    if args.family not in _ARCH:
+        raise RecipeError(f"model family {args.family!r} cannot be exported to GGUF (llama, mistral, qwen2)")
+    arch = _ARCH[args.family]
+    sd = _hf_state_dict(source)
+    if args.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, arch)
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(name or args.hf_config.get("_name_or_path") or f"{args.family}-{args.num_layers}L")
+        writer.add_context_length(args.max_position_embeddings)
+        writer.add_embedding_length(args.hidden_size)
+        writer.add_block_count(args.num_layers)
+        writer.add_feed_forward_length(args.intermediate_size)
+        writer.add_head_count(args.num_heads)
+        writer.add_head_count_kv(args.num_kv_heads)
+        writer.add_rope_freq_base(args.rope_theta)
+        writer.add_rope_dimension_count(args.head_dim)
+        if args.head_dim * args.num_heads != args.hidden_size:
+            writer.add_key_length(args.head_dim)
+            writer.add_value_length(args.head_dim)
+        writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+        writer.add_vocab_size(args.vocab_size)
+        writer.add_file_type(_file_type(qtype))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        rope = args.rope_scaling
+        if rope is not None and rope["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        _add_tokenizer(writer, Path(tokenizer_dir), args.vocab_size, tokenizer_pre)
+
+        if rope is not None and rope["rope_type"] == "llama3":
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                              _rope_freq_factors(args).numpy())
+        for key in sorted(sd, key=_tensor_order):
+            t = sd[key]
+            gname, module = _gguf_name(key)
+            heads = None
+            if arch == "llama" and module == "self_attn.q_proj":
+                heads = args.num_heads
+            elif arch == "llama" and module == "self_attn.k_proj":
+                heads = args.num_kv_heads
+            arr, raw = _encode(gname, t, _tensor_type(gname, t, qtype), heads)
+            writer.add_tensor(gname, arr, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp_name, out_path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _tensor_order(hf_key: str) -> tuple[int, int, str]:
+    """token_embd first, then blocks in numeric order, then output norm/output (llama.cpp's usual order)."""
+    if hf_key.startswith("model.embed_tokens"):
+        return (0, 0, hf_key)
+    if hf_key.startswith("model.layers."):
+        return (1, int(hf_key.split(".")[2]), hf_key)
+    return (2, 0, hf_key)
+
+
+def gguf_tensor_types(path: str | os.PathLike) -> dict[str, str]:
+    """{tensor name: GGML type name} of a GGUF file (for reports and tests)."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def bits_per_weight(path: str | os.PathLike) -> float:
+    """Average stored bits per parameter of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    n = sum(math.prod(int(d) for d in t.shape) for t in reader.tensors)
+    return 8 * sum(int(t.n_bytes) for t in reader.tensors) / n
