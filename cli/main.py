@@ -167,6 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  recipe assets",
     )
     _add_debug(p)
+
+    p = sub.add_parser(
+        "demo",
+        help="run the main job on the embedded model: prune, distil, evaluate, quantize, export",
+        formatter_class=_FORMATTER,
+        description="Distil the embedded SmolLM2-135M-Instruct into a layer-pruned student with "
+        "`recipe run kd --config kd/smollm2_demo`, evaluate teacher and student before/after on a slice of "
+        "the offline task pack, quantize the student (8da4w) and export a GGUF; print one summary table.",
+        epilog="examples:\n  recipe demo\n  recipe demo --limit 100 --output-dir outputs/demo100",
+    )
+    p.add_argument("--output-dir", default="outputs/demo", help="where everything is written")
+    p.add_argument("--limit", type=int, default=40, help="items per eval task")
+    p.add_argument("--steps", type=int, default=None, help="KD optimizer steps (default: the config's)")
+    _add_debug(p)
     return parser
 
 
@@ -343,6 +357,13 @@ def cmd_assets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cli.demo import run_demo
+
+    run_demo(args.output_dir, limit=args.limit, steps=args.steps)
+    return 0
+
+
 VERBS = {
     "ls": cmd_ls,
     "cp": cmd_cp,
@@ -350,6 +371,7 @@ VERBS = {
     "validate": cmd_validate,
     "download": cmd_download,
     "assets": cmd_assets,
+    "demo": cmd_demo,
 }
 
 
