@@ -6,8 +6,6 @@ from final hidden states, so full [batch, seq, vocab] logits of the two models a
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from omegaconf import DictConfig
 
@@ -33,8 +31,6 @@ from components.training import (
     train,
     write_final_model,
 )
-
-log = logging.getLogger("recipe.kd")
 
 SCHEMA = {
     **TRAIN_SCHEMA,
@@ -83,13 +79,13 @@ def main(cfg: DictConfig) -> None:
         keep = student_layers(cfg, read_model_args(student_dir).num_layers)
         student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
         if keep is not None and rt.is_main:
-            log.info("student: %d of %d teacher layers kept: %s", len(keep), targs.num_layers, keep)
+            print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
     if lora is not None:
         freeze_all_but_adapters(student)
     vocab, note = shared_vocab(sargs.vocab_size, targs.vocab_size, tokenizer.vocab_size,
                                same_tokenizer(student_dir, teacher_dir))
     if note and rt.is_main:
-        log.info(note)
+        print(note, flush=True)
     vocab = None if vocab == sargs.vocab_size == targs.vocab_size else vocab
     rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
