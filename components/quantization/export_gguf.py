@@ -15,6 +15,7 @@ scale is rounded to fp16.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -27,6 +28,8 @@ from torch import nn
 from components.errors import RecipeError
 from components.models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
 from components.quantization.schemes import _is_torchao_tensor
+
+log = logging.getLogger(__name__)
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 _BLOCK = 32  # values per Q4_0 / Q8_0 block
@@ -143,6 +146,9 @@ def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None) -
         if permute_heads:
             codes, scale = llama_cpp_permute(codes, permute_heads), llama_cpp_permute(scale, permute_heads)
         return _pack_blocks(codes, scale, ttype), gguf.GGMLQuantizationType[ttype]
+    if _is_torchao_tensor(t) and ttype in ("Q4_0", "Q8_0"):
+        log.warning("%s: torchao %s does not map onto %s blocks (needs symmetric int4/int8 codes in groups of a "
+                    "multiple of 32); requantizing its dequantized weights", name, type(t).__name__, ttype)
     w = t.dequantize() if _is_torchao_tensor(t) else t
     w = w.float()
     if permute_heads:

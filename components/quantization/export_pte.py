@@ -1,0 +1,156 @@
+"""Export an 8da4w model to an ExecuTorch `.pte` (XNNPACK) with a static KV cache for token-by-token generation.
+
+torchtune's `KVCache` tracks its fill level in a `cache_pos` buffer and asserts on it with a data-dependent
+check, which `torch.export` cannot trace. Instead of re-writing attention, we keep torchtune's attention and
+plug in `_StaticKVCache`: the same `update(k, v)` interface, but it writes at the caller's `input_pos` with
+`index_copy_` (a traceable buffer mutation). The exported program is
+
+    forward(tokens: int64 [1, s], input_pos: int64 [s]) -> logits fp32 [1, s, vocab],   1 <= s <= max_seq_len
+
+Prefill passes positions 0..s-1, each decode step the next position; the cache lives in the program's mutable
+buffers (zero-initialised in the file) between calls of one loaded method. A new prompt starts again at 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from components.errors import RecipeError
+from components.quantization.ptq import quantize_model
+from components.quantization.schemes import _is_torchao_tensor
+
+
+def _require_executorch() -> None:
+    try:
+        import executorch.exir  # noqa: F401
+    except ImportError as e:
+        raise RecipeError("exporting a .pte needs ExecuTorch: pip install 'recipe[executorch]' "
+                          f"(executorch==1.5.1; import failed: {e})") from None
+
+
+class _StaticKVCache(nn.Module):
+    """A fixed-size K/V buffer written at explicit positions (set by the wrapper before each call)."""
+
+    def __init__(self, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (1, num_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.positions: torch.Tensor | None = None
+
+    def update(self, k_val: torch.Tensor, v_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k_cache.index_copy_(2, self.positions, k_val)
+        self.v_cache.index_copy_(2, self.positions, v_val)
+        return self.k_cache, self.v_cache
+
+    def reset(self) -> None:
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+
+class StaticCacheDecoder(nn.Module):
+    """Our decoder plus static KV caches and a causal mask: `forward(tokens [1, s], input_pos [s])`."""
+
+    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
+        super().__init__()
+        if max_seq_len > model.max_seq_len:
+            raise RecipeError(f"max_seq_len {max_seq_len} exceeds the model's RoPE table ({model.max_seq_len}); "
+                              "rebuild the model with a larger max_seq_len")
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self.register_buffer("causal", torch.ones(max_seq_len, max_seq_len, dtype=torch.bool).tril(),
+                             persistent=False)
+        dtype = next(p.dtype for p in model.parameters() if not _is_torchao_tensor(p))
+        self.caches = []
+        for layer in model.layers:
+            attn = layer.attn
+            cache = _StaticKVCache(attn.num_kv_heads, max_seq_len, attn.head_dim, dtype)
+            attn.kv_cache = cache
+            attn.cache_enabled = True
+            self.caches.append(cache)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        for cache in self.caches:
+            cache.positions = input_pos
+        mask = self.causal[input_pos].unsqueeze(0)  # [1, s, max_seq_len]: cache slot j visible iff j <= pos
+        out = self.model(tokens, mask=mask, input_pos=input_pos.unsqueeze(0))
+        for cache in self.caches:
+            cache.positions = None
+        return out
+
+    def reset(self) -> None:
+        for cache in self.caches:
+            cache.reset()
+
+
+def export_pte(
+    model: nn.Module,
+    out_path: str | os.PathLike,
+    max_seq_len: int = 128,
+    group_size: int = 32,
+    example_len: int = 4,
+) -> Path:
+    """Write an XNNPACK `.pte` of the 8da4w-quantized `model` (quantized here on a copy if it is not yet).
+
+    The caller's model is not modified. Only batch size 1 is exported (on-device generation)."""
+    _require_executorch()
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+    from torch.export import Dim, export
+
+    if getattr(model, "skip_output", False):
+        raise RecipeError("export_pte: model.skip_output is set; the exported program must return logits")
+    if not 2 <= example_len <= max_seq_len:
+        raise RecipeError(f"example_len must be in [2, max_seq_len={max_seq_len}], got {example_len}")
+    model = copy.deepcopy(model).eval()
+    if not any(_is_torchao_tensor(p) for p in model.parameters()):
+        quantize_model(model, "8da4w", group_size)
+    wrapper = StaticCacheDecoder(model, max_seq_len).eval()
+    vocab = model.tok_embeddings.num_embeddings
+    tokens = torch.randint(0, vocab, (1, example_len))
+    seq = Dim("seq", min=1, max=max_seq_len)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assigned during export.*")  # cache.positions, by design
+        program = export(wrapper, (tokens, torch.arange(example_len)),
+                         dynamic_shapes={"tokens": {1: seq}, "input_pos": {0: seq}}, strict=False)
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        # Zero-initialise the caches in the file: masked slots are multiplied by 0 in attention, and 0 * NaN
+        # from uninitialised memory would still poison the output.
+        et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["k_cache", "v_cache"])]))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(et.buffer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+class PteRunner:
+    """Load a `.pte` with `executorch.runtime` and call it like the eager wrapper (prefill, then decode)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        _require_executorch()
+        from executorch.runtime import Runtime
+
+        if not Path(path).is_file():
+            raise RecipeError(f"{path}: no such .pte file")
+        self._method = Runtime.get().load_program(str(path)).load_method("forward")
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self._method.execute([tokens.long(), input_pos.long()])[0]
