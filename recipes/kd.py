@@ -73,6 +73,7 @@ def main(cfg: DictConfig) -> None:
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
+    keep = None
     if resume_from is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
@@ -110,8 +111,14 @@ def main(cfg: DictConfig) -> None:
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
           adapters=lora is not None)
-    final = write_final_model(cfg, rt, student, sargs, student_dir, lora=lora, base_model=str(student_dir))
+    # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
+    # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
+    adapter_lora = lora if keep is None else None
+    final = write_final_model(cfg, rt, student, sargs, student_dir, lora=adapter_lora, base_model=str(student_dir))
     if rt.is_main:
+        if lora is not None and adapter_lora is None:
+            print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "
+                  "use the merged model")
         print(f"student: {final}\nmetrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 
