@@ -281,29 +281,32 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
     clock = Throughput()
     step = start_step
     model.train()
-    for window in windows(loader, accum):
-        if step >= steps:
-            break
-        if before_step is not None:
-            before_step(step)
-        clock.begin()
-        n = count_targets(window, rt)
-        totals: dict[str, float] = {}
-        for batch in window:
-            sums = loss_fn(to_device(batch, rt.device))
-            (sums["loss"] / n * rt.world_size).backward()
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + float(v.detach() / n)
-        totals = {k: float(rt.all_reduce_sum(v)) for k, v in totals.items()}
-        check_finite(totals["loss"], step + 1, last_checkpoint)
-        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.get("max_grad_norm"))
-        step += 1
-        logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in totals.items()},
-                   lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
-                   peak_memory_gib=rt.peak_memory_gib())
-        if save_every and step % save_every == 0 and step < steps:
-            last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
-                                                       scheduler, loader, adapters)
-    save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
-    logger.close()
+    # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
+    try:
+        for window in windows(loader, accum):
+            if step >= steps:
+                break
+            if before_step is not None:
+                before_step(step)
+            clock.begin()
+            n = count_targets(window, rt)
+            totals: dict[str, float] = {}
+            for batch in window:
+                sums = loss_fn(to_device(batch, rt.device))
+                (sums["loss"] / n * rt.world_size).backward()
+                for k, v in sums.items():
+                    totals[k] = totals.get(k, 0.0) + float(v.detach() / n)
+            totals = {k: float(rt.all_reduce_sum(v)) for k, v in totals.items()}
+            check_finite(totals["loss"], step + 1, last_checkpoint)
+            grad_norm = optimizer_step(model, optimizer, scheduler, cfg.get("max_grad_norm"))
+            step += 1
+            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in totals.items()},
+                       lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
+                       peak_memory_gib=rt.peak_memory_gib())
+            if save_every and step % save_every == 0 and step < steps:
+                last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
+                                                           scheduler, loader, adapters)
+        save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
+    finally:
+        logger.close()
     return step
