@@ -1,0 +1,102 @@
+"""Resume after a hard crash, for every training recipe: a run killed with SIGKILL after its first checkpoint
+and resumed with `resume=true` ends with bit-identical weights, the same logged losses and no duplicated
+metrics lines; plus the errors around resuming (no checkpoint, a NaN loss keeps the last good checkpoint).
+
+The killed run is a real `recipe run` subprocess; the reference and resumed runs call the same CLI entry
+point in-process with one thread (bit-identical to the subprocess, which also runs with OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
+rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
+if "recipes_common" not in sys.modules:
+    sys.modules["recipes_common"] = rc
+    _spec.loader.exec_module(rc)
+
+STEPS = 6
+LORA = ["lora.rank=4", "lora.alpha=8.0"]
+
+
+def recipe_case(recipe: str, model: Path) -> tuple[str, list[str]]:
+    """(config, overrides) of a 6-step run that crosses epoch boundaries (5 chat rows: 3 batches per epoch,
+    2 per optimizer step) and, for QAT, the fake-quantization switch at step 3."""
+    train = [*rc.COMMON, f"max_steps={STEPS}", "gradient_accumulation_steps=2", "optimizer.lr=1e-3",
+             "lr_scheduler.name=cosine", "lr_scheduler.warmup_steps=2"]
+    if recipe == "full":
+        return "full/smollm2", [*train, f"model.checkpoint_dir={model}"]
+    if recipe == "lora":
+        return "lora/smollm2", [*train, f"model.checkpoint_dir={model}", *LORA]
+    if recipe == "qat":
+        return "qat/smollm2", [*train, f"model.checkpoint_dir={model}", "qat.fake_quant_after_n_steps=3",
+                               "qat.convert=false"]
+    # kd: a 2-layer student pruned from the teacher, on packed passages (block-causal masks, input_pos).
+    return "kd/smollm2_demo", [*rc.KD_COMMON, f"max_steps={STEPS}", "gradient_accumulation_steps=2",
+                               "optimizer.lr=1e-3", f"teacher.checkpoint_dir={model}", "student.keep_layers=[0,3]",
+                               "dataset.limit=4"]
+
+
+@pytest.mark.parametrize("recipe, optimizer", [
+    ("full", None), ("lora", None), ("kd", None), ("qat", None),
+    # torchao's quantized optimizer states (tensor subclasses) through the recipe state; compiled step: slow.
+    pytest.param("full", "torchao.optim.AdamW8bit", marks=pytest.mark.slow),
+    pytest.param("kd", "torchao.optim.AdamW4bit", marks=pytest.mark.slow),
+])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe, optimizer):
+    config, overrides = recipe_case(recipe, tiny_model_dir)
+    if optimizer is not None:
+        overrides.append(f"optimizer._component_={optimizer}")
+    ref, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
+    assert rc.run_in_process(recipe, config, [*overrides, f"output_dir={ref}"]) == 0
+
+    ckpt_overrides = [*overrides, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
+    killed_at = rc.run_and_kill(recipe, config, ckpt_overrides, crashed, cwd=tmp_path)
+    assert 1 <= killed_at < STEPS
+    assert rc.run_in_process(recipe, config, [*ckpt_overrides, "resume=true"]) == 0
+
+    rc.assert_same_weights(crashed / "model", ref / "model")
+    if optimizer is not None:  # the resumed optimizer state really held quantized moments
+        assert '"__subclass__": "torchao.optim.' in (rc.complete_checkpoints(crashed)[-1] / "recipe_state" / "state.json").read_text()
+    if recipe == "lora":
+        a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (crashed, ref))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed, uninterrupted = rc.read_metrics(crashed), rc.read_metrics(ref)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # no duplicated (re-run) steps
+    loss_keys = [k for k in uninterrupted[0] if k.endswith("loss")]
+    assert [[r[k] for k in loss_keys] for r in resumed] == [[r[k] for k in loss_keys] for r in uninterrupted]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in uninterrupted]
+
+
+def test_resume_without_checkpoint_is_one_line_error(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    proc = rc.run_cli("full", "full/smollm2", [*rc.COMMON, f"model.checkpoint_dir={tiny_model_dir}",
+                                               f"output_dir={out}", "resume=true"], cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    assert "resume=true" in line and f"{out}/checkpoints" in line and "no complete checkpoint" in line
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir):
+    # lr 1e30: step 1's loss is finite, its update blows the weights up, step 2's loss is not finite.
+    out = tmp_path / "out"
+    proc = rc.run_cli("full", "full/smollm2", [*rc.COMMON, f"model.checkpoint_dir={tiny_model_dir}",
+                                               f"output_dir={out}", "max_steps=4", "save_every_n_steps=1",
+                                               "optimizer.lr=1e30", "lr_scheduler.name=constant"], cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    last_good = out / "checkpoints" / "step_000001"
+    assert "at step 2" in line and str(last_good) in line, line
+    assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000001"]
+    assert all(torch.isfinite(t).all() for t in rc.weights(last_good).values())
+    assert not (out / "model").exists()
+    assert [r["step"] for r in rc.read_metrics(out)] == [1]
+    rc.assert_png(out / "loss.png")  # drawn from the good steps, to look at what went wrong
