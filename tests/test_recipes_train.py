@@ -217,9 +217,6 @@ def test_qlora_merges_onto_the_nf4_base(tmp_path, qlora_model):
     assert b.abs().max() > 0
 
 
-@pytest.mark.xfail(strict=True, reason="components/models/builder.py passes torchao's default NF4 scaler block "
-                   "(256) to every LoRALinear, so QLoRA crashes (AssertionError) on weights whose size is not a "
-                   "multiple of 16384, e.g. SmolLM2-135M's 576x576 q_proj (the shipped lora/smollm2 config)")
 def test_qlora_on_smollm2_sized_projections(tmp_path, embedded_model_dir):
     # 96x96 projections (9216 = 144 NF4 blocks): like SmolLM2-135M's 576x576 (5184 blocks), not a multiple of 256.
     model = rc.make_llama(tmp_path / "m96", embedded_model_dir, seed=3, hidden=96, intermediate=192, layers=1,

@@ -82,8 +82,19 @@ def _linear(name: str, d_in: int, d_out: int, bias: bool, lora: LoRASettings | N
     if lora is None or name not in lora.targets:
         return nn.Linear(d_in, d_out, bias=bias)
     cls = DoRA if lora.use_dora else LoRALinear
+    extra = _nf4_block_sizes(d_in * d_out) if lora.quantize_base else {}
     return cls(d_in, d_out, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, use_bias=bias,
-               quantize_base=lora.quantize_base)
+               quantize_base=lora.quantize_base, **extra)
+
+
+def _nf4_block_sizes(numel: int) -> dict:
+    """NF4 block sizes that tile this weight: blocks of 64 values, scalers grouped in the largest of
+    256/128/.../1 blocks that divides evenly (torchao's default 256 rejects e.g. SmolLM2's 576x576)."""
+    if numel % 64:
+        raise RecipeError(f"lora.quantize_base: a weight of {numel} elements is not a multiple of 64 (NF4 blocks)")
+    blocks = numel // 64
+    scaler = next(s for s in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % s == 0)
+    return {"block_size": 64, "scaler_block_size": scaler}
 
 
 def build_model(args: ModelArgs, lora: LoRASettings | None = None, max_seq_len: int | None = None) -> Decoder:
