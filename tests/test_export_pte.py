@@ -74,6 +74,9 @@ def test_errors(tmp_path):
                      max_position_embeddings=16, tie_word_embeddings=True, qkv_bias=False, o_bias=False)
     with pytest.raises(RecipeError, match="exceeds the model's RoPE table"):
         export_pte(build_model(args, max_seq_len=16), tmp_path / "x.pte", max_seq_len=32)
+    int8 = quantize_model(build_model(args, max_seq_len=16), "int8_weight_only")
+    with pytest.raises(RecipeError, match="only 8da4w.*Int8Tensor"):
+        export_pte(int8, tmp_path / "x.pte", max_seq_len=16)
 
 
 def check_embedded_pte(model, path):

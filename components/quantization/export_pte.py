@@ -129,8 +129,12 @@ def export_pte(
         raise RecipeError("export_pte: model.skip_output is set; the exported program must return logits")
     if not 2 <= example_len <= max_seq_len:
         raise RecipeError(f"example_len must be in [2, max_seq_len={max_seq_len}], got {example_len}")
+    kinds = {type(p).__name__ for p in model.parameters() if _is_torchao_tensor(p)}
+    if kinds - {"IntxUnpackedToInt8Tensor"}:
+        raise RecipeError(f"export_pte: only 8da4w models lower to XNNPACK here, this one has {sorted(kinds)} "
+                          "weights; quantize with scheme 8da4w (or pass the float model)")
     model = copy.deepcopy(model).eval()
-    if not any(_is_torchao_tensor(p) for p in model.parameters()):
+    if not kinds:
         quantize_model(model, "8da4w", group_size)
     round_scales_like_xnnpack(model)  # what XNNPACK would do anyway; keeps the file and its twin identical
     wrapper = StaticCacheDecoder(model, max_seq_len).eval()
