@@ -81,8 +81,12 @@ def summary_table(rows: list[Row]) -> str:
     return "\n".join(fmt)
 
 
-def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | None = None) -> list[Row]:
-    """Run the whole demo; returns the table rows (also written to output_dir/summary.json)."""
+def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | None = None,
+             kd_overrides: tuple[str, ...] = ()) -> list[Row]:
+    """Run the whole demo; returns the table rows (also written to output_dir/summary.json).
+
+    `kd_overrides` are extra `key=value` overrides for kd/smollm2_demo (tests use them to shrink the run).
+    """
     from cli.recipes import load_recipe
     from components.assets import ensure_assets
     from components.config import load_config, validate_config
@@ -114,6 +118,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | Non
     overrides = [f"output_dir={out / 'kd'}", f"student.keep_layers={keep}", "student.every=null"]
     if steps is not None:
         overrides.append(f"max_steps={steps}")
+    overrides += list(kd_overrides)
     name, recipe = load_recipe("kd")
     cfg = load_config("kd/smollm2_demo", overrides)
     validate_config(cfg, recipe.SCHEMA, recipe=name)
