@@ -136,8 +136,10 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | Non
     print("\n== 5/5 summary", flush=True)
     table = summary_table(rows)
     print(table)
-    print(f"\n(first {limit} items per task; size on disk: HF folder, 8da4w as a torchao checkpoint; "
-          f"GGUF Q4_0 is {size_on_disk(gguf) / 1024**2:.0f} MiB; tokens/s: CPU forward on 4x128 tokens)")
+    stderr = 0.5 / math.sqrt(max(limit, 1))
+    print(f"\n(first {limit} items per task, so accuracies carry a standard error up to ~{stderr:.2f}; LAMBADA "
+          f"perplexity is the clearest signal. Size on disk: HF folder, 8da4w as a torchao checkpoint; GGUF Q4_0 is "
+          f"{size_on_disk(gguf) / 1024**2:.0f} MiB. tokens/s: forward pass on 4x128 tokens on this machine)")
     print(f"distilled student:   {distilled_dir}")
     print(f"8da4w checkpoint:    {hf_dir}  (transformers loads it)")
     print(f"GGUF export:         {gguf}  (llama.cpp loads it)")

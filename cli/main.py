@@ -16,6 +16,7 @@ from cli.recipes import discover_recipes, load_recipe, recipe_file
 from components.config import (
     config_source,
     configs_dir,
+    configure_logging,
     load_recipe_config,
     print_error,
     recipe_argparser,
@@ -385,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     lead = 0
     while lead < len(argv) and argv[lead] == "--debug":
         lead += 1
+    configure_logging("--debug" in argv)
     try:
         if lead < len(argv) and argv[lead] == "run":
             debug = lead > 0 or "--debug" in argv

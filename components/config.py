@@ -534,6 +534,19 @@ def load_recipe_config(
     return cfg
 
 
+def configure_logging(debug: bool = False) -> None:
+    """Our notes (`recipe.*`, `components.*`) at INFO on stderr; silence import-time noise users cannot act on
+    (torchao's optional CUDA extensions on CPU builds, torch's pytree deprecation notes)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("recipe", "components"):
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
+    if not debug:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
 def run_recipe_script(
     schema: Mapping[str, Any],
     main: Callable[[DictConfig], None],
@@ -548,6 +561,7 @@ def run_recipe_script(
         module = getattr(main, "__module__", "") or ""
         name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
+    configure_logging(args.debug)
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
         main(cfg)
