@@ -129,6 +129,21 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
     return optimizer, scheduler
 
 
+def setup_training(cfg: DictConfig, rt: Runtime, model: nn.Module, tokenizer: Tokenizer, resume_from: Path | None,
+                   adapters: bool):
+    """Data loader, step count, optimizer and schedule; restored from `resume_from` when resuming.
+
+    Returns `(loader, steps, optimizer, scheduler, start_step)`.
+    """
+    loader = build_train_loader(cfg, tokenizer, rt)
+    steps = total_steps(cfg, loader)
+    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
+    start = 0
+    if resume_from is not None:
+        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters)
+    return loader, steps, optimizer, scheduler, start
+
+
 def windows(loader, accum: int) -> Iterator[list[dict]]:
     """Endless stream of accumulation windows (lists of `accum` micro-batches), epoch after epoch."""
     window: list[dict] = []

@@ -13,13 +13,10 @@ from components.models import load_model
 from components.runtime import setup_runtime
 from components.training import (
     TRAIN_SCHEMA,
-    build_train_loader,
     find_resume_checkpoint,
     lm_loss_sum,
     load_tokenizer,
-    restore_training_state,
-    setup_optimizer,
-    total_steps,
+    setup_training,
     train,
     write_final_model,
 )
@@ -38,12 +35,8 @@ def main(cfg: DictConfig) -> None:
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    loader = build_train_loader(cfg, tokenizer, rt)
-    steps = total_steps(cfg, loader)
-    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
-    start = 0
-    if resume_from is not None:
-        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters=False)
+    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                 adapters=False)
 
     # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
     chunks = cfg.get("num_output_chunks", 8)

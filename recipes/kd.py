@@ -19,15 +19,12 @@ from components.training import (
     OPT_FLOAT,
     OPT_INT,
     TRAIN_SCHEMA,
-    build_train_loader,
     find_resume_checkpoint,
     freeze_all_but_adapters,
     hidden_states,
     load_tokenizer,
     lora_settings,
-    restore_training_state,
-    setup_optimizer,
-    total_steps,
+    setup_training,
     train,
     write_final_model,
 )
@@ -91,13 +88,8 @@ def main(cfg: DictConfig) -> None:
     rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    loader = build_train_loader(cfg, tokenizer, rt)
-    steps = total_steps(cfg, loader)
-    optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
-    start = 0
-    if resume_from is not None:
-        start = restore_training_state(resume_from, student, optimizer, scheduler, loader, rt,
-                                       adapters=lora is not None)
+    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, student, tokenizer, resume_from,
+                                                                 adapters=lora is not None)
 
     # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk.
     chunks = cfg.get("num_output_chunks", 8)

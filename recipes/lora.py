@@ -15,15 +15,12 @@ from components.runtime import setup_runtime
 from components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
-    build_train_loader,
     find_resume_checkpoint,
     freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
-    restore_training_state,
-    setup_optimizer,
-    total_steps,
+    setup_training,
     train,
     write_final_model,
 )
@@ -45,13 +42,9 @@ def main(cfg: DictConfig) -> None:
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    loader = build_train_loader(cfg, tokenizer, rt)
-    steps = total_steps(cfg, loader)
-    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
     resume_from = find_resume_checkpoint(cfg)
-    start = 0
-    if resume_from is not None:
-        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters=True)
+    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                 adapters=True)
 
     # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
     chunks = cfg.get("num_output_chunks", 8)

@@ -26,15 +26,12 @@ from components.training import (
     LORA_SCHEMA,
     OPT_INT,
     TRAIN_SCHEMA,
-    build_train_loader,
     find_resume_checkpoint,
     freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
-    restore_training_state,
-    setup_optimizer,
-    total_steps,
+    setup_training,
     train,
     write_final_model,
 )
@@ -66,12 +63,8 @@ def main(cfg: DictConfig) -> None:
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    loader = build_train_loader(cfg, tokenizer, rt)
-    steps = total_steps(cfg, loader)
-    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
-    start = 0
-    if resume_from is not None:
-        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters=lora is not None)
+    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                 adapters=lora is not None)
 
     # Fake quantization switches on at optimizer step `fake_quant_after_n_steps` (a local flag: every rank
     # flips it at the same step, so it is safe under torchrun).

@@ -45,6 +45,16 @@ def load_hf_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     raise RecipeError(f"{d}: no model.safetensors, {INDEX_FILE} or pytorch_model.bin")
 
 
+def copy_tokenizer_files(tokenizer_dir: str | Path | None, out_dir: Path) -> None:
+    """Copy the tokenizer/generation files that exist in `tokenizer_dir` into `out_dir`."""
+    if tokenizer_dir is None:
+        return
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.is_file():
+            shutil.copy2(src, out_dir / name)
+
+
 def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -86,11 +96,7 @@ def write_hf_folder(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
             )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.is_file():
-                    shutil.copy2(src, tmp / name)
+        copy_tokenizer_files(tokenizer_dir, tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return out_dir

@@ -12,7 +12,6 @@ i.e. every scheme we offer, so no pickled `pytorch_model.bin` is ever needed.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from components.checkpoint import atomic_directory
 from components.errors import RecipeError
 from components.models import ModelArgs, tune_to_hf_names
-from components.models.hf_io import TOKENIZER_FILES
+from components.models.hf_io import copy_tokenizer_files
 from components.quantization.ptq import quantize_model
 from components.quantization.schemes import _is_torchao_tensor, base_config
 
@@ -74,11 +73,7 @@ def export_hf_torchao(
     with atomic_directory(out_dir) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata=metadata)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.is_file():
-                    shutil.copy2(src, tmp / name)
+        copy_tokenizer_files(tokenizer_dir, tmp)
     return out_dir
 
 
