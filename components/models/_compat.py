@@ -5,7 +5,17 @@ is the only change torchtune's modules need. Every torchtune import in this proj
 """
 
 import importlib
+import logging
 import sys
+
+import torch
+
+# Import-time noise users cannot act on: torch's pytree deprecation notes for torchao's enums, and (on builds
+# without CUDA) torchao's warnings that its optional CUDA kernels did not load. `--debug` logging still shows
+# them when configured before this import.
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+if not torch.cuda.is_available():
+    logging.getLogger("torchao").setLevel(logging.ERROR)
 
 _NF4_OLD = "torchao.dtypes.nf4tensor"
 _NF4_NEW = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
