@@ -98,15 +98,6 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     return model, Tokenizer.from_dir(ckpt_dir)
 
 
-def _delete_kv_caches(model: torch.nn.Module) -> None:
-    # Same effect as torchtune.modules.common_utils.delete_kv_caches (torchtune is imported only inside
-    # components.models): attention modules go back to cache-less full-sequence mode.
-    for module in model.modules():
-        if hasattr(module, "kv_cache") and hasattr(module, "cache_enabled"):
-            module.cache_enabled = False
-            module.kv_cache = None
-
-
 @register_model("recipe")
 class RecipeLM(TemplateLM):
     """lm-eval LM over our decoder: loglikelihood, loglikelihood_rolling and KV-cached generate_until."""
@@ -410,7 +401,9 @@ class RecipeLM(TemplateLM):
                         break
             finally:
                 if use_cache:
-                    _delete_kv_caches(self.model)
+                    from components.models.generation import delete_kv_caches
+
+                    delete_kv_caches(self.model)
         return [tokens[i, plen: plen + finished_at[i]].tolist() for i in range(b)]
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:

@@ -25,6 +25,11 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The `torch_dtype` string a HF config.json records for `dtype` (float32 for anything else)."""
+    return _DTYPE_NAMES.get(dtype, "float32")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -142,5 +147,5 @@ def save_model(
     if args.tie_word_embeddings:
         sd.pop("output.weight", None)
     out_dtype = next(iter(sd.values())).dtype
-    config = args.to_hf_config(dtype=_DTYPE_NAMES.get(out_dtype, "float32"))
+    config = args.to_hf_config(dtype=dtype_name(out_dtype))
     return write_hf_folder(out_dir, tune_to_hf_names(sd), config, tokenizer_dir, extra_files=extra_files)

@@ -22,10 +22,9 @@ from components.checkpoint import atomic_directory
 from components.errors import RecipeError
 from components.models import ModelArgs, tune_to_hf_names
 from components.models.hf_io import copy_tokenizer_files
+from components.models.loader import dtype_name
 from components.quantization.ptq import quantize_model
 from components.quantization.schemes import _is_torchao_tensor, base_config
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def torchao_quantization_config(scheme: str, group_size: int = 32, include_output: bool = False) -> dict:
@@ -67,7 +66,7 @@ def export_hf_torchao(
     dtype = next(iter(plain.values())).dtype
     tensors, metadata = flatten_tensor_state_dict(tune_to_hf_names(sd))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    config = args.to_hf_config(dtype=_DTYPE_NAMES.get(dtype, "float32"))
+    config = args.to_hf_config(dtype=dtype_name(dtype))
     config["quantization_config"] = torchao_quantization_config(scheme, group_size, include_output)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
