@@ -166,9 +166,13 @@ def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:
 
 
 def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Final normed hidden states (the output projection is applied chunk by chunk by the loss)."""
+    """Final normed hidden states (the output projection is applied chunk by chunk by the loss); the model
+    returns logits again afterwards."""
     model.skip_output = True
-    return model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+    try:
+        return model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+    finally:
+        model.skip_output = False
 
 
 def lm_loss_sum(model: nn.Module, batch: dict, num_chunks: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch import nn
 
 from components.data.collate import collate
 from components.losses import chunked_cross_entropy
+from components.training import hidden_states
 
 
 @torch.no_grad()
@@ -25,13 +26,8 @@ def perplexity(model: nn.Module, tokenizer, texts: Sequence[str], max_seq_len: i
     total, count = 0.0, 0
     model.eval()
     for i in range(0, len(items), batch_size):
-        batch = collate(items[i : i + batch_size], tokenizer.pad_id)
-        model.skip_output = True
-        try:
-            hidden = model(batch["tokens"].to(device))
-        finally:
-            model.skip_output = False
-        loss_sum, n = chunked_cross_entropy(hidden, model.output, batch["labels"].to(device), num_chunks=4)
+        batch = {k: v.to(device) for k, v in collate(items[i : i + batch_size], tokenizer.pad_id).items()}
+        loss_sum, n = chunked_cross_entropy(hidden_states(model, batch), model.output, batch["labels"], num_chunks=4)
         total += float(loss_sum)
         count += int(n)
     return math.exp(total / max(count, 1))
