@@ -10,6 +10,7 @@ and a job already finished in `--out` is skipped, so an interrupted study resume
     python bench/kd_study.py run --only sft,kd_fkl_0.5   # a subset (dependencies are not added)
     python bench/kd_study.py collect                     # results.json + markdown tables from --out
     python bench/kd_study.py plot --png docs/kd_study_loss.png
+    python bench/kd_study.py throughput                  # single-run tokens/s (run with the device otherwise idle)
     python bench/kd_study.py eval-one --name teacher --model embedded   # used by `run`
 """
 
@@ -46,6 +47,7 @@ class Scale:
     hellaswag_limit: int | None = None  # first N HellaSwag items (None: all 10042)
     eval_batch_size: int = 64
     device: str = "auto"
+    quant_numerics: str = "auto"  # quantized evals: "real" torchao tensors, "fake" quantizers, auto = fake on CUDA
 
 
 @dataclass
@@ -129,7 +131,7 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
 
 def scale_flags(s: Scale) -> list[str]:
     """The CLI flags that reproduce `s` (eval-one needs the eval knobs)."""
-    flags = ["--eval-batch-size", str(s.eval_batch_size), "--device", s.device]
+    flags = ["--eval-batch-size", str(s.eval_batch_size), "--device", s.device, "--quant-numerics", s.quant_numerics]
     if s.eval_limit is not None:
         flags += ["--eval-limit", str(s.eval_limit)]
     flags += ["--hellaswag-limit", "all" if s.hellaswag_limit is None else str(s.hellaswag_limit)]
@@ -224,31 +226,36 @@ def eval_one(name: str, model_spec: str, out: Path, every: int | None, quant: st
     model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
     model.eval()
     method = f"{str(dtype).removeprefix('torch.')} weights"
+    check: dict[str, Any] = {}
     if quant:
-        method = quantize_for_eval(model, src, dtype, device, keep, quant)
-        if method.startswith("fake"):  # the real quantized model failed here: reload and fake-quantize instead
+        numerics = s.quant_numerics if s.quant_numerics != "auto" else ("fake" if device.startswith("cuda") else "real")
+        method = quantize_for_eval(model, src, dtype, device, keep, quant) if numerics == "real" else "fake"
+        if method.startswith("fake"):  # asked for, or the real quantized model failed here: fake-quantize instead
             model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
             model.eval()
             fake_quantize(model, quant)
+            if numerics == "fake":
+                method = f"fake quantization ({quant}, group 32; torchao QAT fake quantizers)"
+                check = compare_with_real(model, src, dtype, device, keep, quant)
     tok = Tokenizer.from_dir(src)
     dest = out / "evals" / name
     res_main = evaluate((model, tok), TASKS_MAIN, limit=s.eval_limit, batch_size=s.eval_batch_size,
                         output_dir=dest / "main")
-    write_summary(dest, name, src, keep, quant, method, res_main, {}, t0)  # partial, in case HellaSwag is cut off
+    write_summary(dest, name, src, keep, quant, method, res_main, {}, t0, check)  # partial, if HellaSwag is cut off
     hs_limit = s.hellaswag_limit if s.eval_limit is None else min(s.eval_limit, s.hellaswag_limit or s.eval_limit)
     res_hs = evaluate((model, tok), [TASK_HELLASWAG], limit=hs_limit, batch_size=s.eval_batch_size,
                       output_dir=dest / "hellaswag")
-    return write_summary(dest, name, src, keep, quant, method, res_main, res_hs, t0)
+    return write_summary(dest, name, src, keep, quant, method, res_main, res_hs, t0, check)
 
 
 def write_summary(dest: Path, name: str, src: Path, keep: list[int] | None, quant: str | None, method: str,
-                  res_main: dict, res_hs: dict, t0: float) -> dict:
+                  res_main: dict, res_hs: dict, t0: float, check: dict | None = None) -> dict:
     """The numbers the study reports for one model, from lm-eval's results, into dest/summary.json."""
     import torch
 
     n = {**res_main.get("n-samples", {}), **res_hs.get("n-samples", {})}
     summary = {
-        "name": name, "model": str(src), "keep_layers": keep, "quant": quant, "method": method,
+        "name": name, "model": str(src), "keep_layers": keep, "quant": quant, "method": method, **(check or {}),
         "lambada_acc": _metric(res_main, "recipe_lambada_openai", "acc,none"),
         "lambada_ppl": _metric(res_main, "recipe_lambada_openai", "perplexity,none"),
         "hellaswag_acc_norm": _metric(res_hs, TASK_HELLASWAG, "acc_norm,none"),
@@ -285,12 +292,56 @@ def quantize_for_eval(model: Any, src: Path, dtype: Any, device: str, keep: list
         return f"fake quantization ({scheme}, group 32; real kernel failed: {type(e).__name__})"
 
 
+def compare_with_real(fake: Any, src: Path, dtype: Any, device: str, keep: list[int] | None, scheme: str) -> dict:
+    """Logits of the fake-quantized model vs torchao's real quantized one on a fixed batch (both on `device`):
+    the evidence that evaluating through fake quantization measures the deployed numerics."""
+    import torch
+
+    from components.models import load_model
+    from components.quantization import quantize_model
+
+    real, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
+    real.eval()
+    quantize_model(real, scheme, 32)
+    tokens = torch.randint(0, 49152, (4, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        a, b = real(tokens).float(), fake(tokens).float()
+    return {"real_vs_fake_max_abs_logit_diff": float((a - b).abs().max()),
+            "real_vs_fake_argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
 def fake_quantize(model: Any, scheme: str) -> None:
     """torchao's QAT fake quantizers (the same int8 dynamic-activation / int4 group-32 rounding), switched on."""
     from components.quantization import prepare_qat, set_fake_quant_enabled
 
     prepare_qat(model, scheme, 32)
     set_fake_quant_enabled(model, True)
+
+
+# ---------------------------------------------------------------------------------------------- throughput
+
+
+def throughput(s: Scale, out: Path, steps: int) -> dict:
+    """Single-run training speed (each run alone on the device): the KD student and the 135M full fine-tune,
+    `steps` steps of the study's own command lines; the first 5 steps (warm-up, allocator growth) are dropped."""
+    result = {}
+    for name in ("kd_fkl_0.5", "teacher_ft", "qat_ft"):
+        job = next(j for j in training_jobs(s, out) if j.name == name)
+        dest = out / "throughput" / name
+        new = {"output_dir": str(dest), "max_steps": str(steps)}
+        argv = [f"{k}={new[k]}" if (k := a.split("=")[0]) in new else a for a in job.argv]
+        t0 = time.time()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+        subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+        rows = [json.loads(x) for x in (dest / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        tps = [r["tokens_per_s"] for r in rows[5:] if r.get("tokens_per_s")]
+        result[name] = {"steps": steps, "tokens_per_s": sum(tps) / len(tps),
+                        "peak_memory_gib": max((r.get("peak_memory_gib") or 0.0) for r in rows),
+                        "process_wall_s": round(time.time() - t0, 1), "command": shlex.join(argv)}
+        print(name, json.dumps(result[name]), flush=True)
+    (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 # ------------------------------------------------------------------------------------------------- collect
@@ -332,6 +383,9 @@ def collect(s: Scale, out: Path) -> dict:
             p = out / "evals" / name / "summary.json"
             result["eval"][name] = {"command": j.command().replace(sys.executable, "python"), "group": j.group,
                                     **(json.loads(p.read_text()) if p.is_file() else {})}
+    tp = out / "throughput.json"
+    if tp.is_file():
+        result["throughput"] = json.loads(tp.read_text())
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -394,14 +448,14 @@ def _scale_from(args: argparse.Namespace) -> Scale:
     return Scale(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr_student=args.lr_student,
                  lr_teacher=args.lr_teacher, warmup=args.warmup, every=args.student_every,
                  eval_limit=args.eval_limit, hellaswag_limit=hs, eval_batch_size=args.eval_batch_size,
-                 device=args.device)
+                 device=args.device, quant_numerics=args.quant_numerics)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the phase and the scale flags, then plan / run / collect / plot / eval-one."""
     d = Scale()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=["plan", "run", "collect", "plot", "eval-one"])
+    p.add_argument("phase", choices=["plan", "run", "collect", "plot", "eval-one", "throughput"])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "kd_study")
     p.add_argument("--jobs", type=int, default=14, help="processes at once (they share one GPU)")
     p.add_argument("--only", default=None, help="comma-separated job names (eval jobs: eval:NAME)")
@@ -417,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hellaswag-limit", default="all" if d.hellaswag_limit is None else str(d.hellaswag_limit))
     p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     p.add_argument("--device", default=d.device)
+    p.add_argument("--quant-numerics", choices=["auto", "real", "fake"], default=d.quant_numerics,
+                   help="quantized evals: torchao's real tensors or QAT fake quantizers (auto: fake on CUDA, where "
+                        "real 8da4w evaluated slower than bf16; summary.json records how far the two differ)")
+    p.add_argument("--throughput-steps", type=int, default=60, help="throughput: steps of each single run")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "kd_study_loss.png")
     # eval-one
     p.add_argument("--name")
@@ -433,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.phase == "plot":
         plot(out, args.png)
+        return 0
+    if args.phase == "throughput":
+        throughput(s, out, args.throughput_steps)
+        collect(s, out)
         return 0
     jobs = all_jobs(s, out)
     if args.kind:
