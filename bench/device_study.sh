@@ -3,12 +3,15 @@
 # The machine has torch but none of our pins and no network; see bench/README.md for what is carried.
 #
 #   bash bench/device_study.sh install          # call 1 (carry .whl, .carry/a): wheels -> /tmp/site, GGUF part 1
-#   bash bench/device_study.sh start 540        # call 2 (carry .carry/b): assets, throughput, start the study, wait
+#   THROUGHPUT=1 bash bench/device_study.sh start 520 [DRIVER ARGS]   # call 2 (carry .carry/b): assets, single-run
+#                                               # throughput, then the study driver in the background; wait, pack
 #   bash bench/device_study.sh wait 540         # call 3..: wait for the study, then pack the results into $OUT
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).
 set -euo pipefail
-stage=${1:?stage: install | start SECONDS | wait SECONDS}
+stage=${1:?stage: install | start SECONDS [DRIVER ARGS] | wait SECONDS}
+secs=${2:-540}
+shift $(($# < 2 ? $# : 2))
 export PYTHONPATH=/tmp/stub:/tmp/site:/tmp/repo RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 STUDY=/tmp/study
@@ -46,15 +49,18 @@ start)
     tar xJf .carry/b/assets.tar.xz -C /tmp/site
     cd /tmp/repo
     python3 -m cli.main assets
-    python3 bench/kd_study.py throughput --out "$STUDY" --throughput-steps 60 2>/tmp/throughput.log \
-        || { echo "throughput failed:"; tail -c 2000 /tmp/throughput.log; }
-    setsid nohup python3 bench/kd_study.py run --out "$STUDY" --jobs 14 >/tmp/study.log 2>&1 </dev/null &
+    if [[ ${THROUGHPUT:-0} == 1 ]]; then
+        python3 bench/kd_study.py throughput --out "$STUDY" --throughput-steps 60 2>/tmp/throughput.log \
+            || { echo "throughput failed:"; tail -c 2000 /tmp/throughput.log; }
+    fi
+    setsid nohup python3 bench/kd_study.py run --out "$STUDY" --jobs 14 "$@" >/tmp/study.log 2>&1 </dev/null &
     sleep 5
-    wait_for_driver "${2:-540}"
+    wait_for_driver "$secs"
+    pack
     ;;
 wait)
     cd /tmp/repo
-    wait_for_driver "${2:-540}"
+    wait_for_driver "$secs"
     pack
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;

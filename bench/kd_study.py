@@ -77,6 +77,13 @@ def training_jobs(s: Scale, out: Path) -> list[Job]:
         ("teacher_ft", "full", "full/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}"], [], "qat"),
         ("qat_ft", "qat", "qat/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}"], [], "qat"),
     ]
+    # The same two fine-tunes with bf16 stochastic rounding in the optimizer (torchao's AdamW): in pure bf16 an
+    # update of lr 2e-5 rounds away for most weights, which leaves QAT little room to adapt (docs/kd_study.md).
+    sr = ["optimizer._component_=torchao.optim._AdamW", "optimizer.bf16_stochastic_round=true"]
+    rows += [
+        ("teacher_ft_sr", "full", "full/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}", *sr], [], "qat_sr"),
+        ("qat_ft_sr", "qat", "qat/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}", *sr], [], "qat_sr"),
+    ]
     student = [f"student.every={s.every}", f"optimizer.lr={_f(s.lr_student)}"]
     kd_rows = [
         ("sft", ["kd.kd_ratio=0.0"], "kd"),
@@ -117,9 +124,13 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
         ("teacher_ft", str(out / "train/teacher_ft/model"), [], ["teacher_ft"], "qat"),
         ("teacher_ft_ptq", str(out / "train/teacher_ft/model"), ["--quant", "8da4w"], ["teacher_ft"], "qat"),
         ("qat_ft_8da4w", str(out / "train/qat_ft/model"), ["--quant", "8da4w"], ["qat_ft"], "qat"),
+        ("teacher_ft_sr", str(out / "train/teacher_ft_sr/model"), [], ["teacher_ft_sr"], "qat_sr"),
+        ("teacher_ft_sr_ptq", str(out / "train/teacher_ft_sr/model"), ["--quant", "8da4w"], ["teacher_ft_sr"],
+         "qat_sr"),
+        ("qat_ft_sr_8da4w", str(out / "train/qat_ft_sr/model"), ["--quant", "8da4w"], ["qat_ft_sr"], "qat_sr"),
     ]
     for name in train_names:
-        if name not in ("teacher_ft", "qat_ft"):
+        if name not in ("teacher_ft", "qat_ft", "teacher_ft_sr", "qat_ft_sr"):
             rows.append((name, str(out / "train" / name / "model"), [], [name], "kd"))
     jobs = []
     for name, model, extra, deps, group in rows:
