@@ -430,11 +430,13 @@ def plot(out: Path, png: Path) -> None:
     ax.set_ylim(top=min(ax.get_ylim()[1], 8))
     ax.legend(fontsize=7)
     ax = axes[1]
-    for name in ("teacher_ft", "qat_ft"):
+    labels = {"teacher_ft": "full FT (bf16)", "qat_ft": "QAT FT (8da4w fake quant)",
+              "teacher_ft_sr": "full FT (bf16 + stochastic rounding)", "qat_ft_sr": "QAT FT (+ stochastic rounding)"}
+    for name, label in labels.items():
         xs, ys = curve(name, "loss")
         if xs:
-            ax.plot(xs, ys, label={"teacher_ft": "full FT (bf16)", "qat_ft": "QAT FT (8da4w fake quant)"}[name])
-    ax.set(title="135M teacher: plain vs QAT fine-tune", xlabel="step", ylabel="CE loss")
+            ax.plot(xs, ys, label=label, ls="--" if name.endswith("_sr") else "-")
+    ax.set(title="135M model: plain vs QAT fine-tune", xlabel="step", ylabel="CE loss")
     ax.legend(fontsize=8)
     ax = axes[2]
     for name, label in (("kd_fkl_0.5", "AdamW"), ("kd_fkl_0.5_adamw8bit", "AdamW8bit"),

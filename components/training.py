@@ -26,7 +26,7 @@ from components.metrics import MetricLogger, check_finite
 from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from components.models.loader import merged_state_dict
 from components.models.tokenizer import Tokenizer
-from components.optim import build_optimizer, build_scheduler
+from components.optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
 from components.runtime import Runtime
 
 IGNORE_INDEX = -100
@@ -122,6 +122,7 @@ def freeze_all_but_adapters(model: nn.Module) -> None:
 
 def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), rt)
+    warn_if_bf16_updates_round_away(optimizer)
     sched_cfg = cfg.get("lr_scheduler") or {}
     scheduler = build_scheduler(optimizer, name=sched_cfg.get("name", "cosine"),
                                 warmup_steps=sched_cfg.get("warmup_steps", 0), total_steps=steps,

@@ -201,3 +201,45 @@ def test_cpu_offload_optimizer_resume_on_cuda(tmp_path: Path):
     restore_rng(loaded)
     train(model, opt, sched, 3)
     assert torch.equal(ref.weight, model.weight)
+
+
+def test_bf16_rounded_away_fraction_follows_bf16_resolution():
+    from components.optim import bf16_rounded_away_fraction
+
+    ones = torch.ones(1000, dtype=torch.bfloat16)  # ulp(1.0) = 2**-7: lr 2e-5 cannot move it, 1e-2 can
+    small = torch.full((1000,), 1e-3, dtype=torch.bfloat16)  # ulp ~ 7.6e-6: lr 2e-5 moves it
+    assert bf16_rounded_away_fraction([ones], 2e-5) == 1.0
+    assert bf16_rounded_away_fraction([ones], 1e-2) == 0.0
+    assert bf16_rounded_away_fraction([small], 2e-5) == 0.0
+    assert bf16_rounded_away_fraction([ones, small], 2e-5) == 0.5
+    assert bf16_rounded_away_fraction([ones.float()], 2e-5) == 0.0  # fp32 weights are not affected
+
+
+def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
+    from components.optim import warn_if_bf16_updates_round_away
+
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(0.5)  # ulp/2 = 2**-10 ~ 1e-3: an lr of 2e-5 is lost, 1e-2 is kept
+    with caplog.at_level("WARNING", logger="components.optim"):
+        opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 2e-5}, model.parameters(), CPU)
+        assert warn_if_bf16_updates_round_away(opt) > 0.9
+    assert "lr=2.0e-05 rounds away" in caplog.text and "bf16_stochastic_round=true" in caplog.text
+    # The warning is true: one real step leaves the weights exactly where they were.
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    assert torch.equal(model.weight, before)
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="components.optim"):
+        sr = build_optimizer({"_component_": "torchao.optim._AdamW", "lr": 2e-5, "bf16_stochastic_round": True},
+                             model.parameters(), CPU)
+        assert warn_if_bf16_updates_round_away(sr) == 0.0
+        torch.manual_seed(0)
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
+        sr.step()  # stochastic rounding: some weights move by a whole ulp, unbiased in expectation
+        assert not torch.equal(model.weight, before)
+        big = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 1e-2}, model.parameters(), CPU)
+        assert warn_if_bf16_updates_round_away(big) == 0.0
+    assert caplog.text == ""
