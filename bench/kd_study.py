@@ -240,14 +240,16 @@ def eval_one(name: str, model_spec: str, out: Path, every: int | None, quant: st
     check: dict[str, Any] = {}
     if quant:
         numerics = s.quant_numerics if s.quant_numerics != "auto" else ("fake" if device.startswith("cuda") else "real")
-        method = quantize_for_eval(model, src, dtype, device, keep, quant) if numerics == "real" else "fake"
-        if method.startswith("fake"):  # asked for, or the real quantized model failed here: fake-quantize instead
-            model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
-            model.eval()
+        if numerics == "fake":
             fake_quantize(model, quant)
-            if numerics == "fake":
-                method = f"fake quantization ({quant}, group 32; torchao QAT fake quantizers)"
-                check = compare_with_real(model, src, dtype, device, keep, quant)
+            method = f"fake quantization ({quant}, group 32; torchao QAT fake quantizers)"
+            check = compare_with_real(model, src, dtype, device, keep, quant)
+        else:
+            method = quantize_for_eval(model, src, dtype, device, keep, quant)
+            if method.startswith("fake"):  # the real quantized model failed here: reload and fake-quantize instead
+                model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
+                model.eval()
+                fake_quantize(model, quant)
     tok = Tokenizer.from_dir(src)
     dest = out / "evals" / name
     res_main = evaluate((model, tok), TASKS_MAIN, limit=s.eval_limit, batch_size=s.eval_batch_size,
