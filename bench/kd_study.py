@@ -116,7 +116,8 @@ def training_jobs(s: Scale, out: Path) -> list[Job]:
 
 def eval_jobs(s: Scale, out: Path) -> list[Job]:
     """The evaluation rows: teacher (bf16, PTQ), fine-tuned teacher (bf16, PTQ), QAT, pruned baseline, students."""
-    train_names = [j.name for j in training_jobs(s, out)]
+    # the QAT groups' fine-tunes are evaluated by the explicit rows below (bf16, PTQ, QAT); every student as is
+    students = [j.name for j in training_jobs(s, out) if j.group not in ("qat", "qat_sr")]
     rows: list[tuple[str, str, list[str], list[str], str]] = [
         ("teacher", "embedded", [], [], "kd"),
         ("teacher_ptq", "embedded", ["--quant", "8da4w"], [], "qat"),
@@ -129,9 +130,8 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
          "qat_sr"),
         ("qat_ft_sr_8da4w", str(out / "train/qat_ft_sr/model"), ["--quant", "8da4w"], ["qat_ft_sr"], "qat_sr"),
     ]
-    for name in train_names:
-        if name not in ("teacher_ft", "qat_ft", "teacher_ft_sr", "qat_ft_sr"):
-            rows.append((name, str(out / "train" / name / "model"), [], [name], "kd"))
+    for name in students:
+        rows.append((name, str(out / "train" / name / "model"), [], [name], "kd"))
     jobs = []
     for name, model, extra, deps, group in rows:
         argv = [sys.executable, "bench/kd_study.py", "eval-one", "--name", name, "--model", model,
@@ -165,12 +165,18 @@ def _done(out: Path, name: str) -> bool:
     return p.is_file() and json.loads(p.read_text()).get("rc") == 0
 
 
+def _job_env(**extra: str) -> dict[str, str]:
+    """The environment of a study subprocess: unbuffered output and the repo root importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    return env
+
+
 def run_jobs(jobs: list[Job], out: Path, max_jobs: int) -> int:
     """Run `jobs` as subprocesses, at most `max_jobs` at once, each after its deps; returns the failure count."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "status").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    env = _job_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     pending = [j for j in jobs if not _done(out, j.name)]
     running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
     failed: set[str] = set()
@@ -344,13 +350,10 @@ def throughput(s: Scale, out: Path, steps: int) -> dict:
         new = {"output_dir": str(dest), "max_steps": str(steps)}
         argv = [f"{k}={new[k]}" if (k := a.split("=")[0]) in new else a for a in job.argv]
         t0 = time.time()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-        subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(x) for x in (dest / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        tps = [r["tokens_per_s"] for r in rows[5:] if r.get("tokens_per_s")]
-        result[name] = {"steps": steps, "tokens_per_s": sum(tps) / len(tps),
-                        "peak_memory_gib": max((r.get("peak_memory_gib") or 0.0) for r in rows),
+        subprocess.run(argv, cwd=ROOT, env=_job_env(), check=True, stdout=subprocess.DEVNULL)
+        stats = _run_stats(dest) or {}
+        result[name] = {"steps": steps, "tokens_per_s": stats.get("tokens_per_s"),
+                        "peak_memory_gib": stats.get("peak_memory_gib"),
                         "process_wall_s": round(time.time() - t0, 1), "command": shlex.join(argv)}
         print(name, json.dumps(result[name]), flush=True)
     (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -360,8 +363,10 @@ def throughput(s: Scale, out: Path, steps: int) -> dict:
 # ------------------------------------------------------------------------------------------------- collect
 
 
-def _train_summary(out: Path, name: str) -> dict | None:
-    path = out / "train" / name / "metrics.jsonl"
+def _run_stats(run_dir: Path) -> dict | None:
+    """A training run's steps, final losses (mean of the last 20 steps), tokens/s (mean after the first 5 steps)
+    and peak memory, from its metrics.jsonl; None if it has none."""
+    path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -374,14 +379,20 @@ def _train_summary(out: Path, name: str) -> dict | None:
         vals = [r[key] for r in rs if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    status = _status_path(out, name)
     return {
         "steps": rows[-1].get("step"),
         "final_loss": mean("loss", tail), "final_ce": mean("ce_loss", tail), "final_kd": mean("kd_loss", tail),
         "tokens_per_s": mean("tokens_per_s", steady),
         "peak_memory_gib": max((r.get("peak_memory_gib") or 0.0) for r in rows),
-        "train_wall_s": json.loads(status.read_text()).get("wall_s") if status.is_file() else None,
     }
+
+
+def _train_summary(out: Path, name: str) -> dict | None:
+    stats = _run_stats(out / "train" / name)
+    if stats is None:
+        return None
+    status = _status_path(out, name)
+    return {**stats, "train_wall_s": json.loads(status.read_text()).get("wall_s") if status.is_file() else None}
 
 
 def collect(s: Scale, out: Path) -> dict:
