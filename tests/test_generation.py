@@ -58,3 +58,32 @@ def test_sampling_is_seeded_and_respects_top_k_top_p():
 @pytest.mark.parametrize("n", [1, 3])
 def test_max_new_tokens(n):
     assert len(generate(_model(), [4, 5], max_new_tokens=n)) == n
+
+
+def test_batched_greedy_matches_one_prompt_at_a_time():
+    from components.models.generation import generate_batch
+
+    model = _model()
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]  # different lengths: left padding must not leak
+    got = generate_batch(model, prompts, max_new_tokens=10, pad_id=0)
+    assert got == [generate(model, p, max_new_tokens=10) for p in prompts]
+    # A row stops at its own stop id (cut before it); the others run on.
+    stop = got[1][4]
+    cut = generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop])
+    for row, full in zip(cut, got):
+        assert row == full[: full.index(stop)] if stop in full else row == full
+    assert not model.caches_are_enabled()
+
+
+def test_batched_sampling_is_reproducible_and_honours_top_k():
+    from components.models.generation import generate_batch, sample_batch
+
+    model = _model()
+    prompts = [[1, 2, 3], [4, 5]]
+    draw = lambda seed: generate_batch(model, prompts, 12, pad_id=0, temperature=1.5,  # noqa: E731
+                                       generator=torch.Generator().manual_seed(seed))
+    assert draw(1) == draw(1) != draw(2)
+    logits = torch.randn(64, 61)
+    picks = sample_batch(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert all(int(p) in set(logits[i].topk(3).indices.tolist()) for i, p in enumerate(picks))
+    assert torch.equal(sample_batch(logits), logits.argmax(-1))

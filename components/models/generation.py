@@ -65,3 +65,74 @@ def generate(
             tokens = torch.tensor([[nxt]], device=device)
     finally:
         delete_kv_caches(model)
+
+
+def sample_batch(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token of each row from last-position logits `[b, v]` (greedy when temperature is 0). Returns `[b]`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and 0 < top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: TransformerDecoder,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Generate for a batch of prompts at once with one KV cache: prompts are left-padded, each row gets its own
+    positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id.
+
+    Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
+    (`[b, steps, vocab]`, tens of GB for a large batch) and finds padding by comparing token ids with `pad_id`.
+    """
+    from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_batch: every prompt needs at least one token")
+    device = model.tok_embeddings.weight.device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    total = width + max_new_tokens
+    tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros((b, total), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device=device)
+        real[i, width - len(p):] = True  # prompt tokens and every generated position
+    masks = get_causal_mask_from_padding_mask(real, target_seq_len=total)  # [b, total, total]
+    positions = get_position_ids_from_padding_mask(real)  # [b, total]
+    stops = torch.as_tensor(list(stop_ids) or [-1], device=device)
+    model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
+    out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
+    try:
+        logits = model(tokens, input_pos=positions[:, :width], mask=masks[:, :width])[:, -1]
+        for t in range(max_new_tokens):
+            nxt = sample_batch(logits, temperature, top_k, top_p, generator)
+            out[:, t] = nxt
+            hit = torch.isin(nxt, stops) & ~done
+            lengths[hit] = t
+            done |= hit
+            if t + 1 == max_new_tokens or bool(done.all()):
+                break
+            pos = width + t
+            logits = model(nxt[:, None], input_pos=positions[:, pos : pos + 1], mask=masks[:, pos : pos + 1])[:, -1]
+    finally:
+        delete_kv_caches(model)
+    return [row[:n].tolist() for row, n in zip(out.cpu(), lengths.cpu().tolist())]
