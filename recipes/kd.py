@@ -7,12 +7,12 @@ from final hidden states, so full [batch, seq, vocab] logits of the two models a
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from components.config import run_recipe_script
-from components.errors import RecipeError
 from components.losses import build_kd_loss, chunked_kd_and_ce, same_tokenizer, shared_vocab
-from components.models import keep_every, load_model, read_model_args
+from components.models import load_model
+from components.models.prune import student_layers
 from components.runtime import setup_runtime
 from components.training import (
     LORA_SCHEMA,
@@ -32,23 +32,12 @@ from components.training import (
 SCHEMA = {
     **TRAIN_SCHEMA,
     "teacher": {"checkpoint_dir": str},
-    "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
+    "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT,
+                "prune": {"method": str, "keep": int, "calibration_tokens": int}},
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
            "ratio": OPT_FLOAT},
 }
-
-
-def student_layers(cfg: DictConfig, teacher_layers: int) -> list[int] | None:
-    """Which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
-    s = cfg.get("student") or {}
-    if s.get("keep_layers") is not None and s.get("every") is not None:
-        raise RecipeError("student: set keep_layers or every, not both")
-    if s.get("keep_layers") is not None:
-        return [int(i) for i in s.keep_layers]
-    if s.get("every") is not None:
-        return keep_every(teacher_layers, int(s.every))
-    return None
 
 
 def main(cfg: DictConfig) -> None:
@@ -74,7 +63,8 @@ def main(cfg: DictConfig) -> None:
     if resume_from is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
-        keep = student_layers(cfg, read_model_args(student_dir).num_layers)
+        keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
+                              cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None)
         student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
         if keep is not None and rt.is_main:
             print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
