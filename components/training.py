@@ -21,7 +21,7 @@ from components.checkpoint.state import latest_checkpoint, load_recipe_state, re
 from components.config import COMPONENT
 from components.data.dataset import build_dataset, build_loader
 from components.errors import RecipeError
-from components.losses import chunked_cross_entropy
+from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
 from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from components.models.loader import merged_state_dict
@@ -162,8 +162,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:
     """Tokens that carry a loss in this window, summed over ranks: the loss normaliser."""
-    n = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window)
-    return torch.as_tensor(rt.all_reduce_sum(float(n))).clamp_min(1.0)
+    n = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window)  # labels are still on the host
+    # A device tensor: dividing the loss by it and reducing it over ranks never waits for the GPU.
+    return rt.all_reduce_sum(torch.tensor(float(n), device=rt.device)).clamp_min(1.0)
 
 
 def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -178,20 +179,35 @@ def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def lm_loss_sum(model: nn.Module, batch: dict, num_chunks: int) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch, never materialising full logits."""
-    loss_sum, _ = chunked_cross_entropy(hidden_states(model, batch), model.output, batch["labels"], num_chunks)
-    return loss_sum
+    return kd_and_ce(hidden_states(model, batch), model.output, batch["labels"], num_chunks=num_chunks)["loss"]
 
 
-def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float | None) -> float | None:
-    """Clip (if asked), step, advance the schedule, zero grads. Returns the pre-clip grad norm."""
-    norm = None
-    if max_grad_norm is not None:
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+def clip_gradients(model: nn.Module, max_grad_norm: float | None) -> torch.Tensor | None:
+    """Clip to `max_grad_norm` (if set); returns the pre-clip norm as a device tensor (no host sync)."""
+    if max_grad_norm is None:
+        return None
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+
+
+def optimizer_step(optimizer, scheduler) -> None:
+    """Step, advance the schedule, zero grads."""
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+
+
+def step_values(totals: dict[str, torch.Tensor], grad_norm: torch.Tensor | None, rt: Runtime) -> dict[str, float]:
+    """The step's logged numbers, summed over ranks, read back to the host in one copy (the step's one sync)."""
+    keys = list(totals)
+    packed = rt.all_reduce_sum(torch.stack([totals[k].float() for k in keys]))
+    if grad_norm is not None:  # the same on every rank: read in the same copy, not reduced
+        packed = torch.cat([packed, grad_norm.detach().float().reshape(1).to(packed.device)])
+    read = packed.tolist()
+    values = dict(zip(keys, read))
+    values["grad_norm"] = read[-1] if grad_norm is not None else None
+    return values
 
 
 @dataclass
@@ -310,17 +326,18 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
                 before_step(step)
             clock.begin()
             n = count_targets(window, rt)
-            totals: dict[str, float] = {}
+            totals: dict[str, torch.Tensor] = {}
             for batch in window:
                 sums = loss_fn(to_device(batch, rt.device))
                 (sums["loss"] / n * rt.world_size).backward()
                 for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach() / n)
-            totals = {k: float(rt.all_reduce_sum(v)) for k, v in totals.items()}
-            check_finite(totals["loss"], step + 1, last_checkpoint)
-            grad_norm = optimizer_step(model, optimizer, scheduler, cfg.get("max_grad_norm"))
+                    totals[k] = totals.get(k, 0.0) + v.detach() / n
+            values = step_values(totals, clip_gradients(model, cfg.get("max_grad_norm")), rt)
+            check_finite(values["loss"], step + 1, last_checkpoint)
+            optimizer_step(optimizer, scheduler)
             step += 1
-            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in totals.items()},
+            grad_norm = values.pop("grad_norm")
+            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
                        lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
                        peak_memory_gib=rt.peak_memory_gib())
             if save_every and step % save_every == 0 and step < steps:

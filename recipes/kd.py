@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from components.config import run_recipe_script
 from components.errors import RecipeError
-from components.losses import build_kd_loss, chunked_kd_and_ce, same_tokenizer, shared_vocab
+from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
 from components.runtime import setup_runtime
 from components.training import (
@@ -91,15 +91,16 @@ def main(cfg: DictConfig) -> None:
     loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, student, tokenizer, resume_from,
                                                                  adapters=lora is not None)
 
-    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk.
+    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
+    # student's gradients are computed in the same pass: components/losses/fused.py).
     chunks = cfg.get("num_output_chunks", 8)
 
     def loss_fn(batch: dict) -> dict:
-        with torch.no_grad():
+        with torch.inference_mode():
             t_hidden = hidden_states(teacher, batch)
-        parts = chunked_kd_and_ce(hidden_states(student, batch), student.output, t_hidden, teacher.output,
-                                  batch["labels"], kd_loss, num_chunks=chunks, vocab_size=vocab)
-        return {"loss": (1 - kd_ratio) * parts["ce"] + kd_ratio * parts["kd"], "ce": parts["ce"], "kd": parts["kd"]}
+        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden, teacher.output,
+                          kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
+        return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
           adapters=lora is not None)
