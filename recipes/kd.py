@@ -13,6 +13,7 @@ from components.config import run_recipe_script
 from components.errors import RecipeError
 from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
+from components.quantization.teacher import quantize_teacher
 from components.runtime import setup_runtime
 from components.training import (
     LORA_SCHEMA,
@@ -31,7 +32,7 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str},
+    "teacher": {"checkpoint_dir": str, "quantize": (str, type(None))},
     "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
@@ -63,10 +64,12 @@ def main(cfg: DictConfig) -> None:
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
 
-    # Teacher: frozen, no grad, same dtype/device (sharded too under torchrun).
+    # Teacher: frozen, run under inference mode, same dtype/device (sharded too under torchrun), optionally
+    # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
     teacher.requires_grad_(False)
-    rt.prepare_model(teacher).eval()
+    rt.prepare_model(teacher, compile=cfg.get("compile", False)).eval()
+    quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
