@@ -219,9 +219,15 @@ def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     return ckpt
 
 
-def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable adapter parameters by module name (saved in the recipe state for LoRA resume)."""
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that train (LoRA: the adapter matrices and DoRA magnitudes)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trainable adapter tensors by name, taken from `full` (`Runtime.full_state_dict`: gathered on rank 0 when
+    the model is FSDP-sharded, where a parameter itself holds only this rank's shard). Saved for LoRA resume."""
+    return {n: full[n] for n in trainable_names(model) if n in full}
 
 
 def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, loader, rt: Runtime,
@@ -229,14 +235,13 @@ def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, l
     """Load optimizer, scheduler, data position, RNG (and adapter weights for LoRA); return the step."""
     state = load_recipe_state(ckpt)
     if adapters:
-        missing = set(adapter_tensors(model)) - set(state["adapters"])
+        names = trainable_names(model)
+        missing = set(names) - set(state["adapters"])
         if missing:
             raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
                               "(was it written with different lora settings?)")
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in state["adapters"]:
-                    p.copy_(state["adapters"][n])
+        # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
+        rt.load_full_state_dict(model, {n: state["adapters"][n] for n in names}, strict=False)
     rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
@@ -258,7 +263,7 @@ def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.
         "rng": capture_rng(),
     }
     if adapters:
-        state["adapters"] = adapter_tensors(model)
+        state["adapters"] = adapter_tensors(model, full)
     return save_checkpoint(
         cfg.output_dir, step,
         write_model=lambda d: save_model(model, args, d, tokenizer_dir, state_dict=merged_state_dict(model, full)),
@@ -276,7 +281,7 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
         save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
                    extra_files=extra_files)
         if lora is not None:
-            save_peft_adapter(model, lora, out / "adapter", base_model=base_model)
+            save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
     rt.barrier()
     return out / "model"
 
