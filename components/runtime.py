@@ -87,6 +87,7 @@ class Runtime:
         if use_fsdp:
             from torch.distributed.fsdp import fully_shard
 
+            _check_nf4_shardable(model, self.world_size)
             mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
             for layer in layers:
                 fully_shard(layer, mesh=mesh)
@@ -319,6 +320,25 @@ def _checkpoint_forward(layer: nn.Module) -> None:
 
     layer.forward = forward
     layer._recipe_checkpointed = True
+
+
+def _check_nf4_shardable(model: nn.Module, world_size: int) -> None:
+    """FSDP2 shards a torchao NF4 weight (QLoRA) by splitting each of its inner tensors (4-bit data, per-block
+    scalers, and the per-`scaler_block_size`-blocks quantization factors) into `world_size` equal parts
+    (torchao nf4_tensor.nf4_split). A weight with fewer than `world_size` quantization factors, or a count
+    not divisible by it, would fail deep inside fully_shard with an AssertionError: say which one instead."""
+    for name, p in model.named_parameters():
+        factors = getattr(p, "quantization_factor", None)
+        if factors is None or not hasattr(p, "scaler_block_size"):
+            continue
+        per_factor = p.block_size * p.scaler_block_size
+        if factors.numel() % world_size or p.numel() % (per_factor * world_size):
+            raise RecipeError(
+                f"lora.quantize_base: the NF4 weight {name} {tuple(p.shape)} cannot be sharded over {world_size} "
+                f"processes: FSDP2 splits NF4's scales evenly, which needs its size to be a multiple of "
+                f"block_size*scaler_block_size*world_size = {per_factor * world_size}; use fewer processes "
+                "or lora.quantize_base=false"
+            )
 
 
 def _is_sharded(model: nn.Module) -> bool:

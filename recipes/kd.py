@@ -24,6 +24,7 @@ from components.training import (
     hidden_states,
     load_tokenizer,
     lora_settings,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -71,7 +72,7 @@ def main(cfg: DictConfig) -> None:
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
     keep = None
-    if resume_from is not None and lora is None:
+    if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
         keep = student_layers(cfg, read_model_args(student_dir).num_layers)
