@@ -13,7 +13,7 @@ from components.config import run_recipe_script
 from components.errors import RecipeError
 from components.losses import build_kd_loss, chunked_kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
-from components.runtime import setup_runtime
+from components.runtime import prepare_teacher, setup_runtime
 from components.training import (
     LORA_SCHEMA,
     OPT_FLOAT,
@@ -32,7 +32,7 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str},
+    "teacher": {"checkpoint_dir": str, "placement": str},
     "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
@@ -64,10 +64,9 @@ def main(cfg: DictConfig) -> None:
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
 
-    # Teacher: frozen, no grad, same dtype/device (sharded too under torchrun).
+    # Teacher: frozen, no grad, same dtype/device; under torchrun replicated or sharded (teacher.placement).
     teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
-    teacher.requires_grad_(False)
-    rt.prepare_model(teacher).eval()
+    prepare_teacher(rt, teacher, cfg.teacher.get("placement", "auto"), cfg.get("compile", False))
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
