@@ -155,6 +155,7 @@ def test_kd_dora_student_two_processes_match_one(pair, tiny_model_dir, tmp_path)
     assert_same_metrics(one, two)
 
 
+@pytest.mark.slow  # ~80 s on 2 shared cores; the default suite keeps KD's LoRA (DoRA) student case
 def test_kd_full_student_two_processes_match_one(pair, tmp_path):
     from components.models import read_model_args
 
@@ -257,6 +258,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~2 min (two launchers + the 2-process reference run)
 def test_two_nodes_on_one_host_match_two_processes(pair, tiny_model_dir, tmp_path):
     """`recipe run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT kd ...` started
     twice (as on two machines; here both on localhost) trains the KD student of the 2-process run."""
@@ -294,6 +296,7 @@ def test_two_gpus_match_one(case, compile, tiny_model_dir, tmp_path):
     assert_checkpoints_match(one, two, tmp_path)
 
 
+@pytest.mark.slow  # ~2 min: lm-eval imports and task building in 3 processes
 def test_eval_two_processes_split_requests_and_match_one(tiny_model_dir, tmp_path):
     """`recipe run --nproc-per-node 2 eval ...`: lm-eval gives each rank half the requests (its log says so per
     rank) and rank 0 reports the same metrics as one process."""
