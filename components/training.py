@@ -7,6 +7,7 @@ There is deliberately no trainer class.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from components.checkpoint.sharded import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
 from components.config import COMPONENT
 from components.data.dataset import build_dataset, build_loader
@@ -24,7 +30,8 @@ from components.errors import RecipeError
 from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
 from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
-from components.models.loader import merged_state_dict
+from components.models.hf_io import copy_tokenizer_files
+from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
 from components.optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
 from components.runtime import Runtime
@@ -224,6 +231,12 @@ class Throughput:
         return tokens / max(time.perf_counter() - self.start, 1e-9)
 
 
+def resume_weights(ckpt: Path | None) -> Path | None:
+    """The checkpoint when its folder holds HF weights to build the model from (one-process checkpoints),
+    else None: a sharded checkpoint's weights are restored after sharding, by `restore_training_state`."""
+    return ckpt if ckpt is not None and not is_sharded_checkpoint(ckpt) else None
+
+
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The latest complete checkpoint when `resume: true` (an error when there is none)."""
     if not cfg.get("resume", False):
@@ -235,46 +248,67 @@ def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     return ckpt
 
 
-def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable adapter parameters by module name (saved in the recipe state for LoRA resume)."""
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that train (LoRA: the adapter matrices and DoRA magnitudes)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trainable adapter tensors by name, taken from `full` (`Runtime.full_state_dict`: gathered on rank 0 when
+    the model is FSDP-sharded, where a parameter itself holds only this rank's shard). Saved for LoRA resume."""
+    return {n: full[n] for n in trainable_names(model) if n in full}
 
 
 def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, loader, rt: Runtime,
                            adapters: bool) -> int:
     """Load optimizer, scheduler, data position, RNG (and adapter weights for LoRA); return the step."""
     state = load_recipe_state(ckpt)
-    if adapters:
-        missing = set(adapter_tensors(model)) - set(state["adapters"])
-        if missing:
-            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
-                              "(was it written with different lora settings?)")
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in state["adapters"]:
-                    p.copy_(state["adapters"][n])
-    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
+        load_sharded_checkpoint(ckpt, model, optimizer, state)
+    else:
+        restore_weights_and_optimizer(ckpt, state, model, optimizer, rt, adapters)
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
     restore_rng(state["rng"])
     return int(state["step"])
 
 
+def restore_weights_and_optimizer(ckpt: Path, state: dict, model: nn.Module, optimizer, rt: Runtime,
+                                  adapters: bool) -> None:
+    """A one-process checkpoint: adapters (LoRA) and the full optimizer state from `recipe_state`; full weights
+    were already loaded from the checkpoint's HF folder by the recipe (`resume_weights`)."""
+    if adapters:
+        names = trainable_names(model)
+        missing = set(names) - set(state["adapters"])
+        if missing:
+            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
+                              "(was it written with different lora settings?)")
+        # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
+        rt.load_full_state_dict(model, {n: state["adapters"][n] for n in names}, strict=False)
+    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
 def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.Module, args: ModelArgs,
                              tokenizer_dir: str | Path, optimizer, scheduler, loader, adapters: bool) -> Path:
-    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`."""
+    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`.
+
+    On several processes every rank writes its own shards instead (components.checkpoint.sharded): no
+    full gather per save; the final model is still one HF folder (`write_final_model`).
+    """
     from components.checkpoint.state import capture_rng
 
+    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}
+    if rt.world_size > 1:
+        def write_meta(d: Path) -> None:
+            (d / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype_name(rt.dtype)), indent=2))
+            copy_tokenizer_files(tokenizer_dir, d)
+
+        return save_sharded_checkpoint(cfg.output_dir, step, model, optimizer, state, rt, write_meta,
+                                       lora=lora_rank_alpha(model), keep_last_n=cfg.get("keep_last_n"))
     full = rt.full_state_dict(model)
-    state = {
-        "step": step,
-        "optimizer": rt.optimizer_state_dict(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-        "loader": loader.state_dict(),
-        "rng": capture_rng(),
-    }
+    state["optimizer"] = rt.optimizer_state_dict(model, optimizer)
     if adapters:
-        state["adapters"] = adapter_tensors(model)
+        state["adapters"] = adapter_tensors(model, full)
     return save_checkpoint(
         cfg.output_dir, step,
         write_model=lambda d: save_model(model, args, d, tokenizer_dir, state_dict=merged_state_dict(model, full)),
@@ -292,7 +326,7 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
         save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
                    extra_files=extra_files)
         if lora is not None:
-            save_peft_adapter(model, lora, out / "adapter", base_model=base_model)
+            save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
     rt.barrier()
     return out / "model"
 

@@ -14,7 +14,7 @@ from components.errors import RecipeError
 from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
 from components.quantization.teacher import quantize_teacher
-from components.runtime import setup_runtime
+from components.runtime import prepare_teacher, setup_runtime
 from components.training import (
     LORA_SCHEMA,
     OPT_FLOAT,
@@ -25,6 +25,7 @@ from components.training import (
     hidden_states,
     load_tokenizer,
     lora_settings,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -32,7 +33,7 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str, "quantize": (str, type(None))},
+    "teacher": {"checkpoint_dir": str, "placement": str, "quantize": (str, type(None))},
     "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
@@ -64,17 +65,16 @@ def main(cfg: DictConfig) -> None:
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
 
-    # Teacher: frozen, run under inference mode, same dtype/device (sharded too under torchrun), optionally
+    # Teacher: frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
-    teacher.requires_grad_(False)
-    rt.prepare_model(teacher, compile=cfg.get("compile", False)).eval()
+    prepare_teacher(rt, teacher, cfg.teacher.get("placement", "auto"), cfg.get("compile", False))
     quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
     keep = None
-    if resume_from is not None and lora is None:
+    if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
         keep = student_layers(cfg, read_model_args(student_dir).num_layers)

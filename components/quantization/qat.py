@@ -193,6 +193,19 @@ def convert_qat(model: nn.Module, scheme: str = "8da4w", group_size: int = 32) -
     return model
 
 
+def load_for_convert(model_dir: str | Path, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """A QAT run's saved `model/` folder (merged float weights + quantization.json) as a plain, fake-quantized
+    model ready for `convert_qat`: what a run sharded over many processes converts on rank 0, since its live
+    model holds only each rank's shards. Returns `(model, ModelArgs)`."""
+    from components.models import load_model
+
+    meta = read_qat_metadata(model_dir)
+    model, args = load_model(model_dir, dtype=dtype, device=device)
+    prepare_qat(model, meta["scheme"], meta["group_size"] or 32, bool(meta.get("include_output", False)))
+    return model, args
+
+
 def qat_metadata(scheme: str, group_size: int, include_output: bool = False) -> dict:
     """What `convert_qat` needs to turn a QAT-trained HF folder into the quantized model (quantization.json)."""
     _check_qat_scheme(scheme)
