@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from components.config import run_recipe_script
 from components.models import load_model
 from components.quantization import (
+    compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
     load_for_convert,
@@ -62,6 +63,8 @@ def main(cfg: DictConfig) -> None:
     if lora is not None:
         freeze_all_but_adapters(model)
     prepare_qat(model, scheme, group_size, include_output)
+    if rt.device.type == "cuda":  # fused fake quantization (eager costs 4.2x a plain step)
+        compile_fake_quantizers(model)
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 

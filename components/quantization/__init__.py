@@ -3,6 +3,7 @@
 from components.quantization.ptq import quantize_model, size_on_disk, summarize_sizes
 from components.quantization.qat import (
     QAT_METADATA_FILE,
+    compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
     load_for_convert,
@@ -20,6 +21,7 @@ __all__ = [
     "SCHEMES",
     "base_config",
     "check_device",
+    "compile_fake_quantizers",
     "convert_qat",
     "fake_quant_enabled_at",
     "load_for_convert",

@@ -139,6 +139,16 @@ def set_fake_quant_enabled(model: nn.Module, enabled: bool) -> int:
     return len(quantizers)
 
 
+def compile_fake_quantizers(model: nn.Module) -> int:
+    """torch.compile each fake quantizer (GPU): eager torchao fake quantization is ~15 small kernels per tensor
+    (min/max, scale, round, clamp, ...) and made a QAT step 4.2x slower; compiled they fuse into one or two.
+    The `enabled` flag is guarded, so switching it recompiles once. Returns how many were compiled."""
+    quantizers = _fake_quantizer_modules(model)
+    for fq in quantizers:
+        fq.compile()
+    return len(quantizers)
+
+
 def fake_quant_enabled_at(step: int, after_n_steps: int | None) -> bool:
     """The `fake_quant_after_n_steps` schedule: off for optimizer steps 0..N-1, on from step N (None/0: always)."""
     return after_n_steps is None or step >= after_n_steps

@@ -29,7 +29,7 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device)
 
     if any(isinstance(m, FSDPModule) for m in teacher.modules()):
         raise RecipeError(f"teacher.quantize={mode} needs an unsharded teacher (one full copy per GPU); "
-                          "set teacher.quantize: null to shard it with FSDP")
+                          "set teacher.placement: replicate, or teacher.quantize: null to shard it")
     try:
         check_device(scheme, device)
     except RecipeError as e:
