@@ -68,9 +68,11 @@ def evaluate(
     dtype: str = "float32",
     max_length: int | None = None,
     log_samples: bool = False,
+    bootstrap_iters: int = 100000,
 ) -> dict:
     """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
-    `output_dir/results.json`. Returns lm-eval's results dict."""
+    `output_dir/results.json`. Returns lm-eval's results dict. `bootstrap_iters=0` skips lm-eval's standard
+    errors (its perplexity SE bootstraps 100000 resamples; `components.eval.stats` computes them from samples)."""
     import lm_eval
     from lm_eval.utils import handle_non_serializable, make_table
 
@@ -94,6 +96,7 @@ def evaluate(
         task_manager=tm,
         apply_chat_template=apply_chat_template,
         log_samples=log_samples,
+        bootstrap_iters=bootstrap_iters,
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
