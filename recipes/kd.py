@@ -1,10 +1,13 @@
-"""Knowledge distillation: a frozen teacher guides a student (full, LoRA, or layer-pruned from the teacher).
+"""Knowledge distillation: a frozen teacher guides a student (full, LoRA, or layer-pruned from the teacher;
+optionally quantization-aware: `qat:` trains it through fake quantizers, KD-QAT).
 
 loss = (1 - kd_ratio) * CE(student, labels) + kd_ratio * KD(teacher || student), both computed chunk by chunk
 from final hidden states, so full [batch, seq, vocab] logits of the two models are never alive at once.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -13,6 +16,7 @@ from components.config import run_recipe_script
 from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import load_model
 from components.models.prune import student_layers
+from components.quantization import compile_fake_quantizers, prepare_qat, qat_metadata
 from components.quantization.teacher import quantize_teacher
 from components.runtime import prepare_teacher, setup_runtime
 from components.training import (
@@ -37,6 +41,7 @@ SCHEMA = {
     "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT,
                 "prune": {"method": str, "keep": int, "calibration_tokens": int}},
     "lora": LORA_SCHEMA,  # null: the whole student trains
+    "qat": {"scheme": str, "group_size": int, "include_output": bool},  # null: no fake quantization
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
            "ratio": OPT_FLOAT},
 }
@@ -73,6 +78,12 @@ def main(cfg: DictConfig) -> None:
             print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
     if lora is not None:
         freeze_all_but_adapters(student)
+    q = cfg.get("qat")  # KD-QAT: the student learns through the fake quantizers it will be converted with
+    qat = None if q is None else (q.get("scheme", "8da4w"), q.get("group_size", 32), q.get("include_output", False))
+    if qat is not None:
+        prepare_qat(student, *qat)
+        if rt.device.type == "cuda":
+            compile_fake_quantizers(student)
     vocab, note = shared_vocab(sargs.vocab_size, targs.vocab_size, tokenizer.vocab_size,
                                same_tokenizer(student_dir, teacher_dir))
     if note and rt.is_main:
@@ -100,7 +111,9 @@ def main(cfg: DictConfig) -> None:
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None
-    final = write_final_model(cfg, rt, student, sargs, student_dir, lora=adapter_lora, base_model=str(student_dir))
+    extra = None if qat is None else {"quantization.json": json.dumps(qat_metadata(*qat), indent=2) + "\n"}
+    final = write_final_model(cfg, rt, student, sargs, student_dir, lora=adapter_lora, base_model=str(student_dir),
+                              extra_files=extra)
     if rt.is_main:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "

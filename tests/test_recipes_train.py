@@ -290,6 +290,21 @@ def test_kd_loss_kinds(tmp_path, kd_forward, tiny_model_dir, kd_teacher):
     assert 0 < skew < 0.8 * f
 
 
+def test_kd_qat_student_trains_through_fake_quantizers(tmp_path, kd_forward, tiny_model_dir, kd_teacher):
+    # KD-QAT: same student, teacher, batch and seed as kd_forward, but the student's linears are fake-quantized
+    # (8da4w) from step 1, so its CE differs; the folder carries quantization.json for convert / 8da4w evals.
+    out = tmp_path / "out"
+    code = rc.run_in_process("kd", "kd/smollm2_demo", kd_overrides(out, kd_teacher, tiny_model_dir, "kd.loss=forward_kl",
+                                                                  "max_steps=1", "qat={scheme: 8da4w, group_size: 32}"))
+    assert code == 0
+    (row,) = rc.assert_metrics(out, 1, KD_KEYS)
+    plain = rc.read_metrics(kd_forward[0])[0]["ce_loss"]
+    assert abs(row["ce_loss"] - plain) > 1e-4 * plain
+    meta = json.loads((out / "model" / "quantization.json").read_text())
+    assert meta["method"] == "qat" and meta["scheme"] == "8da4w" and meta["group_size"] == 32
+    assert_loads_like_hf(out / "model")
+
+
 def test_kd_layer_pruned_student(tmp_path, tiny_model_dir, capsys):
     # lr 0 keeps the initial student: teacher layers 0 and 3 become student layers 0 and 1, the rest is shared.
     out = tmp_path / "out"
