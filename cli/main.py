@@ -173,13 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run the main job on the embedded model: prune, distil, evaluate, quantize, export",
         formatter_class=_FORMATTER,
-        description="Distil the embedded SmolLM2-135M-Instruct into a layer-pruned student with "
-        "`recipe run kd --config kd/smollm2_demo`, evaluate teacher and student before/after on a slice of "
-        "the offline task pack, quantize the student (8da4w) and export a GGUF; print one summary table.",
-        epilog="examples:\n  recipe demo\n  recipe demo --limit 100 --output-dir outputs/demo100",
+        description="Prune the embedded SmolLM2-135M-Instruct by measured layer importance and distil it back "
+        "with `recipe run kd --config kd/smollm2_demo`; score teacher, pruned and distilled student on LAMBADA "
+        "(with standard errors), quantize the student (8da4w) and export a GGUF; print one summary table.",
+        epilog="examples:\n  recipe demo\n  recipe demo --limit 1000 --output-dir outputs/demo1000",
     )
     p.add_argument("--output-dir", default="outputs/demo", help="where everything is written")
-    p.add_argument("--limit", type=int, default=40, help="items per eval task")
+    p.add_argument("--limit", type=int, default=500,
+                   help="LAMBADA items scoring the pruned and the distilled student")
+    p.add_argument("--teacher-limit", type=int, default=100,
+                   help="LAMBADA items scoring the teacher and the quantized student")
     p.add_argument("--steps", type=int, default=None, help="KD optimizer steps (default: the config's)")
     _add_debug(p)
     return parser
@@ -361,7 +364,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    run_demo(args.output_dir, limit=args.limit, steps=args.steps)
+    run_demo(args.output_dir, limit=args.limit, teacher_limit=args.teacher_limit, steps=args.steps)
     return 0
 
 
