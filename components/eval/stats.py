@@ -44,4 +44,5 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
     """Mean of `b - a` over the items both have, its SE and z = mean / SE."""
     common = sorted(set(a) & set(b))
     diff, se = _mean_se([b[i] - a[i] for i in common])
-    return {"items": len(common), "diff": diff, "se": se, "z": diff / se if se > 0 else float("inf")}
+    z = diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else 0.0)  # identical items: z = 0
+    return {"items": len(common), "diff": diff, "se": se, "z": z}

@@ -1,0 +1,310 @@
+"""Second KD study (issue 11): does distillation beat plain fine-tuning once the student can learn?
+
+Differences from bench/kd_study.py (the "before" in docs/kd_study.md): the student is pruned by measured layer
+importance (`student.prune`, >= 20 of 30 layers kept), every run sees >= 20M tokens of teacher-written transfer
+data (`recipe run transfer`), students train with bf16 stochastic rounding (the configs' default optimizer), and
+every cell carries a standard error. Rows:
+
+- teacher (bf16) and teacher_ptq (8da4w post-training quantization of the teacher);
+- pruned: the importance-pruned student, untrained; sft (kd_ratio 0) and kd (forward KL, kd_ratio 0.5) from it,
+  same data, steps and tokens;
+- qat: plain QAT fine-tune of the teacher (8da4w fake quantizers, CE only); kd_qat: the same student distilled
+  from the bf16 teacher (KD-QAT: kd recipe with `qat:`); both converted/evaluated as 8da4w, with the fraction of
+  the PTQ loss they recover: (row - ptq) / (teacher - ptq).
+
+    python bench/kd_study2.py plan                  # the commands (the layer list once `prune` has run)
+    python bench/kd_study2.py run --jobs 6          # transfer set -> layer scores -> trainings -> evals -> table
+    python bench/kd_study2.py collect               # out/results.json and out/table.md from what is there
+Tiny end-to-end check on CPU (tests/test_kd_study2.py): --tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.kd_study import Job, _run_stats, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
+
+LAMBADA, HELLASWAG = "recipe_lambada_openai", "recipe_hellaswag"
+ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "qat", "kd_qat")
+
+
+@dataclass
+class Scale:
+    """Defaults: the GPU run (1250 steps x 32 x 512 = 20.5M tokens per training run)."""
+
+    teacher: str = "embedded"
+    steps: int = 1250
+    batch_size: int = 32
+    seq_len: int = 512
+    keep: int = 20  # student layers (of 30), chosen by loss_drop importance
+    calibration_tokens: int = 16384
+    lr_student: float = 2e-4
+    lr_quant: float = 2e-5  # QAT and KD-QAT start from the teacher's own weights: a fine-tune's lr
+    samples_per_prompt: int = 16  # transfer set: 16 continuations per passage opening + 16 answers per question
+    max_new_tokens: int = 480
+    gen_batch_size: int = 512
+    passages: int | None = None  # transfer prompts (None: all shipped ones)
+    chat: int | None = None
+    eval_limit: int | None = None  # None: full LAMBADA (5153) and HellaSwag (10042)
+    eval_batch_size: int = 64
+    device: str = "auto"
+
+    @property
+    def tokens_per_run(self) -> int:
+        return self.steps * self.batch_size * self.seq_len
+
+
+TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
+            max_new_tokens=8, gen_batch_size=4, passages=4, chat=2, eval_limit=4, eval_batch_size=4, device="cpu")
+
+
+def _teacher(s: Scale) -> str:
+    if s.teacher == "embedded":
+        from components.assets import embedded_model_dir
+
+        return str(embedded_model_dir())
+    return s.teacher
+
+
+def _f(x: float) -> str:
+    return f"{x:.1e}"
+
+
+def _recipe(name: str, recipe: str, config: str, overrides: list[str], deps: list[str], group: str) -> Job:
+    argv = [sys.executable, "-m", "cli.main", "run", recipe, "--config", config, *overrides]
+    return Job(name, "train", argv, deps, group, shlex.join(["recipe", "run", recipe, "--config", config, *overrides]))
+
+
+def setup_jobs(s: Scale, out: Path) -> list[Job]:
+    """The teacher-written transfer set, then the layer scores on it (one list for every student)."""
+    t = _teacher(s)
+    transfer = _recipe("transfer", "transfer", "transfer/smollm2", [
+        f"output_dir={out / 'transfer'}", f"teacher.checkpoint_dir={t}", f"device={s.device}",
+        f"prompts.passages={'null' if s.passages is None else s.passages}",
+        f"prompts.chat={'null' if s.chat is None else s.chat}", f"prompts.samples_per_prompt={s.samples_per_prompt}",
+        f"generation.max_new_tokens={s.max_new_tokens}", f"generation.batch_size={s.gen_batch_size}"], [], "data")
+    prune = Job("prune", "train", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "prune", "--out", str(out),
+                                   *scale_flags(s)], ["transfer"], "data")
+    return [transfer, prune]
+
+
+def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
+    t = _teacher(s)
+    data = [f"dataset.source={out / 'transfer' / 'passages.jsonl'}", "dataset.format=text"]
+    common = [f"teacher.checkpoint_dir={t}", f"max_steps={s.steps}", f"batch_size={s.batch_size}",
+              f"dataset.max_seq_len={s.seq_len}", f"device={s.device}", "save_every_n_steps=null", *data]
+    student = [f"student.keep_layers=[{','.join(map(str, keep))}]", "student.every=null",
+               f"optimizer.lr={_f(s.lr_student)}", "kd.loss=forward_kl"]
+    quant = [f"optimizer.lr={_f(s.lr_quant)}"]
+    jobs = [
+        _recipe("sft", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/sft'}", *common, *student,
+                                                  "kd.kd_ratio=0.0"], ["prune"], "kd"),
+        _recipe("kd", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd'}", *common, *student,
+                                                 "kd.kd_ratio=0.5"], ["prune"], "kd"),
+        _recipe("kd_qat", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd_qat'}", *common, *quant,
+                                                     "student.every=null", "kd.loss=forward_kl", "kd.kd_ratio=0.5",
+                                                     "qat={scheme: 8da4w, group_size: 32, include_output: false}"],
+                ["transfer"], "quant"),
+    ]
+    qat_common = [o for o in common if not o.startswith("teacher.")] + [f"model.checkpoint_dir={t}", "qat.convert=false"]
+    jobs.append(_recipe("qat", "qat", "qat/smollm2_study", [f"output_dir={out / 'train/qat'}", *qat_common, *quant],
+                        ["transfer"], "quant"))
+    return jobs
+
+
+def eval_jobs(s: Scale, out: Path) -> list[Job]:
+    t = _teacher(s)
+    rows = [("teacher", t, [], []), ("teacher_ptq", t, ["--quant", "8da4w"], []),
+            ("pruned", t, ["--pruned"], ["prune"]), ("sft", str(out / "train/sft/model"), [], ["sft"]),
+            ("kd", str(out / "train/kd/model"), [], ["kd"]),
+            ("qat", str(out / "train/qat/model"), ["--quant", "8da4w"], ["qat"]),
+            ("kd_qat", str(out / "train/kd_qat/model"), ["--quant", "8da4w"], ["kd_qat"])]
+    return [Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
+                                         name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
+                deps, "eval") for name, model, extra, deps in rows]
+
+
+def scale_flags(s: Scale) -> list[str]:
+    return ["--scale", json.dumps(asdict(s))]
+
+
+def _keep(out: Path) -> list[int] | None:
+    p = out / "layers" / "layer_importance.json"
+    return json.loads(p.read_text())["kept"] if p.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------- prune / eval
+
+
+def prune(s: Scale, out: Path) -> list[int]:
+    """Score the teacher's layers on the transfer set (loss_drop and block influence) and keep the best `keep`."""
+    import torch
+
+    from components.models.prune import importance_keep
+
+    device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
+                                                                               else s.device)
+    dataset = {"source": str(out / "transfer" / "passages.jsonl"), "format": "text", "max_seq_len": s.seq_len,
+               "packed": True}
+    return importance_keep(_teacher(s), {"method": "loss_drop", "keep": s.keep,
+                                         "calibration_tokens": s.calibration_tokens},
+                           dataset, 8, device, torch.float32, out / "layers")
+
+
+def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bool, s: Scale) -> dict:
+    """LAMBADA (acc, perplexity) and HellaSwag (acc_norm) with standard errors and per-item values (for paired
+    comparisons) into out/evals/<name>/summary.json."""
+    import torch
+
+    from components.eval.run import evaluate
+    from components.eval.stats import loglikelihood_task_stats, per_item
+    from components.models import load_model
+    from components.models.tokenizer import Tokenizer
+
+    device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
+                                                                               else s.device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    t0 = time.time()
+    model, _ = load_model(model_dir, dtype=dtype, device=device, keep_layers=_keep(out) if pruned else None)
+    model.eval()
+    method = str(dtype).removeprefix("torch.")
+    if quant:  # CUDA: fake quantizers (bench/kd_study.py measured them equal to torchao's real tensors); CPU: real
+        if device.startswith("cuda"):
+            fake_quantize(model, quant)
+            method = f"fake {quant}"
+        else:
+            method = quantize_for_eval(model, Path(model_dir), dtype, device, None, quant)
+    tok = Tokenizer.from_dir(model_dir)
+    res = evaluate((model, tok), [LAMBADA, HELLASWAG], limit=s.eval_limit, batch_size=s.eval_batch_size,
+                   log_samples=True, bootstrap_iters=0, output_dir=out / "evals" / name / "lm_eval")
+    lam = loglikelihood_task_stats(res["samples"][LAMBADA])
+    hs = res["samples"][HELLASWAG]
+    hs_acc = per_item(hs, "acc_norm")
+    mean = sum(hs_acc.values()) / len(hs_acc)
+    hs_se = math.sqrt(mean * (1 - mean) / max(len(hs_acc) - 1, 1))
+    summary = {"name": name, "model": model_dir, "quant": quant, "method": method, "lambada": lam,
+               "hellaswag": {"items": len(hs_acc), "acc_norm": mean, "acc_norm_se": hs_se},
+               "per_item": {"lambada_acc": per_item(res["samples"][LAMBADA], "acc"),
+                            "lambada_nll": {i: -v for i, v in per_item(res["samples"][LAMBADA], "perplexity").items()},
+                            "hellaswag_acc_norm": hs_acc},
+               "eval_s": round(time.time() - t0, 1), "device": torch.cuda.get_device_name() if
+               device.startswith("cuda") else "cpu"}
+    dest = out / "evals" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------- collect
+
+
+def _paired(a: dict, b: dict, sign: float) -> dict:
+    from components.eval.stats import paired_difference
+
+    d = paired_difference({int(k): v for k, v in a.items()}, {int(k): v for k, v in b.items()})
+    return {"diff": sign * d["diff"], "se": d["se"], "z": sign * d["z"], "items": d["items"]}
+
+
+def collect(s: Scale, out: Path) -> dict:
+    """out/results.json and out/table.md: every row with SEs, KD vs SFT (paired), PTQ loss recovered."""
+    ev = {}
+    for name in ROWS:
+        p = out / "evals" / name / "summary.json"
+        if p.is_file():
+            ev[name] = json.loads(p.read_text())
+    scores = out / "layers" / "layer_importance.json"
+    layers = len(json.loads(scores.read_text())["layers"]) if scores.is_file() else "?"
+    lines = [f"{s.tokens_per_run / 1e6:.1f}M tokens per training run ({s.steps} steps x {s.batch_size} x "
+             f"{s.seq_len}); student: {len(_keep(out) or [])} of {layers} layers {_keep(out)}", "",
+             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | items (LAMBADA / HellaSwag) | train tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, e in ev.items():
+        lam, hs = e["lambada"], e["hellaswag"]
+        tps = (_run_stats(out / "train" / name) or {}).get("tokens_per_s")
+        lines.append(f"| {name} | {lam['acc']:.4f} +- {lam['acc_se']:.4f} | {lam['ppl']:.4g} +- {lam['ppl_se']:.2g} "
+                     f"| {hs['acc_norm']:.4f} +- {hs['acc_norm_se']:.4f} | {lam['items']} / {hs['items']} | "
+                     f"{'-' if tps is None else f'{tps:.0f}'} |")
+    result: dict = {"scale": asdict(s), "keep": _keep(out), "rows": {k: {kk: v for kk, v in e.items()
+                                                                        if kk != "per_item"} for k, e in ev.items()}}
+    if "kd" in ev and "sft" in ev:
+        a, b = ev["sft"]["per_item"], ev["kd"]["per_item"]
+        cmp = {"lambada_acc": _paired(a["lambada_acc"], b["lambada_acc"], 1.0),
+               "lambada_nll": _paired(a["lambada_nll"], b["lambada_nll"], -1.0),
+               "hellaswag_acc_norm": _paired(a["hellaswag_acc_norm"], b["hellaswag_acc_norm"], 1.0)}
+        result["kd_vs_sft"] = cmp
+        lines += ["", "KD - SFT on the same items (paired; z = improvement / SE; > 2 wins):",
+                  *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
+    if {"teacher", "teacher_ptq"} <= ev.keys():
+        rec = {}
+        for row in ("qat", "kd_qat"):
+            if row in ev:
+                rec[row] = {}
+                for key, get in (("lambada_acc", lambda e: e["lambada"]["acc"]),
+                                 ("lambada_nll", lambda e: -e["lambada"]["nll"]),
+                                 ("hellaswag_acc_norm", lambda e: e["hellaswag"]["acc_norm"])):
+                    lost = get(ev["teacher"]) - get(ev["teacher_ptq"])
+                    rec[row][key] = (get(ev[row]) - get(ev["teacher_ptq"])) / lost if lost else None
+        result["ptq_loss_recovered"] = rec
+        lines += ["", "fraction of the PTQ loss recovered, (row - PTQ) / (teacher - PTQ):",
+                  *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in d.items())
+                    for r, d in rec.items()]]
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=["plan", "run", "collect", "prune", "eval-one"])
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "kd_study2")
+    p.add_argument("--jobs", type=int, default=6, help="processes at once (they share one GPU)")
+    p.add_argument("--tiny", action="store_true", help="CPU-sized settings: checks the pipeline end to end")
+    p.add_argument("--teacher", default=None, help="teacher HF folder (default: the embedded model)")
+    p.add_argument("--scale", default=None, help=argparse.SUPPRESS)  # the parent's Scale, for prune / eval-one
+    p.add_argument("--name")
+    p.add_argument("--model")
+    p.add_argument("--quant", default=None)
+    p.add_argument("--pruned", action="store_true", help="eval-one: the importance-pruned student, untrained")
+    args = p.parse_args(argv)
+    s = Scale(**json.loads(args.scale)) if args.scale else Scale(**(TINY if args.tiny else {}))
+    if args.teacher:
+        s.teacher = str(Path(args.teacher).resolve())
+    out = args.out.resolve()
+    if args.phase == "collect" and not (args.scale or args.tiny) and (out / "scale.json").is_file():
+        s = Scale(**json.loads((out / "scale.json").read_text()))  # the scale the run used
+    if args.phase == "prune":
+        prune(s, out)
+    elif args.phase == "eval-one":
+        eval_one(args.name, args.model, out, args.quant, args.pruned, s)
+    elif args.phase == "plan":
+        keep = _keep(out)
+        jobs = setup_jobs(s, out) + (training_jobs(s, out, keep) if keep else []) + eval_jobs(s, out)
+        for j in jobs:
+            print(f"# {j.name} (after: {', '.join(j.deps) or '-'})\n{j.recipe_cmd or j.command()}\n")
+        if not keep:
+            print("# sft, kd, kd_qat, qat: their commands name the layer list, printed once `prune` has run")
+    elif args.phase == "run":
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scale.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
+        if run_jobs(setup_jobs(s, out), out, args.jobs):
+            return 1
+        failed = run_jobs(training_jobs(s, out, _keep(out)) + eval_jobs(s, out), out, args.jobs)
+        collect(s, out)
+        return 1 if failed else 0
+    else:
+        collect(s, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
