@@ -122,7 +122,7 @@ def _compare_text(c: dict) -> str:
             f"errors on both")
 
 
-def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: int = 100, steps: int | None = None,
+def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: int = 50, steps: int | None = None,
              kd_overrides: tuple[str, ...] = ()) -> list[Row]:
     """Run the whole demo; returns the table rows (also written to output_dir/summary.json with the comparison).
 

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="outputs/demo", help="where everything is written")
     p.add_argument("--limit", type=int, default=500,
                    help="LAMBADA items scoring the pruned and the distilled student")
-    p.add_argument("--teacher-limit", type=int, default=100,
+    p.add_argument("--teacher-limit", type=int, default=50,
                    help="LAMBADA items scoring the teacher and the quantized student")
     p.add_argument("--steps", type=int, default=None, help="KD optimizer steps (default: the config's)")
     _add_debug(p)
