@@ -41,7 +41,7 @@ LORA = "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]}"
 
 
 def cases(model: Path) -> dict[str, tuple[str, str, list[str]]]:
-    kd = [*TRAIN, f"teacher.checkpoint_dir={model}", "student.every=null", "dataset.max_seq_len=48",
+    kd = [*TRAIN, f"teacher.checkpoint_dir={model}", "student.every=null", "student.prune=null", "dataset.max_seq_len=48",
           "dataset.limit=16"]
     return {
         "lora": ("lora", "lora/smollm2", [*TRAIN, f"model.checkpoint_dir={model}", LORA, "save_every_n_steps=1"]),
