@@ -7,9 +7,9 @@ stored. Compared with ``chunked_kd_and_ce`` (checkpointed chunks) this drops the
 heads in backward and never keeps logits: one chunk of student and teacher logits is alive at a time.
 
 Why ours and not Liger-Kernel's ``LigerFusedLinearJSDLoss``: it covers forward KL (beta 0) and JSD only (no
-reverse/symmetric/skew, no CE in the same pass), crashed at 16k tokens on torch 2.11 (Dynamo IndexError), and is
-not faster than this at our shapes (docs/losses.md has the measured table). The forward-KL + CE chunk (the
-default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
+reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
+crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. The
+forward-KL + CE chunk (the default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
 divergences reuse their reference implementations in ``kd.py`` and take the gradient with autograd per chunk,
 so every divergence gives the same gradients as the unfused path (tests/test_fused_loss.py).
 """
