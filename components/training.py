@@ -104,11 +104,16 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
 
 def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime):
-    """The tokenized dataset and its resumable loader, sharded over ranks."""
+    """The tokenized dataset and its resumable loader, sharded over ranks.
+
+    Packed and compiled: every batch has the same shape (the last partial batch of an epoch is dropped when
+    there is a full one), so torch.compile never recompiles for a smaller batch."""
     kw = OmegaConf.to_container(cfg.dataset, resolve=True)
     dataset = build_dataset(tokenizer, **kw)
-    return build_loader(dataset, cfg.get("batch_size", 4), seed=cfg.get("seed", 0), rank=rt.rank,
-                        world_size=rt.world_size)
+    batch_size = cfg.get("batch_size", 4)
+    static = bool(cfg.get("compile")) and dataset.packed and len(dataset) >= batch_size * rt.world_size
+    return build_loader(dataset, batch_size, seed=cfg.get("seed", 0), rank=rt.rank, world_size=rt.world_size,
+                        drop_last=static)
 
 
 def total_steps(cfg: DictConfig, loader) -> int:
