@@ -18,6 +18,7 @@ from components.config import (
     configs_dir,
     configure_logging,
     load_recipe_config,
+    prepared_run,
     print_error,
     recipe_argparser,
     resolve_config_path,
@@ -326,9 +327,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     if torchrun_ns is None:
         run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
-    # Validate once here so a bad config fails in one line instead of once per rank.
+    # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
+    # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    with prepared_run(load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name), module.SCHEMA,
+                      lock=False):
+        pass
     return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 
