@@ -7,6 +7,7 @@ There is deliberately no trainer class.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -228,6 +229,8 @@ def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
         raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
                           "run without resume to start fresh")
     verify_manifest(ckpt)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resuming from {ckpt} (file checksums verified)", flush=True)
     return ckpt
 
 

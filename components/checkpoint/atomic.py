@@ -8,6 +8,7 @@ OS reason) removes the temp dir and raises a one-line RecipeError; the previous 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -43,6 +44,16 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
     """Yield a temp dir to fill; on success it replaces `target` atomically, on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Leftovers of an earlier write of this target that was killed (one run writes a folder at a time: the
+    # output_dir lock, components.folders): half-written temp dirs are dropped; an old copy moved aside just
+    # before the kill is put back when nothing replaced it.
+    name = glob.escape(target.name)
+    for stale in target.parent.glob(f".{name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in target.parent.glob(f".{name}.old-*"):
+        if not target.exists() and (stale / "x").is_dir():
+            os.rename(stale / "x", target)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
