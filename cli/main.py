@@ -18,7 +18,6 @@ from components.config import (
     configs_dir,
     configure_logging,
     load_recipe_config,
-    prepared_run,
     print_error,
     recipe_argparser,
     resolve_config_path,
@@ -26,6 +25,7 @@ from components.config import (
     shipped_configs,
 )
 from components.errors import RecipeError
+from components.folders import prepared_run
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 

@@ -8,7 +8,6 @@ PyYAML's `compose` gives the line of every key, which OmegaConf does not keep.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.resources
 import inspect
@@ -25,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from components.errors import RecipeError
-from components.schema import ModelDir, OutputDir, spec_problem, value_desc, walk_specs
+from components.schema import spec_problem, value_desc
 
 __all__ = [
     "COMPONENT",
@@ -35,7 +34,6 @@ __all__ = [
     "instantiate",
     "load_config",
     "load_recipe_config",
-    "prepared_run",
     "print_error",
     "recipe_argparser",
     "resolve_config_path",
@@ -482,8 +480,10 @@ def validate_config(
 ) -> None:
     """Check `cfg` against a recipe SCHEMA: unknown keys, types, `_component_` imports and arguments.
 
-    Schema values: a type or tuple of types (`int` also satisfies `float`), a nested dict (a section, may be
-    null) or `COMPONENT` (may be null). Errors name the key and `file:line` or the override that set it.
+    Schema values: a type or tuple of types (`int` also satisfies `float`), a value spec of components.schema
+    (`Range`, `Choice`, `ListOf`, `Pattern`, `ModelDir`, `OutputDir`), a nested dict (a section, may be null) or
+    `COMPONENT(...)` (may be null). Errors name the key and `file:line` or the override that set it. Folders are
+    not looked at here (see components.folders.prepared_run).
     """
     src = config_source(cfg)
     if source_file is not None and (src.file is None or Path(source_file).resolve() != src.file):
@@ -547,32 +547,6 @@ def configure_logging(debug: bool = False) -> None:
         logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
-@contextlib.contextmanager
-def prepared_run(cfg: DictConfig, schema: Mapping[str, Any], lock: bool = True) -> Iterator[None]:
-    """Check the folders a validated config names, before any model loads, then hold the output lock.
-
-    Every `ModelDir` key must name a model folder; every `OutputDir` key a folder that can be written and that no
-    live run holds. With `lock` (rank 0 only under torchrun) this run holds each output folder's lock until the
-    block ends. Errors name the key and where it was set.
-    """
-    from components.folders import check_model_dir, check_output_dir, lock_output_dir
-
-    src = config_source(cfg)
-    folders = [(k, spec, v) for k, spec, v in walk_specs(cfg, dict(schema), (ModelDir, OutputDir)) if v is not None]
-    lock = lock and os.environ.get("RANK", "0") == "0"
-    with contextlib.ExitStack() as stack:
-        for locking in (False, True):  # every check first, so a bad folder creates nothing
-            for key, spec, value in folders:
-                try:
-                    if not locking:
-                        (check_model_dir if isinstance(spec, ModelDir) else check_output_dir)(value)
-                    elif lock and isinstance(spec, OutputDir):
-                        stack.enter_context(lock_output_dir(value))
-                except RecipeError as e:
-                    raise RecipeError(f"{src.where(key)}: key '{key}': {e}") from e
-        yield
-
-
 def run_recipe_script(
     schema: Mapping[str, Any],
     main: Callable[[DictConfig], None],
@@ -581,7 +555,7 @@ def run_recipe_script(
 ) -> None:
     """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
 
-    The folders the config names are checked and the output folder locked first (`prepared_run`).
+    The folders the config names are checked and the output folder locked first (folders.prepared_run).
     A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug);
     Ctrl-C prints `recipe: interrupted...` and exits 130.
     """
@@ -592,6 +566,8 @@ def run_recipe_script(
     configure_logging(args.debug)
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
+        from components.folders import prepared_run  # imports this module
+
         with prepared_run(cfg, schema):
             main(cfg)
     except RecipeError as e:

@@ -6,6 +6,9 @@
   when the process dies, however it dies (kill -9 included); the file records the owner's pid, host and start
   time for the message another run prints. A lock file left by a killed run is taken over with a note.
   Nothing else is written in it (no command line: it may carry a token).
+
+`prepared_run(cfg, schema)` applies both to the keys a recipe's SCHEMA declares as `ModelDir` / `OutputDir`;
+`run_recipe_script` wraps every recipe's `main` in it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
+from components.config import config_source
 from components.errors import RecipeError
+from components.schema import ModelDir, OutputDir, walk_specs
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +37,7 @@ LOCK_NAME = ".recipe.lock"
 # flock is not available on some network filesystems (e.g. Lustre without -o flock): fall back to the pid check
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-__all__ = ["LOCK_NAME", "check_model_dir", "check_output_dir", "lock_output_dir"]
+__all__ = ["LOCK_NAME", "check_model_dir", "check_output_dir", "lock_output_dir", "prepared_run"]
 
 
 def check_model_dir(path: str | os.PathLike) -> None:
@@ -50,8 +57,9 @@ def _nearest_existing(p: Path) -> Path:
     return p
 
 
-def check_output_dir(output_dir: str | os.PathLike) -> None:
-    """RecipeError when `output_dir` is a file, cannot be created or written, or is locked by a live run."""
+def check_output_dir(output_dir: str | os.PathLike, busy: bool = True) -> None:
+    """RecipeError when `output_dir` is a file, cannot be created or written, or (with `busy`) is locked by a
+    live run."""
     p = Path(output_dir).expanduser()
     if p.exists() and not p.is_dir():
         raise RecipeError(f"{output_dir} is a file, not a folder: choose another output_dir")
@@ -61,7 +69,7 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
     if not os.access(base, os.W_OK | os.X_OK):
         where = "" if base == p.absolute() else f" (to create {output_dir})"
         raise RecipeError(f"no permission to write in {base}{where}: choose another output_dir")
-    owner = _live_owner(p / LOCK_NAME)
+    owner = _live_owner(p / LOCK_NAME) if busy else None
     if owner is not None:
         raise _busy(p, owner)
 
@@ -173,3 +181,33 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
             if _read_owner(lock_path) == me:
                 os.unlink(lock_path)
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------- a run
+
+
+@contextlib.contextmanager
+def prepared_run(cfg: DictConfig, schema: Mapping[str, Any], lock: bool = True) -> Iterator[None]:
+    """Check the folders a validated config names, before any model loads, then hold the output lock.
+
+    Every `ModelDir` key must name a model folder; every `OutputDir` key a folder that can be written and that no
+    live run holds. With `lock` (rank 0 only under torchrun) this run holds each output folder's lock until the
+    block ends. Errors name the key and where it was set.
+    """
+    src = config_source(cfg)
+    folders = [(k, spec, v) for k, spec, v in walk_specs(cfg, dict(schema), (ModelDir, OutputDir)) if v is not None]
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks neither lock nor see rank 0's lock
+    with contextlib.ExitStack() as stack:
+        for locking in (False, True):  # every check first, so a bad folder creates nothing
+            for key, spec, value in folders:
+                try:
+                    if not locking:
+                        if isinstance(spec, ModelDir):
+                            check_model_dir(value)
+                        else:
+                            check_output_dir(value, busy=rank0)
+                    elif lock and rank0 and isinstance(spec, OutputDir):
+                        stack.enter_context(lock_output_dir(value))
+                except RecipeError as e:
+                    raise RecipeError(f"{src.where(key)}: key '{key}': {e}") from e
+        yield

@@ -213,12 +213,11 @@ class ListOf(Spec):
     optional: bool = False
 
     def describe(self) -> str:
-        n = ""
         if self.max_len is not None and self.max_len == self.min_len:
-            n = f"{self.min_len} "
-        elif self.min_len > 0:
-            n = "non-empty "
-        text = f"a {n}list{' of distinct items' if self.unique else ''} ({type_name(self.item)} each)"
+            text = f"a list of {self.min_len} items"
+        else:
+            text = f"a {'non-empty ' if self.min_len > 0 else ''}list{' of distinct items' if self.unique else ''}"
+        text = f"{text} ({type_name(self.item)} each)"
         return f"{text}{' (or null)' if self.optional else ''}"
 
     def problem(self, value: Any) -> str | None:

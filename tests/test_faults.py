@@ -124,27 +124,29 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, reference):
+    # the uninterrupted run as it stood after step 5 (a checkpoint every 2 steps: step 4 is the newest)
     out = tmp_path / "out"
-    args = train_args(tiny_model_dir, out)
-    assert_killed(run_with_fault({"target": "components.training.optimizer_step", "nth": 3}, "full", CONFIG, args,
-                                 tmp_path))
-    prev = out / "checkpoints" / "step_000002"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "model")
+    shutil.rmtree(out / "checkpoints" / "step_000006")
+    prev = out / "checkpoints" / "step_000004"
     limit = max(f.stat().st_size for f in prev.rglob("*") if f.is_file()) - 1
 
     def small_disk() -> None:  # files may not grow past `limit` bytes: the write fails with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    p = run_with_fault(None, "full", CONFIG, [*args, "resume=true"], tmp_path, preexec_fn=small_disk)
+    args = [*train_args(tiny_model_dir, out), "resume=true"]
+    p = run_with_fault(None, "full", CONFIG, args, tmp_path, preexec_fn=small_disk)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     (line,) = [ln for ln in p.stderr.splitlines() if ln.startswith("recipe: error:")]
     doc.expect("disk-full", line, out=out)
     # the previous checkpoint is complete and loads; nothing half-written is left
-    assert steps_of(out) == ["step_000002"] and hidden_leftovers(out / "checkpoints") == []
+    assert steps_of(out) == ["step_000004"] and hidden_leftovers(out / "checkpoints") == []
     verify_manifest(prev)
-    assert load_recipe_state(prev)["step"] == 2
+    assert load_recipe_state(prev)["step"] == 4
     # with room again, resuming gives the uninterrupted run's weights
-    assert rc.run_in_process("full", CONFIG, [*args, "resume=true"]) == 0
+    assert rc.run_in_process("full", CONFIG, args) == 0
     assert_same_as_reference(out, reference)
 
 
