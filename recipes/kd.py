@@ -11,9 +11,10 @@ from omegaconf import DictConfig
 
 from components.config import config_source, run_recipe_script
 from components.errors import RecipeError
-from components.losses import KD_LOSSES, build_kd_loss, chunked_kd_and_ce, same_tokenizer, shared_vocab
+from components.losses import KD_LOSSES, build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
-from components.runtime import setup_runtime
+from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from components.runtime import TEACHER_PLACEMENTS, prepare_teacher, setup_runtime
 from components.schema import Choice, ListOf, ModelDir, Range
 from components.training import (
     LORA_SCHEMA,
@@ -23,6 +24,7 @@ from components.training import (
     hidden_states,
     load_tokenizer,
     lora_settings,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -30,7 +32,8 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": ModelDir()},
+    "teacher": {"checkpoint_dir": ModelDir(), "placement": Choice(*TEACHER_PLACEMENTS),
+                "quantize": Choice(*TEACHER_QUANT, optional=True)},
     "student": {"checkpoint_dir": ModelDir(optional=True),
                 "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
                 "every": Range(int, ge=1, optional=True)},
@@ -73,13 +76,14 @@ def main(cfg: DictConfig) -> None:
     keep = student_layers(cfg, read_model_args(student_dir).num_layers, f"{student_dir}/config.json")
     resume_from = find_resume_checkpoint(cfg)
 
-    # Teacher: frozen, no grad, same dtype/device (sharded too under torchrun).
+    # Teacher: frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
+    # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
-    teacher.requires_grad_(False)
-    rt.prepare_model(teacher).eval()
+    prepare_teacher(rt, teacher, cfg.teacher.get("placement", "auto"), cfg.get("compile", False))
+    quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
-    if resume_from is not None and lora is None:
+    if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
         student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
@@ -98,15 +102,16 @@ def main(cfg: DictConfig) -> None:
     loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, student, tokenizer, resume_from,
                                                                  adapters=lora is not None)
 
-    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk.
+    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
+    # student's gradients are computed in the same pass: components/losses/fused.py).
     chunks = cfg.get("num_output_chunks", 8)
 
     def loss_fn(batch: dict) -> dict:
-        with torch.no_grad():
+        with torch.inference_mode():
             t_hidden = hidden_states(teacher, batch)
-        parts = chunked_kd_and_ce(hidden_states(student, batch), student.output, t_hidden, teacher.output,
-                                  batch["labels"], kd_loss, num_chunks=chunks, vocab_size=vocab)
-        return {"loss": (1 - kd_ratio) * parts["ce"] + kd_ratio * parts["kd"], "ce": parts["ce"], "kd": parts["kd"]}
+        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden, teacher.output,
+                          kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
+        return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
           adapters=lora is not None)
