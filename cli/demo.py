@@ -90,6 +90,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | Non
     from cli.recipes import load_recipe
     from components.assets import ensure_assets
     from components.config import load_config, validate_config
+    from components.folders import prepared_run
     from components.models import keep_every, load_model, save_model
     from components.models.tokenizer import Tokenizer
     from components.quantization import quantize_model, size_on_disk
@@ -122,7 +123,8 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 40, steps: int | Non
     name, recipe = load_recipe("kd")
     cfg = load_config("kd/smollm2_demo", overrides)
     validate_config(cfg, recipe.SCHEMA, recipe=name)
-    recipe.main(cfg)
+    with prepared_run(cfg, recipe.SCHEMA):  # folder checks and the output_dir lock, as `recipe run` does
+        recipe.main(cfg)
     distilled_dir = out / "kd" / "model"
     distilled, dargs = load_model(distilled_dir)
     rows.append(_measure("student after KD", distilled, tokenizer, size_on_disk(distilled_dir), limit, out))

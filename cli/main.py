@@ -25,6 +25,7 @@ from components.config import (
     shipped_configs,
 )
 from components.errors import RecipeError
+from components.folders import prepared_run
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -35,7 +36,7 @@ examples:
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
   recipe run kd --config kd/smollm2_demo max_steps=20
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu   # 2 processes
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
   recipe assets                                    # unpack the embedded default model and eval data
 
@@ -57,9 +58,9 @@ Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a l
 RUN_EPILOG = """\
 examples:
   recipe run kd --config kd/smollm2_demo
-  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~model.keep_layers
+  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 student.every=2 ~save_every_n_steps
   recipe run my_recipe.py --config my_config.yaml output_dir=/tmp/out
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu
 """
 
 
@@ -326,9 +327,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     if torchrun_ns is None:
         run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
-    # Validate once here so a bad config fails in one line instead of once per rank.
+    # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
+    # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    with prepared_run(load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name), module.SCHEMA,
+                      lock=False):
+        pass
     return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 

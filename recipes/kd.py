@@ -9,16 +9,15 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
+from components.config import config_source, run_recipe_script
 from components.errors import RecipeError
-from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
+from components.losses import KD_LOSSES, build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
-from components.quantization.teacher import quantize_teacher
-from components.runtime import prepare_teacher, setup_runtime
+from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from components.runtime import TEACHER_PLACEMENTS, prepare_teacher, setup_runtime
+from components.schema import Choice, ListOf, ModelDir, Range
 from components.training import (
     LORA_SCHEMA,
-    OPT_FLOAT,
-    OPT_INT,
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     freeze_all_but_adapters,
@@ -33,21 +32,30 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str, "placement": str, "quantize": (str, type(None))},
-    "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
+    "teacher": {"checkpoint_dir": ModelDir(), "placement": Choice(*TEACHER_PLACEMENTS),
+                "quantize": Choice(*TEACHER_QUANT, optional=True)},
+    "student": {"checkpoint_dir": ModelDir(optional=True),
+                "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
+                "every": Range(int, ge=1, optional=True)},
     "lora": LORA_SCHEMA,  # null: the whole student trains
-    "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
-           "ratio": OPT_FLOAT},
+    "kd": {"loss": Choice(*KD_LOSSES), "kd_ratio": Range(float, ge=0, le=1), "temperature": Range(float, gt=0),
+           "beta": Range(float, gt=0, lt=1, optional=True), "alpha": Range(float, ge=0, lt=1, optional=True),
+           "ratio": Range(float, ge=0, le=1, optional=True)},
 }
 
 
-def student_layers(cfg: DictConfig, teacher_layers: int) -> list[int] | None:
+def student_layers(cfg: DictConfig, teacher_layers: int, source: str = "the teacher") -> list[int] | None:
     """Which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
     s = cfg.get("student") or {}
     if s.get("keep_layers") is not None and s.get("every") is not None:
         raise RecipeError("student: set keep_layers or every, not both")
     if s.get("keep_layers") is not None:
-        return [int(i) for i in s.keep_layers]
+        keep = [int(i) for i in s.keep_layers]
+        if max(keep) >= teacher_layers:
+            where = config_source(cfg).where("student.keep_layers")
+            raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(keep)} does not exist: {source} has "
+                              f"{teacher_layers} layers (0..{teacher_layers - 1})")
+        return keep
     if s.get("every") is not None:
         return keep_every(teacher_layers, int(s.every))
     return None
@@ -64,6 +72,9 @@ def main(cfg: DictConfig) -> None:
     kd_ratio = float(k.get("kd_ratio", 0.5))
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
+    # Checked before any weights load: the layers the student keeps (from config.json) and the checkpoint to resume.
+    keep = student_layers(cfg, read_model_args(student_dir).num_layers, f"{student_dir}/config.json")
+    resume_from = find_resume_checkpoint(cfg)
 
     # Teacher: frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
@@ -72,12 +83,9 @@ def main(cfg: DictConfig) -> None:
     quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
-    resume_from = find_resume_checkpoint(cfg)
-    keep = None
     if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
-        keep = student_layers(cfg, read_model_args(student_dir).num_layers)
         student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
         if keep is not None and rt.is_main:
             print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
