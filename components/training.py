@@ -29,7 +29,7 @@ from components.data.dataset import build_dataset, build_loader
 from components.errors import RecipeError
 from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
-from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
+from components.models import LoRASettings, ModelArgs, keep_every, save_model, save_peft_adapter
 from components.models.hf_io import copy_tokenizer_files
 from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
@@ -99,14 +99,29 @@ def lora_settings(node: DictConfig | None) -> LoRASettings | None:
     return LoRASettings(**kw)
 
 
+def student_layers(cfg: DictConfig, teacher_layers: int) -> list[int] | None:
+    """KD: which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
+    s = cfg.get("student") or {}
+    if s.get("keep_layers") is not None and s.get("every") is not None:
+        raise RecipeError("student: set keep_layers or every, not both")
+    if s.get("keep_layers") is not None:
+        return [int(i) for i in s.keep_layers]
+    if s.get("every") is not None:
+        return keep_every(teacher_layers, int(s.every))
+    return None
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime):
-    """The tokenized dataset and its resumable loader, sharded over ranks."""
+def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime, wrap_dataset: Callable | None = None):
+    """The tokenized dataset and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
+    the dataset first (KD from a logits cache adds the cached teacher rows)."""
     kw = OmegaConf.to_container(cfg.dataset, resolve=True)
     dataset = build_dataset(tokenizer, **kw)
+    if wrap_dataset is not None:
+        dataset = wrap_dataset(dataset)
     return build_loader(dataset, cfg.get("batch_size", 4), seed=cfg.get("seed", 0), rank=rt.rank,
                         world_size=rt.world_size)
 
@@ -138,12 +153,12 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
 
 
 def setup_training(cfg: DictConfig, rt: Runtime, model: nn.Module, tokenizer: Tokenizer, resume_from: Path | None,
-                   adapters: bool):
+                   adapters: bool, wrap_dataset: Callable | None = None):
     """Data loader, step count, optimizer and schedule; restored from `resume_from` when resuming.
 
     Returns `(loader, steps, optimizer, scheduler, start_step)`.
     """
-    loader = build_train_loader(cfg, tokenizer, rt)
+    loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset)
     steps = total_steps(cfg, loader)
     optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
     start = 0
