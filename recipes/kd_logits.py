@@ -28,7 +28,7 @@ from components.training import DATASET_SCHEMA, OPT_STR, hidden_states, load_tok
 
 SCHEMA = {
     "output_dir": str, "seed": int, "device": str, "dtype": str, "compile": bool, "batch_size": int,
-    "num_output_chunks": int,
+    "num_output_chunks": int, "tokenizer_dir": OPT_STR,
     "teacher": {"checkpoint_dir": str, "quantize": OPT_STR},
     "dataset": DATASET_SCHEMA,
     "cache": {"top_k": int, "temperature": float, "items_per_shard": int},
@@ -46,13 +46,15 @@ def main(cfg: DictConfig) -> None:
     if temperature <= 0 or per_shard < 1:
         raise RecipeError("cache.temperature must be > 0 and cache.items_per_shard >= 1")
 
-    # The transfer set exactly as `kd` builds it: same tokenizer, same dataset section, same packing.
+    # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
+    # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
+    tokenizer_dir = cfg.get("tokenizer_dir") or teacher_dir
     data_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
-    dataset = build_dataset(load_tokenizer(teacher_dir), **data_cfg)
+    dataset = build_dataset(load_tokenizer(tokenizer_dir), **data_cfg)
 
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run.
     header = {
-        "run": run_fields(data_cfg, teacher_dir, temperature, dataset.items),
+        "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
         "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.get("quantize"),
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
         "top_k": k, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",

@@ -90,7 +90,8 @@ class CacheWriter:
         offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
         tensors = {"logprobs": logp.to(torch.float16).contiguous(), "ids": pack_ids(ids).contiguous(),
                    "tail": tail.to(torch.float16).contiguous(), "offsets": offsets}
-        data = safetensors_bytes(tensors, metadata={"format": FORMAT, "first_item": str(self.items(shard).start)})
+        # One metadata key: safetensors keeps metadata in a hash map, so several keys come out in any order.
+        data = safetensors_bytes(tensors, metadata={"format": FORMAT})
         atomic_write_bytes(self.out / shard_name(shard), data)
         record = {"file": shard_name(shard), "items": [self.items(shard).start, self.items(shard).stop],
                   "tokens": int(offsets[-1]), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
