@@ -26,14 +26,14 @@ from components.checkpoint.sharded import (
     save_sharded_checkpoint,
 )
 from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
-from components.config import COMPONENT
+from components.config import COMPONENT, config_source
 from components.data.dataset import build_dataset, build_loader
 from components.data.formats import FORMATS
 from components.errors import RecipeError
 from components.interrupt import StopRequest
 from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
-from components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from components.models import LORA_TARGETS, LoRASettings, ModelArgs, keep_every, save_model, save_peft_adapter
 from components.models.hf_io import copy_tokenizer_files
 from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
@@ -110,17 +110,37 @@ def lora_settings(node: DictConfig | None) -> LoRASettings | None:
     return LoRASettings(**kw)
 
 
+def student_layers(cfg: DictConfig, teacher_layers: int, source: str = "the teacher") -> list[int] | None:
+    """KD: which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
+    s = cfg.get("student") or {}
+    if s.get("keep_layers") is not None and s.get("every") is not None:
+        raise RecipeError("student: set keep_layers or every, not both")
+    if s.get("keep_layers") is not None:
+        keep = [int(i) for i in s.keep_layers]
+        if max(keep) >= teacher_layers:
+            where = config_source(cfg).where("student.keep_layers")
+            raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(keep)} does not exist: {source} has "
+                              f"{teacher_layers} layers (0..{teacher_layers - 1})")
+        return keep
+    if s.get("every") is not None:
+        return keep_every(teacher_layers, int(s.every))
+    return None
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime):
-    """The tokenized dataset and its resumable loader, sharded over ranks.
+def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime, wrap_dataset: Callable | None = None):
+    """The tokenized dataset and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
+    the dataset first (KD from a logits cache adds the cached teacher rows).
 
     Packed and compiled: every batch has the same shape (the last partial batch of an epoch is dropped when
     there is a full one), so torch.compile never recompiles for a smaller batch."""
     kw = OmegaConf.to_container(cfg.dataset, resolve=True)
     dataset = build_dataset(tokenizer, **kw)
+    if wrap_dataset is not None:
+        dataset = wrap_dataset(dataset)
     batch_size = cfg.get("batch_size", 4)
     static = bool(cfg.get("compile")) and dataset.packed and len(dataset) >= batch_size * rt.world_size
     return build_loader(dataset, batch_size, seed=cfg.get("seed", 0), rank=rt.rank, world_size=rt.world_size,
@@ -154,12 +174,12 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
 
 
 def setup_training(cfg: DictConfig, rt: Runtime, model: nn.Module, tokenizer: Tokenizer, resume_from: Path | None,
-                   adapters: bool):
+                   adapters: bool, wrap_dataset: Callable | None = None):
     """Data loader, step count, optimizer and schedule; restored from `resume_from` when resuming.
 
     Returns `(loader, steps, optimizer, scheduler, start_step)`.
     """
-    loader = build_train_loader(cfg, tokenizer, rt)
+    loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset)
     steps = total_steps(cfg, loader)
     optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
     start = 0
