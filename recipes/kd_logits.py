@@ -22,16 +22,19 @@ from components.data.dataset import build_dataset
 from components.errors import RecipeError
 from components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
 from components.models import load_model, read_model_args
-from components.quantization.teacher import quantize_teacher
+from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
 from components.runtime import prepare_teacher, setup_runtime
-from components.training import DATASET_SCHEMA, OPT_STR, hidden_states, load_tokenizer, to_device
+from components.schema import Choice, ModelDir, Range
+from components.training import DATASET_SCHEMA, TRAIN_SCHEMA, hidden_states, load_tokenizer, to_device
 
 SCHEMA = {
-    "output_dir": str, "seed": int, "device": str, "dtype": str, "compile": bool, "batch_size": int,
-    "num_output_chunks": int, "tokenizer_dir": OPT_STR,
-    "teacher": {"checkpoint_dir": str, "quantize": OPT_STR},
+    **{k: TRAIN_SCHEMA[k] for k in ("output_dir", "seed", "device", "dtype", "compile", "batch_size",
+                                    "num_output_chunks")},
+    "tokenizer_dir": ModelDir(optional=True),
+    "teacher": {"checkpoint_dir": ModelDir(), "quantize": Choice(*TEACHER_QUANT, optional=True)},
     "dataset": DATASET_SCHEMA,
-    "cache": {"top_k": int, "temperature": float, "items_per_shard": int},
+    "cache": {"top_k": Range(int, ge=1, le=2**24), "temperature": Range(float, gt=0),
+              "items_per_shard": Range(int, ge=1)},
 }
 
 
@@ -43,8 +46,6 @@ def main(cfg: DictConfig) -> None:
     targs = read_model_args(teacher_dir)
     if not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
         raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary, < 2^24)")
-    if temperature <= 0 or per_shard < 1:
-        raise RecipeError("cache.temperature must be > 0 and cache.items_per_shard >= 1")
 
     # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
     # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
