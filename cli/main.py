@@ -281,20 +281,22 @@ def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, li
     return ns, ns.training_script, list(ns.training_script_args)
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+def _flat_checkout_root() -> Path | None:
+    """The checkout folder when `cli` is imported as a top-level package (a flat layout on sys.path), else None:
+    an installed package (wheel or editable) is importable in child processes without help."""
+    return Path(__file__).resolve().parent.parent if (__package__ or "").split(".")[0] == "cli" else None
 
 
 def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: make `components`
-    # importable in the workers also when the project is used from a checkout rather than installed.
-    root = str(_repo_root())
+    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: in a flat checkout, make
+    # `components` importable in the workers too.
+    root = _flat_checkout_root()
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
+    if root is not None and str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(root)])
     ns.training_script = str(file)
     ns.training_script_args = script_args
     try:

@@ -107,8 +107,10 @@ def _display_path(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`), found through the `configs` package."""
-    return Path(str(importlib.resources.files("configs")))
+    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`): `$RECIPE_CONFIGS_DIR`, else the installed
+    `configs` package (package data, so it is found from a wheel install and from a checkout alike)."""
+    override = os.environ.get("RECIPE_CONFIGS_DIR")
+    return Path(override) if override else Path(str(importlib.resources.files("configs")))
 
 
 def shipped_configs() -> dict[str, list[str]]:
@@ -540,7 +542,8 @@ def configure_logging(debug: bool = False) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("recipe", "components"):
+    # "recipe": the recipes' own loggers; the other is our package's top level (its loggers are named by module)
+    for name in ("recipe", __name__.split(".")[0]):
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
     if not debug:
         logging.getLogger("torchao").setLevel(logging.ERROR)
