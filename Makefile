@@ -21,8 +21,8 @@ $(RUN): pyproject.toml
 	$(PIP) "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/constraints.txt
 	$(PIP) -c $(VENV)/constraints.txt -e .
-	# lm-eval reads no plugin entry points: a one-line .pth registers `--model recipe` and our task pack.
-	$(BIN)/python -m components.eval.plugin install
+	# Older checkouts installed a start-up hook for lm-eval; `recipe lm_eval` replaced it (docs/eval.md).
+	rm -f $(VENV)/lib/python*/site-packages/recipe_lm_eval.pth
 	rm -f $(VENV)/.installed-run-*
 	touch $@
 

