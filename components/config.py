@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from components.errors import RecipeError
@@ -229,9 +230,13 @@ def _embedded_data(rel: str = "") -> str:
 
 # `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in
 # the offline eval data. Resolved only when a config uses them.
+# omegaconf 2.4 renamed register_new_resolver (now deprecated, warning on every call) back to register_resolver,
+# which in 2.3 is the old string-argument API; pick by version so a fresh install prints no warning.
+_register = (OmegaConf.register_resolver if tuple(int(x) for x in _omegaconf_version.split(".")[:2]) >= (2, 4)
+             else OmegaConf.register_new_resolver)
 if not OmegaConf.has_resolver("embedded_model"):
-    OmegaConf.register_new_resolver("embedded_model", _embedded_model)
-    OmegaConf.register_new_resolver("embedded_data", _embedded_data)
+    _register("embedded_model", _embedded_model)
+    _register("embedded_data", _embedded_data)
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
