@@ -52,6 +52,30 @@ def _resolve_optimizer_class(path: Any, key: str) -> type:
     return cls
 
 
+_LOW_BIT = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+
+
+def _low_bit_fallback(target: str, kwargs: dict, world_size: int, is_main: bool) -> tuple[type, dict]:
+    """torchao 0.18's low-bit AdamWs do not run on FSDP2 shards here (tried with torch 2.13, 2 processes):
+    with bf16 weights their compiled step fails on `aten.view.dtype`, which the low-bit state subclasses do not
+    implement (upstream: pytorch/ao PR #4216, open); with fp32 weights AdamW4bit fails a shape assertion and
+    AdamWFp8 loses its `qmap`, and AdamW8bit's state precision depends on the shard size (pytorch/ao #4912).
+    Train with torchao's full-precision `_AdamW` instead, keeping lr/betas/eps/weight decay and
+    `bf16_stochastic_round` (which matters for pure-bf16 weights), and say so loudly."""
+    from torchao.optim import _AdamW
+
+    kept = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                                      "bf16_stochastic_round")}
+    if is_main:
+        log.warning(
+            "optimizer: %s does not run under FSDP2 (world_size=%d) with torchao 0.18 (pytorch/ao PR #4216, "
+            "issue #4912): using torchao.optim._AdamW with full-precision moments instead (%s; dropped: %s). "
+            "Optimizer memory per GPU is 2 x 4 bytes per sharded parameter instead of ~2 x %s.",
+            target, world_size, ", ".join(f"{k}={v}" for k, v in kept.items()) or "defaults",
+            ", ".join(sorted(set(kwargs) - set(kept))) or "nothing", "0.5 byte" if "4bit" in target else "1 byte")
+    return _AdamW, kept
+
+
 def build_optimizer(
     node: Mapping[str, Any], params: Iterable[Any], runtime: Any, key: str = "optimizer"
 ) -> torch.optim.Optimizer:
@@ -87,14 +111,8 @@ def build_optimizer(
             kwargs["optimizer_class"] = _resolve_optimizer_class(
                 kwargs["optimizer_class"], f"{key}.optimizer_class"
             )
-    elif cls.__module__.startswith("torchao.optim") and getattr(runtime, "world_size", 1) > 1:
-        # Seen with torchao 0.18 + torch 2.11 on 2 GPUs: the first step fails in torch.compile with bf16
-        # FSDP2 shards (aten.view.dtype on OptimState8bit), and the full-state resume cannot broadcast the
-        # low-bit state (c10d.broadcast_ unimplemented). Refuse early rather than fail mid-run.
-        raise RecipeError(
-            f"{key}._component_={target} is not supported with FSDP (world_size={runtime.world_size}) in "
-            "this version: use torch.optim.AdamW for multi-GPU runs, or a low-bit AdamW on one GPU"
-        )
+    elif cls.__name__ in _LOW_BIT and getattr(runtime, "world_size", 1) > 1:
+        cls, kwargs = _low_bit_fallback(target, kwargs, runtime.world_size, getattr(runtime, "is_main", True))
     elif (
         cls is torch.optim.AdamW
         and device.type == "cuda"

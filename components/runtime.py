@@ -85,12 +85,7 @@ class Runtime:
                 # nn.Module.compile keeps parameter names and the module type (unlike torch.compile(module)).
                 layer.compile()
         if use_fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
-            for layer in layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            _shard(model, layers, self.device.type, self.world_size)
         return model
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -319,6 +314,82 @@ def _checkpoint_forward(layer: nn.Module) -> None:
 
     layer.forward = forward
     layer._recipe_checkpointed = True
+
+
+def _shard(model: nn.Module, layers: nn.ModuleList, device_type: str, world_size: int) -> None:
+    """FSDP2 per transformer layer, then the root (embeddings, final norm, output projection).
+
+    Overlap: each layer prefetches the next layer's all-gather in forward (FSDP2 already prefetches the
+    previous one in backward), so the gather of layer i+1 runs while layer i computes even when the CPU is not
+    far ahead of the GPU; it costs one more gathered layer alive. Layers reshard after forward (memory; their
+    backward re-gathers them). The root keeps FSDP2's default of staying gathered after forward: chunked
+    losses call `model.output` (the output projection, or the tied embedding) outside the model's forward,
+    which needs its full weight, and backward would re-gather it at once anyway.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _check_nf4_shardable(model, world_size)
+    mesh = dist.device_mesh.init_device_mesh(device_type, (world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for this, nxt in zip(layers[:-1], layers[1:], strict=True):
+        this.set_modules_to_forward_prefetch([nxt])
+
+
+TEACHER_PLACEMENTS = ("auto", "shard", "replicate")
+
+
+def prepare_teacher(rt: Runtime, teacher: nn.Module, placement: str = "auto", compile: bool = False) -> nn.Module:
+    """Place a frozen KD teacher: cast, move, optionally compile per layer, and on several processes either
+    `replicate` it (one full copy per process: no all-gather per layer, the fastest when it fits) or `shard` it
+    with FSDP2 (1/N of it per process, an all-gather per layer and step). `auto` replicates when the teacher
+    takes at most half of the free memory (the other half is left to the student's weights, gradients,
+    optimizer state and activations) and says what it chose. Returns the teacher in eval mode."""
+    if placement not in TEACHER_PLACEMENTS:
+        raise RecipeError(f"teacher.placement={placement!r}: use one of {', '.join(TEACHER_PLACEMENTS)}")
+    teacher.requires_grad_(False)
+    if rt.world_size == 1:
+        return rt.prepare_model(teacher, compile=compile).eval()
+    if placement == "auto":
+        need = sum(t.numel() for t in [*teacher.parameters(), *teacher.buffers()]) * rt.dtype.itemsize
+        free, where = _free_memory(rt)
+        free = float(rt.broadcast_object(free))  # rank 0's view, so every rank places the teacher the same way
+        placement = "replicate" if need <= free / 2 else "shard"
+        if rt.is_main:
+            verdict = "<=" if placement == "replicate" else ">"
+            print(f"teacher.placement=auto: {placement} (teacher {need / 2**30:.2f} GiB {verdict} half of the "
+                  f"{free / 2**30:.2f} GiB free {where})", flush=True)
+    return rt.prepare_model(teacher, compile=compile, fsdp=placement == "shard").eval()
+
+
+def _free_memory(rt: Runtime) -> tuple[float, str]:
+    """Bytes free for one more full copy of a model on this process: free GPU memory, or on CPU the available
+    RAM divided by the processes of this host (they all hold a copy)."""
+    if rt.device.type == "cuda":
+        return float(torch.cuda.mem_get_info(rt.device)[0]), f"on {rt.device}"
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(avail) / procs, f"RAM per process ({procs} on this host)"
+
+
+def _check_nf4_shardable(model: nn.Module, world_size: int) -> None:
+    """FSDP2 shards a torchao NF4 weight (QLoRA) by splitting each of its inner tensors (4-bit data, per-block
+    scalers, and the per-`scaler_block_size`-blocks quantization factors) into `world_size` equal parts
+    (torchao nf4_tensor.nf4_split). A weight with fewer than `world_size` quantization factors, or a count
+    not divisible by it, would fail deep inside fully_shard with an AssertionError: say which one instead."""
+    for name, p in model.named_parameters():
+        factors = getattr(p, "quantization_factor", None)
+        if factors is None or not hasattr(p, "scaler_block_size"):
+            continue
+        per_factor = p.block_size * p.scaler_block_size
+        if factors.numel() % world_size or p.numel() % (per_factor * world_size):
+            raise RecipeError(
+                f"lora.quantize_base: the NF4 weight {name} {tuple(p.shape)} cannot be sharded over {world_size} "
+                f"processes: FSDP2 splits NF4's scales evenly, which needs its size to be a multiple of "
+                f"block_size*scaler_block_size*world_size = {per_factor * world_size}; use fewer processes "
+                "or lora.quantize_base=false"
+            )
 
 
 def _is_sharded(model: nn.Module) -> bool:

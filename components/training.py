@@ -7,6 +7,7 @@ There is deliberately no trainer class.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,14 +18,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from components.checkpoint.sharded import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
 from components.config import COMPONENT
 from components.data.dataset import build_dataset, build_loader
 from components.errors import RecipeError
-from components.losses import chunked_cross_entropy
+from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
 from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
-from components.models.loader import merged_state_dict
+from components.models.hf_io import copy_tokenizer_files
+from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
 from components.optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
 from components.runtime import Runtime
@@ -162,8 +169,9 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:
     """Tokens that carry a loss in this window, summed over ranks: the loss normaliser."""
-    n = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window)
-    return torch.as_tensor(rt.all_reduce_sum(float(n))).clamp_min(1.0)
+    n = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in window)  # labels are still on the host
+    # A device tensor: dividing the loss by it and reducing it over ranks never waits for the GPU.
+    return rt.all_reduce_sum(torch.tensor(float(n), device=rt.device)).clamp_min(1.0)
 
 
 def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -178,20 +186,35 @@ def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def lm_loss_sum(model: nn.Module, batch: dict, num_chunks: int) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch, never materialising full logits."""
-    loss_sum, _ = chunked_cross_entropy(hidden_states(model, batch), model.output, batch["labels"], num_chunks)
-    return loss_sum
+    return kd_and_ce(hidden_states(model, batch), model.output, batch["labels"], num_chunks=num_chunks)["loss"]
 
 
-def optimizer_step(model: nn.Module, optimizer, scheduler, max_grad_norm: float | None) -> float | None:
-    """Clip (if asked), step, advance the schedule, zero grads. Returns the pre-clip grad norm."""
-    norm = None
-    if max_grad_norm is not None:
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+def clip_gradients(model: nn.Module, max_grad_norm: float | None) -> torch.Tensor | None:
+    """Clip to `max_grad_norm` (if set); returns the pre-clip norm as a device tensor (no host sync)."""
+    if max_grad_norm is None:
+        return None
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+
+
+def optimizer_step(optimizer, scheduler) -> None:
+    """Step, advance the schedule, zero grads."""
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+
+
+def step_values(totals: dict[str, torch.Tensor], grad_norm: torch.Tensor | None, rt: Runtime) -> dict[str, float]:
+    """The step's logged numbers, summed over ranks, read back to the host in one copy (the step's one sync)."""
+    keys = list(totals)
+    packed = rt.all_reduce_sum(torch.stack([totals[k].float() for k in keys]))
+    if grad_norm is not None:  # the same on every rank: read in the same copy, not reduced
+        packed = torch.cat([packed, grad_norm.detach().float().reshape(1).to(packed.device)])
+    read = packed.tolist()
+    values = dict(zip(keys, read))
+    values["grad_norm"] = read[-1] if grad_norm is not None else None
+    return values
 
 
 @dataclass
@@ -208,6 +231,12 @@ class Throughput:
         return tokens / max(time.perf_counter() - self.start, 1e-9)
 
 
+def resume_weights(ckpt: Path | None) -> Path | None:
+    """The checkpoint when its folder holds HF weights to build the model from (one-process checkpoints),
+    else None: a sharded checkpoint's weights are restored after sharding, by `restore_training_state`."""
+    return ckpt if ckpt is not None and not is_sharded_checkpoint(ckpt) else None
+
+
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The latest complete checkpoint when `resume: true` (an error when there is none)."""
     if not cfg.get("resume", False):
@@ -219,46 +248,67 @@ def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
     return ckpt
 
 
-def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable adapter parameters by module name (saved in the recipe state for LoRA resume)."""
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that train (LoRA: the adapter matrices and DoRA magnitudes)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trainable adapter tensors by name, taken from `full` (`Runtime.full_state_dict`: gathered on rank 0 when
+    the model is FSDP-sharded, where a parameter itself holds only this rank's shard). Saved for LoRA resume."""
+    return {n: full[n] for n in trainable_names(model) if n in full}
 
 
 def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, loader, rt: Runtime,
                            adapters: bool) -> int:
     """Load optimizer, scheduler, data position, RNG (and adapter weights for LoRA); return the step."""
     state = load_recipe_state(ckpt)
-    if adapters:
-        missing = set(adapter_tensors(model)) - set(state["adapters"])
-        if missing:
-            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
-                              "(was it written with different lora settings?)")
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in state["adapters"]:
-                    p.copy_(state["adapters"][n])
-    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
+        load_sharded_checkpoint(ckpt, model, optimizer, state)
+    else:
+        restore_weights_and_optimizer(ckpt, state, model, optimizer, rt, adapters)
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
     restore_rng(state["rng"])
     return int(state["step"])
 
 
+def restore_weights_and_optimizer(ckpt: Path, state: dict, model: nn.Module, optimizer, rt: Runtime,
+                                  adapters: bool) -> None:
+    """A one-process checkpoint: adapters (LoRA) and the full optimizer state from `recipe_state`; full weights
+    were already loaded from the checkpoint's HF folder by the recipe (`resume_weights`)."""
+    if adapters:
+        names = trainable_names(model)
+        missing = set(names) - set(state["adapters"])
+        if missing:
+            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
+                              "(was it written with different lora settings?)")
+        # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
+        rt.load_full_state_dict(model, {n: state["adapters"][n] for n in names}, strict=False)
+    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
 def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.Module, args: ModelArgs,
                              tokenizer_dir: str | Path, optimizer, scheduler, loader, adapters: bool) -> Path:
-    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`."""
+    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`.
+
+    On several processes every rank writes its own shards instead (components.checkpoint.sharded): no
+    full gather per save; the final model is still one HF folder (`write_final_model`).
+    """
     from components.checkpoint.state import capture_rng
 
+    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}
+    if rt.world_size > 1:
+        def write_meta(d: Path) -> None:
+            (d / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype_name(rt.dtype)), indent=2))
+            copy_tokenizer_files(tokenizer_dir, d)
+
+        return save_sharded_checkpoint(cfg.output_dir, step, model, optimizer, state, rt, write_meta,
+                                       lora=lora_rank_alpha(model), keep_last_n=cfg.get("keep_last_n"))
     full = rt.full_state_dict(model)
-    state = {
-        "step": step,
-        "optimizer": rt.optimizer_state_dict(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-        "loader": loader.state_dict(),
-        "rng": capture_rng(),
-    }
+    state["optimizer"] = rt.optimizer_state_dict(model, optimizer)
     if adapters:
-        state["adapters"] = adapter_tensors(model)
+        state["adapters"] = adapter_tensors(model, full)
     return save_checkpoint(
         cfg.output_dir, step,
         write_model=lambda d: save_model(model, args, d, tokenizer_dir, state_dict=merged_state_dict(model, full)),
@@ -276,7 +326,7 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
         save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
                    extra_files=extra_files)
         if lora is not None:
-            save_peft_adapter(model, lora, out / "adapter", base_model=base_model)
+            save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
     rt.barrier()
     return out / "model"
 
@@ -310,17 +360,18 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
                 before_step(step)
             clock.begin()
             n = count_targets(window, rt)
-            totals: dict[str, float] = {}
+            totals: dict[str, torch.Tensor] = {}
             for batch in window:
                 sums = loss_fn(to_device(batch, rt.device))
                 (sums["loss"] / n * rt.world_size).backward()
                 for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach() / n)
-            totals = {k: float(rt.all_reduce_sum(v)) for k, v in totals.items()}
-            check_finite(totals["loss"], step + 1, last_checkpoint)
-            grad_norm = optimizer_step(model, optimizer, scheduler, cfg.get("max_grad_norm"))
+                    totals[k] = totals.get(k, 0.0) + v.detach() / n
+            values = step_values(totals, clip_gradients(model, cfg.get("max_grad_norm")), rt)
+            check_finite(values["loss"], step + 1, last_checkpoint)
+            optimizer_step(optimizer, scheduler)
             step += 1
-            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in totals.items()},
+            grad_norm = values.pop("grad_norm")
+            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
                        lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
                        peak_memory_gib=rt.peak_memory_gib())
             if save_every and step % save_every == 0 and step < steps:

@@ -16,6 +16,7 @@ from components.training import (
     find_resume_checkpoint,
     lm_loss_sum,
     load_tokenizer,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> None:
 
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
     resume_from = find_resume_checkpoint(cfg)
-    model, args = load_model(resume_from or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
+    model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 

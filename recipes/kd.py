@@ -11,9 +11,10 @@ from omegaconf import DictConfig
 
 from components.config import run_recipe_script
 from components.errors import RecipeError
-from components.losses import build_kd_loss, chunked_kd_and_ce, same_tokenizer, shared_vocab
+from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
 from components.models import keep_every, load_model, read_model_args
-from components.runtime import setup_runtime
+from components.quantization.teacher import quantize_teacher
+from components.runtime import prepare_teacher, setup_runtime
 from components.training import (
     LORA_SCHEMA,
     OPT_FLOAT,
@@ -24,6 +25,7 @@ from components.training import (
     hidden_states,
     load_tokenizer,
     lora_settings,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -31,7 +33,7 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str},
+    "teacher": {"checkpoint_dir": str, "placement": str, "quantize": (str, type(None))},
     "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT},
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
@@ -63,15 +65,16 @@ def main(cfg: DictConfig) -> None:
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
 
-    # Teacher: frozen, no grad, same dtype/device (sharded too under torchrun).
+    # Teacher: frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
+    # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
-    teacher.requires_grad_(False)
-    rt.prepare_model(teacher).eval()
+    prepare_teacher(rt, teacher, cfg.teacher.get("placement", "auto"), cfg.get("compile", False))
+    quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
     keep = None
-    if resume_from is not None and lora is None:
+    if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
         keep = student_layers(cfg, read_model_args(student_dir).num_layers)
@@ -91,15 +94,16 @@ def main(cfg: DictConfig) -> None:
     loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, student, tokenizer, resume_from,
                                                                  adapters=lora is not None)
 
-    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk.
+    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
+    # student's gradients are computed in the same pass: components/losses/fused.py).
     chunks = cfg.get("num_output_chunks", 8)
 
     def loss_fn(batch: dict) -> dict:
-        with torch.no_grad():
+        with torch.inference_mode():
             t_hidden = hidden_states(teacher, batch)
-        parts = chunked_kd_and_ce(hidden_states(student, batch), student.output, t_hidden, teacher.output,
-                                  batch["labels"], kd_loss, num_chunks=chunks, vocab_size=vocab)
-        return {"loss": (1 - kd_ratio) * parts["ce"] + kd_ratio * parts["kd"], "ce": parts["ce"], "kd": parts["kd"]}
+        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden, teacher.output,
+                          kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
+        return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
           adapters=lora is not None)

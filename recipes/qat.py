@@ -14,8 +14,10 @@ from omegaconf import DictConfig
 from components.config import run_recipe_script
 from components.models import load_model
 from components.quantization import (
+    compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
+    load_for_convert,
     prepare_qat,
     qat_metadata,
     set_fake_quant_enabled,
@@ -31,6 +33,7 @@ from components.training import (
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
+    resume_weights,
     setup_training,
     train,
     write_final_model,
@@ -55,11 +58,13 @@ def main(cfg: DictConfig) -> None:
 
     # Full QAT resumes from the checkpoint's weights; QAT+LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
-    source = resume_from if resume_from is not None and lora is None else base_dir
-    model, args = load_model(source, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
+    source = resume_weights(resume_from) if lora is None else None
+    model, args = load_model(source or base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
     if lora is not None:
         freeze_all_but_adapters(model)
     prepare_qat(model, scheme, group_size, include_output)
+    if rt.device.type == "cuda":  # fused fake quantization (eager costs 4.2x a plain step)
+        compile_fake_quantizers(model)
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
@@ -87,6 +92,8 @@ def main(cfg: DictConfig) -> None:
     if rt.is_main:
         print(f"model (QAT-trained weights + quantization.json): {final}")
         if q.get("convert", True):
+            if rt.world_size > 1:  # the live model holds FSDP shards: convert the merged weights just saved
+                model, args = load_for_convert(final, rt.device, rt.dtype)
             set_fake_quant_enabled(model, True)
             convert_qat(model, scheme, group_size)
             out = export_hf_torchao(model, args, base_dir, f"{cfg.output_dir}/quantized", scheme, group_size,

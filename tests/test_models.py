@@ -163,7 +163,7 @@ def test_peft_adapter_loads_in_peft_with_same_logits(dora, tmp_path):
         for n, p in model.named_parameters():
             if "lora_b" in n or "magnitude" in n:
                 p.add_(torch.randn_like(p) * 0.05)
-    save_peft_adapter(model, lora, tmp_path / "adapter", base_model=str(path))
+    save_peft_adapter(model.state_dict(), lora, tmp_path / "adapter", base_model=str(path))
     peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     tokens = _tokens()
     with torch.no_grad():

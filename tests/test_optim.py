@@ -146,14 +146,25 @@ def test_build_optimizer_defaults_and_errors():
         build_optimizer({"_component_": "torch.optim.AdamWW"}, model.parameters(), CPU)
     with pytest.raises(RecipeError, match="bad arguments for torch.optim.AdamW"):
         build_optimizer({"_component_": "torch.optim.AdamW", "lrr": 1.0}, model.parameters(), CPU)
-    with pytest.raises(RecipeError, match="AdamW8bit is not supported with FSDP"):
-        build_optimizer(
-            {"_component_": "torchao.optim.AdamW8bit"},
-            model.parameters(),
-            SimpleNamespace(device=CPU.device, world_size=2),
-        )
     with pytest.raises(RecipeError, match="no trainable parameters"):
         build_optimizer({"_component_": "torch.optim.AdamW"}, [model.bias], CPU)
+
+
+def test_low_bit_adamw_under_fsdp_falls_back_loudly(caplog):
+    """torchao's low-bit AdamWs fail on FSDP2 shards (see components.optim._low_bit_fallback): several
+    processes get torchao's full-precision _AdamW with the same hyperparameters and a warning naming why."""
+    from torchao.optim import _AdamW
+
+    model = torch.nn.Linear(64, 64)
+    with caplog.at_level("WARNING"):
+        opt = build_optimizer({"_component_": "torchao.optim.AdamW4bit", "lr": 3e-4, "weight_decay": 0.1,
+                               "block_size": 128, "bf16_stochastic_round": True}, model.parameters(),
+                              SimpleNamespace(device=CPU.device, world_size=2, is_main=True))
+    assert type(opt) is _AdamW
+    g = opt.param_groups[0]
+    assert (g["lr"], g["weight_decay"]) == (3e-4, 0.1) and opt.bf16_stochastic_round
+    assert "AdamW4bit does not run under FSDP2" in caplog.text and "pytorch/ao PR #4216" in caplog.text
+    assert "dropped: block_size" in caplog.text
 
 
 @pytest.mark.gpu

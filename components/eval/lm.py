@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,53 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
 
 @register_model("recipe")
 class RecipeLM(TemplateLM):
-    """lm-eval LM over our decoder: loglikelihood, loglikelihood_rolling and KV-cached generate_until."""
+    """lm-eval LM over our decoder: loglikelihood, loglikelihood_rolling and KV-cached generate_until.
+
+    Under torchrun (WORLD_SIZE > 1) each rank is one data-parallel replica: lm-eval 0.4.13's evaluator gives
+    rank r every world_size-th request (by `lm.rank` / `lm.world_size`), pads ranks to equal counts with
+    `lm.all_gather`, and collects per-rank metrics on rank 0 with `lm.gather_object`; the methods below are
+    those collectives over torch.distributed (gloo on CPU, NCCL on GPU, each rank on its LOCAL_RANK GPU).
+    """
+
+    def _join_ranks(self) -> None:
+        import torch.distributed as dist
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return
+        if self._device.type == "cuda":
+            self._device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self._device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self._device.type == "cuda" else "gloo")
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along dim 0 (0-d tensors become one entry per rank)."""
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        t = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        parts = [torch.empty_like(t) for _ in range(self._world_size)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        """Every rank's `obj` as a list on `dst`, None elsewhere."""
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     def __init__(
         self,
@@ -124,6 +171,7 @@ class RecipeLM(TemplateLM):
                 "batch_size, max_length, max_gen_toks, use_kv_cache"
             )
         self._device = _resolve_device(device)
+        self._join_ranks()
         if model is None:
             if checkpoint is None:
                 raise RecipeError("--model_args: model 'recipe' needs checkpoint=DIR (a Hugging Face model folder)")

@@ -1,6 +1,7 @@
-"""Losses: chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
+"""Losses: fused linear CE/KD, chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
 
 from components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
+from components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
 from components.losses.kd import (
     IGNORE_INDEX,
     JSD,
@@ -36,7 +37,10 @@ __all__ = [
     "chunked_cross_entropy",
     "chunked_kd_and_ce",
     "forward_kl",
+    "fusable_head_weight",
+    "fused_linear_kd_and_ce",
     "jsd",
+    "kd_and_ce",
     "kd_ratio_loss",
     "reverse_kl",
     "same_tokenizer",

@@ -14,11 +14,11 @@ from torch import nn
 from torchtune.modules import (
     FeedForward,
     MultiHeadAttention,
-    RMSNorm,
     TiedLinear,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+from torchtune.modules import RMSNorm as TuneRMSNorm
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
 import components.models._compat  # noqa: F401
@@ -59,6 +59,17 @@ class Decoder(TransformerDecoder):
         if self.skip_output:
             return self.norm(h)
         return super().unembed(h)
+
+
+class RMSNorm(TuneRMSNorm):
+    """torchtune's RMSNorm (same `scale` parameter) without its fp32 upcast of the input when input and weight
+    share a dtype: torch's fused rms_norm kernel accumulates in fp32 itself, while torchtune's fp32 input with a
+    bf16 weight misses that kernel ("Mismatch dtype ... Cannot dispatch to fused implementation")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.scale.dtype:
+            return super().forward(x)
+        return F.rms_norm(x, self.normalized_shape, self.scale, self.eps)
 
 
 class DoRA(DoRALinear):

@@ -109,6 +109,21 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
 
 
+def lora_rank_alpha(model: nn.Module) -> tuple[int, float] | None:
+    """(rank, alpha) of the model's LoRA/DoRA layers, or None without adapters."""
+    loras = lora_modules(model)
+    if not loras:
+        return None
+    first = next(iter(loras.values()))
+    rank = first.lora_a.out_features  # DoRALinear keeps only `scaling` = alpha / rank
+    return rank, float(getattr(first, "alpha", None) or first.scaling * rank)
+
+
+def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed)."""
+    return get_merged_lora_ckpt(sd, rank=rank, alpha=alpha)
+
+
 def merged_state_dict(
     model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -121,11 +136,9 @@ def merged_state_dict(
         if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
             v = v.get_original_weight()
         sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
-    loras = lora_modules(model)
-    if loras:
-        first = next(iter(loras.values()))
-        rank = first.lora_a.out_features  # DoRALinear keeps only `scaling` = alpha / rank
-        sd = get_merged_lora_ckpt(sd, rank=rank, alpha=getattr(first, "alpha", None) or first.scaling * rank)
+    ra = lora_rank_alpha(model)
+    if ra is not None:
+        sd = merge_lora_state_dict(sd, *ra)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return sd

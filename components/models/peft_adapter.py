@@ -1,16 +1,18 @@
 """Write LoRA/DoRA adapters in PEFT's format (adapter_model.safetensors + adapter_config.json).
 
 Our module names map to HF names by renaming only, so PEFT keys are `base_model.model.<hf name>.lora_A.weight`.
+Both functions take a full, plain state dict (`Runtime.full_state_dict`, gathered from FSDP shards under
+torchrun), never the live model: a sharded model's parameters are DTensors whose local storage is not the weight.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from components.checkpoint import atomic_directory
 from components.models.builder import LoRASettings
@@ -19,10 +21,10 @@ from components.models.convert import tune_to_hf_key
 _SUFFIX = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable adapter tensors under PEFT key names."""
+def adapter_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a full (tune-named) state dict, under PEFT key names."""
     out = {}
-    for key, value in model.state_dict().items():
+    for key, value in state_dict.items():
         for ours, theirs in _SUFFIX.items():
             if key.endswith("." + ours):
                 module = key[: -len(ours) - 1]
@@ -31,9 +33,9 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_peft_adapter(model: nn.Module, lora: LoRASettings, out_dir: str | Path,
+def save_peft_adapter(state_dict: Mapping[str, torch.Tensor], lora: LoRASettings, out_dir: str | Path,
                       base_model: str | None = None) -> Path:
-    """Write a folder that `peft.PeftModel.from_pretrained(base, out_dir)` loads."""
+    """Write a folder that `peft.PeftModel.from_pretrained(base, out_dir)` loads, from a full state dict."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -49,6 +51,6 @@ def save_peft_adapter(model: nn.Module, lora: LoRASettings, out_dir: str | Path,
         "base_model_name_or_path": base_model,
     }
     with atomic_directory(out_dir) as tmp:
-        save_file(adapter_state_dict(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_file(adapter_state_dict(state_dict), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(out_dir)

@@ -3,8 +3,10 @@
 from components.quantization.ptq import quantize_model, size_on_disk, summarize_sizes
 from components.quantization.qat import (
     QAT_METADATA_FILE,
+    compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
+    load_for_convert,
     prepare_qat,
     qat_metadata,
     read_qat_metadata,
@@ -19,8 +21,10 @@ __all__ = [
     "SCHEMES",
     "base_config",
     "check_device",
+    "compile_fake_quantizers",
     "convert_qat",
     "fake_quant_enabled_at",
+    "load_for_convert",
     "prepare_qat",
     "qat_metadata",
     "quantize_model",

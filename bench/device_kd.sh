@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 9's GPU measurements on the lent device machine, staged into its 10-minute calls (see bench/README.md).
+#
+#   bash bench/device_kd.sh start [ROWS]   # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF folders,
+#                                          # then (in the background) loss path, KD rows, QAT row; waits ~8 min
+#   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
+#   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
+#
+# Everything lives under /tmp, which survives between calls while the machine stays warm.
+set -uo pipefail
+stage=${1:?stage: start [ROWS] | wait [SECS] | kl}
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
+B=/tmp/kdb
+ours() { PYTHONPATH=/tmp/site:$PWD "$@"; }
+
+wait_for() {  # seconds: poll until the background runner exits, then print what it measured
+    local deadline=$((SECONDS + $1))
+    while pgrep -f "^bash bench/device_k[d].sh runner" >/dev/null && ((SECONDS < deadline)); do sleep 10; done
+    grep -v '^\s*$' /tmp/runner.log | tail -60
+    [[ -n ${OUT:-} ]] && cp /tmp/runner.log $B/results.jsonl "$OUT/" 2>/dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+}
+
+case $stage in
+start)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
+    cp .carry/g1/gguf.00 /tmp/gguf.00
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml /tmp/repo/
+    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    cd /tmp/repo && setsid nohup bash bench/device_kd.sh runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
+    sleep 5
+    cd /tmp/repo && wait_for 420
+    ;;
+runner)  # the measurements, one after another (the GPU is never shared between two of them)
+    ours python3 bench/loss_path.py
+    rows=${2:-tt_lora_eager,tt_lora_compile,tt_full_eager,ours_lora_eager,ours_lora_compile,ours_lora_compile_fp8,ours_full_eager,ours_full_compile_fp8}
+    ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt
+    # QAT cost: steps 1-10 plain, 11-30 with 8da4w fake quantization (compiled fake quantizers), same run.
+    ours python3 -m cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
+        dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
+        batch_size=4 gradient_accumulation_steps=1 max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
+        save_every_n_steps=null >$B/qat.log 2>&1
+    python3 - <<'EOF'
+import json, statistics
+rows = [json.loads(l) for l in open("/tmp/kdb/qat/metrics.jsonl") if l.strip()]
+plain = statistics.median(r["tokens_per_s"] for r in rows if 3 <= r["step"] <= 10)
+fq = statistics.median(r["tokens_per_s"] for r in rows if r["step"] >= 14)
+print(json.dumps({"qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s": fq, "cost": plain / fq}))
+EOF
+    ;;
+wait)
+    cd /tmp/repo && wait_for "${2:-540}"
+    ;;
+kl)
+    mkdir -p /tmp/gguf && cat /tmp/gguf.00 .carry/g2/gguf.01 >/tmp/gguf/model.gguf
+    echo "$(cat .carry/g2/gguf.sha256)  /tmp/gguf/model.gguf" | sha256sum -c - || exit 1
+    cd /tmp/repo
+    ours python3 -c "from components.models.gguf_import import convert_gguf_to_hf as c; c('/tmp/gguf/model.gguf', '/tmp/smollm2')"
+    ours python3 bench/teacher_quant_kl.py --model /tmp/smollm2 --rows 256 --seq-len 1024 | tee /tmp/kl.jsonl
+    [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
+    ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac

@@ -1,0 +1,186 @@
+"""KD step throughput, ours vs torchtune 0.6.1, measured side by side in one run (issue 9's table).
+
+    python bench/kd_throughput.py build --out /tmp/kdb --tokenizer-dir DIR   # random-weight HF folders
+    python bench/kd_throughput.py run --out /tmp/kdb [--rows a,b,...] [--steps 30] [--tt-path DIR]
+    python bench/kd_throughput.py table --out /tmp/kdb
+
+`build` writes random-weight HF folders of the Llama-3.2-1B (student) and Llama-3.1-8B (teacher) configs with
+transformers (`_from_config` + `save_pretrained`) and copies a tokenizer in (the embedded SmolLM2 tokenizer: its
+ids are valid for a 128256 vocab). `run` runs each row in its own process, one after another: torchtune rows are
+bench/torchtune_kd_step.py (torchtune's KD step; `--tt-path` goes first on its PYTHONPATH and must hold torchao
+0.15); our rows are the real `recipe run kd` on those folders (shipped transfer passages packed to the sequence
+length), read back from metrics.jsonl. tokens/s is the median over the steps after `--warmup`; peak is
+`torch.cuda.max_memory_allocated`. `table` prints the rows with their ratio to torchtune's compiled and eager steps.
+Rows run on CPU too (`--device cpu --shapes smollm2`, see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = "{rank: 64, alpha: 128.0, targets: [q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+# name -> (side, student, options). Ours: extra `recipe run kd` overrides. torchtune: harness flags.
+ROWS: dict[str, tuple[str, str, list[str]]] = {
+    "tt_lora_eager": ("torchtune", "lora", []),
+    "tt_lora_compile": ("torchtune", "lora", ["--compile"]),
+    "tt_full_eager": ("torchtune", "full", []),
+    "ours_lora_eager": ("ours", "lora", ["compile=false", "teacher.quantize=null"]),
+    "ours_lora_compile": ("ours", "lora", ["compile=true", "teacher.quantize=null"]),
+    "ours_lora_compile_fp8": ("ours", "lora", ["compile=true", "teacher.quantize=fp8"]),
+    "ours_full_eager": ("ours", "full", ["compile=false", "teacher.quantize=null"]),
+    "ours_full_compile": ("ours", "full", ["compile=true", "teacher.quantize=null"]),
+    "ours_full_compile_fp8": ("ours", "full", ["compile=true", "teacher.quantize=fp8"]),
+}
+
+
+def build(out: Path, tokenizer_dir: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for name, shape in (("student_1b", LLAMA_1B), ("teacher_8b", LLAMA_8B)):
+        folder = out / name
+        if (folder / "config.json").exists():
+            continue
+        cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                          bos_token_id=128000, eos_token_id=128009, **shape)
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (tokenizer_dir / f).exists() and not (folder / f).exists():
+                shutil.copy(tokenizer_dir / f, folder / f)
+        print(f"built {folder}", flush=True)
+
+
+def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
+    launch = ["--nproc-per-node", str(a.nproc), "--standalone"] if a.nproc > 1 else []
+    if a.shapes == "llama":
+        models = [f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"student.checkpoint_dir={a.out / 'student_1b'}"]
+        config = "kd/llama3_1_8b_to_llama3_2_1b"
+    else:  # SmolLM2 teacher (embedded) and a 10-layer student pruned from it
+        models = ["student.every=null", "student.keep_layers=[0,3,6,9,12,15,18,21,24,29]"]
+        config = "kd/smollm2_demo"
+    lora = [f"lora={LORA}"] if student == "lora" and a.shapes == "llama" else ["lora=null"]
+    return [sys.executable, "-m", "cli.main", "run", *launch, "kd", "--config", config, *models, *lora,
+            f"output_dir={out_dir}", f"device={a.device}", f"dtype={a.dtype}",
+            "dataset.source=transfer:passages", "dataset.format=text", "dataset.packed=true",
+            "dataset.use_chat_template=false", f"dataset.max_seq_len={a.seq_len}", f"batch_size={a.batch_size}",
+            "gradient_accumulation_steps=1", f"max_steps={a.steps + a.warmup}", "save_every_n_steps=null",
+            "keep_last_n=1", "activation_checkpointing=false", "kd.loss=forward_kl", "kd.kd_ratio=0.5",
+            "optimizer={_component_: torch.optim.AdamW, lr: 3.0e-4, weight_decay: 0.01}", "max_grad_norm=null",
+            "lr_scheduler.warmup_steps=0", *extra]
+
+
+def _tt_cmd(a, student: str, extra: list[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "bench" / "torchtune_kd_step.py"), "--shapes", a.shapes, "--student", student,
+            "--device", a.device, "--dtype", a.dtype, "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
+            "--steps", str(a.steps), "--warmup", str(a.warmup), *extra]
+
+
+def run_row(a, name: str) -> dict:
+    side, student, extra = ROWS[name]
+    out_dir = a.out / "runs" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if side == "torchtune":
+        cmd = _tt_cmd(a, student, extra)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (a.tt_path, env.get("PYTHONPATH", "")) if p)
+    else:
+        cmd = _ours_cmd(a, student, extra, out_dir)
+    t0 = time.time()
+    with open(out_dir / "log.txt", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=a.timeout).returncode
+    row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
+           "cmd": " ".join(cmd[1:]), "device": a.device}
+    if rc != 0:
+        row["error"] = (out_dir / "log.txt").read_text()[-1500:]
+        return row
+    if side == "torchtune":
+        res = json.loads([ln for ln in (out_dir / "log.txt").read_text().splitlines() if ln.startswith("{")][-1])
+        row.update(tokens_per_s=res["tokens_per_s"], peak_gib=res["peak_gib"])
+    else:
+        steps = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        timed = [s for s in steps if s.get("step", 0) > a.warmup]
+        row.update(tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),
+                   peak_gib=max(s.get("peak_memory_gib") or 0 for s in steps))
+    return row
+
+
+def table(out: Path) -> str:
+    rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines() if ln.strip()]
+    latest = {r["name"]: r for r in rows}
+    ref = {k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile", "tt_lora_eager", "tt_full_eager")
+           if k in latest and latest[k].get("rc") == 0}
+    lines = ["| row | tokens/s | peak GiB | vs tt LoRA compiled | vs tt eager (same student) |", "|---|---|---|---|---|"]
+    for r in latest.values():
+        if r.get("rc") != 0:
+            lines.append(f"| {r['name']} | failed (rc {r['rc']}) | | | |")
+            continue
+        tps = r["tokens_per_s"]
+        same = ref.get(f"tt_{r['student']}_eager")
+        vs_c = f"{tps / ref['tt_lora_compile']:.2f}x" if "tt_lora_compile" in ref else "-"
+        vs_e = f"{tps / same:.2f}x" if same else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        lines.append(f"| {r['name']} | {tps:,.0f} | {peak} | {vs_c} | {vs_e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=["build", "run", "table"])
+    p.add_argument("--out", type=Path, default=Path("/tmp/kd_throughput"))
+    p.add_argument("--tokenizer-dir", type=Path)
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--tt-path", default="", help="PYTHONPATH entry with torchao 0.15 for the torchtune rows")
+    p.add_argument("--shapes", choices=["llama", "smollm2"], default="llama")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=1, help="run the row list this many times, interleaved")
+    p.add_argument("--timeout", type=int, default=900)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.phase == "build":
+        build(a.out, a.tokenizer_dir)
+    elif a.phase == "run":
+        for _ in range(a.repeat):
+            for name in a.rows.split(","):
+                row = run_row(a, name)
+                with open(a.out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps({k: v for k, v in row.items() if k not in ("cmd", "error")}), flush=True)
+                if "error" in row:
+                    print(row["error"], flush=True)
+        print(table(a.out))
+    else:
+        print(table(a.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Every training recipe's save path under torchrun (2 processes, gloo, CPU): the same outputs as one process.
+
+Each case trains the tiny model for a few steps once with 1 process (batch 4) and once with 2 (batch 2 each,
+the same global batch), then compares what a user gets: the merged HF folder, the PEFT adapter (which PEFT
+loads on the base with the logits of our merged model), the checkpoints (sharded on 2 processes, turned into
+HF folders with `python -m components.checkpoint.sharded`), metrics.jsonl, and QAT's converted folder.
+Then a 2-process run killed with SIGKILL mid-training resumes to the uninterrupted run's exact weights.
+
+Runs are shared between assertions (module-scoped fixtures) to keep the file to a few minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
+rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
+if "recipes_common" not in sys.modules:
+    sys.modules["recipes_common"] = rc
+    _spec.loader.exec_module(rc)
+
+TWO = ["--nproc-per-node", "2", "--standalone"]
+STEPS = 3
+# AdamW (the configs' optimizer) at a constant lr: 1- vs 2-process runs differ only in reduction order.
+# 40 chat rows keep 15 within 64 tokens (16 packed KD rows): 3 steps of global batch 4 fit in one epoch, where
+# 2 ranks' batches of 2 are exactly the rows of 1 process's batch of 4.
+TRAIN = ["device=cpu", "dtype=fp32", "dataset.max_seq_len=64", "dataset.limit=40", "dataset.shuffle=false",
+         "gradient_accumulation_steps=1", "lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0",
+         "max_grad_norm=1.0", "keep_last_n=null", f"max_steps={STEPS}", "optimizer.lr=1e-3"]
+LORA = "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]}"
+
+
+def cases(model: Path) -> dict[str, tuple[str, str, list[str]]]:
+    kd = [*TRAIN, f"teacher.checkpoint_dir={model}", "student.every=null", "dataset.max_seq_len=48",
+          "dataset.limit=16"]
+    return {
+        "lora": ("lora", "lora/smollm2", [*TRAIN, f"model.checkpoint_dir={model}", LORA, "save_every_n_steps=1"]),
+        # KD with a DoRA student on the teacher's own layers (so a PEFT adapter is written).
+        "kd_dora": ("kd", "kd/smollm2_demo", [*kd, LORA, "lora.use_dora=true", "save_every_n_steps=null"]),
+        # KD with a full, layer-pruned student.
+        "kd_full": ("kd", "kd/smollm2_demo", [*kd, "student.keep_layers=[0,3]", "save_every_n_steps=2",
+                                               "teacher.placement=shard"]),
+        # QAT's fake quantization is discontinuous (int8 activations, int4 weights): reduction-order noise flips
+        # roundings, so the 1- vs 2-process comparison is on update norms, with SGD (no per-element Adam signs).
+        "qat": ("qat", "qat/smollm2", [*TRAIN, f"model.checkpoint_dir={model}", "qat.fake_quant_after_n_steps=1",
+                                       "save_every_n_steps=null", "optimizer={_component_: torch.optim.SGD, lr: 0.1}"]),
+    }
+
+
+def run(recipe: str, config: str, overrides: list[str], cwd: Path, torchrun: list[str] = ()) -> None:
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", *torchrun, recipe, "--config", config,
+                           *overrides], cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
+    rc.assert_ok(proc)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model_dir):
+    """case -> (1-process output_dir, 2-process output_dir), each run once per module, on first use."""
+    root = tmp_path_factory.mktemp("dist")
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in done:
+            recipe, config, overrides = cases(tiny_model_dir)[case]
+            one, two = root / f"{case}_1", root / f"{case}_2"
+            assert rc.run_in_process(recipe, config, [*overrides, "batch_size=4", f"output_dir={one}"]) == 0
+            run(recipe, config, [*overrides, "batch_size=2", f"output_dir={two}"], root, TWO)
+            done[case] = (one, two)
+        return done[case]
+
+    return get
+
+
+def assert_close_weights(a: Path, b: Path, atol: float = 2e-5) -> None:
+    wa, wb = rc.weights(a), rc.weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=atol, rtol=1e-4, msg=k)
+
+
+def assert_close_updates(a: Path, b: Path, base: Path, rel: float = 0.05) -> None:
+    """b's weights moved from base like a's: the difference is under `rel` of a's whole update (norms)."""
+    wa, wb, w0 = rc.weights(a), rc.weights(b), rc.weights(base)
+    assert wa.keys() == wb.keys()
+    diff = torch.cat([(wb[k] - wa[k]).flatten() for k in wa]).norm()
+    update = torch.cat([(wa[k] - w0[k]).flatten() for k in wa]).norm()
+    assert update > 0 and diff < rel * update, (float(diff), float(update))
+
+
+def assert_same_metrics(one: Path, two: Path, rel: float = 1e-4) -> None:
+    a, b = rc.read_metrics(one), rc.read_metrics(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b, strict=True):
+        for k in (k for k in ra if k.endswith("loss") or k in ("lr", "grad_norm")):
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-6), (k, ra, rb)
+    rc.assert_png(two / "loss.png")
+
+
+def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_close_weights) -> None:
+    """Same steps; the 2-process ones are sharded and convert into the 1-process checkpoint's weights."""
+    from components.checkpoint.sharded import is_sharded_checkpoint
+
+    c1, c2 = rc.complete_checkpoints(one), rc.complete_checkpoints(two)
+    assert [p.name for p in c1] == [p.name for p in c2] and c1
+    for a, b in zip(c1, c2, strict=True):
+        assert not is_sharded_checkpoint(a) and is_sharded_checkpoint(b)
+        assert not (b / "model.safetensors").exists()  # no full gather per save
+        assert sorted(p.name for p in (b / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        out = tmp_path / f"{two.name}_{b.name}_hf"
+        proc = subprocess.run([sys.executable, "-m", "components.checkpoint.sharded", str(b), str(out)],
+                              env=rc.cli_env(), capture_output=True, text=True, timeout=300)
+        rc.assert_ok(proc)
+        close(a, out)
+
+
+def assert_adapter(one: Path, two: Path, base: Path) -> None:
+    """The 2-process adapter equals the 1-process one and loads in PEFT with our merged model's logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    a1 = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    a2 = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    assert a1.keys() == a2.keys() and a1
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], atol=2e-5, rtol=1e-4, msg=k)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokens = rc.sample_tokens()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, two / "adapter").eval()(tokens).logits
+    torch.testing.assert_close(theirs, rc.our_logits(two / "model", tokens), atol=1e-4, rtol=0)
+
+
+def test_lora_two_processes_match_one(pair, tiny_model_dir, tmp_path):
+    one, two = pair("lora")
+    assert_close_weights(one / "model", two / "model")
+    assert_adapter(one, two, tiny_model_dir)
+    assert_checkpoints_match(one, two, tmp_path)
+    assert_same_metrics(one, two)
+
+
+def test_kd_dora_student_two_processes_match_one(pair, tiny_model_dir, tmp_path):
+    one, two = pair("kd_dora")
+    assert_close_weights(one / "model", two / "model")
+    assert_adapter(one, two, tiny_model_dir)
+    assert_checkpoints_match(one, two, tmp_path)  # the final step's checkpoint
+    assert_same_metrics(one, two)
+
+
+@pytest.mark.slow  # ~80 s on 2 shared cores; the default suite keeps KD's LoRA (DoRA) student case
+def test_kd_full_student_two_processes_match_one(pair, tmp_path):
+    from components.models import read_model_args
+
+    one, two = pair("kd_full")
+    assert_close_weights(one / "model", two / "model")
+    assert read_model_args(two / "model").num_layers == 2
+    assert not (two / "adapter").exists()
+    assert_checkpoints_match(one, two, tmp_path)
+    assert_same_metrics(one, two)
+
+
+def test_qat_two_processes_match_one(pair, tiny_model_dir, tmp_path):
+    from components.quantization.export_hf import load_hf_torchao
+
+    one, two = pair("qat")
+    assert rc.read_metrics(one)[0]["loss"] == pytest.approx(rc.read_metrics(two)[0]["loss"], rel=1e-6)
+    assert_close_updates(one / "model", two / "model", tiny_model_dir)
+    assert (two / "model" / "quantization.json").read_text() == (one / "model" / "quantization.json").read_text()
+    assert_checkpoints_match(one, two, tmp_path,
+                             close=lambda a, b: assert_close_updates(a, b, tiny_model_dir))
+    assert_same_metrics(one, two, rel=2e-3)
+    # The converted (8da4w) folder: written on rank 0 from the saved merged weights; close to 1 process's.
+    tokens = rc.sample_tokens()
+    with torch.no_grad():
+        q1 = load_hf_torchao(one / "quantized")[0].eval()(tokens)
+        q2 = load_hf_torchao(two / "quantized")[0].eval()(tokens)
+    assert (q2 - q1).abs().mean() < 0.05 * q1.abs().mean()
+
+
+def test_qlora_unshardable_nf4_is_one_line_error(tmp_path, tiny_model_dir):
+    """The tiny model's 64x64 NF4 weights hold one double-quantization factor each, which FSDP2 cannot split
+    over 2 ranks: a one-line error naming the weight, not an AssertionError from inside torchao."""
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", *TWO, "lora", "--config", "lora/smollm2",
+                           *TRAIN, f"model.checkpoint_dir={tiny_model_dir}", LORA, "lora.quantize_base=true",
+                           f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=rc.cli_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "recipe: error:" in ln and "NF4 weight" in ln]
+    assert lines and "layers.0.attn.q_proj.weight" in lines[0] and "block_size*scaler_block_size" in lines[0]
+    assert "AssertionError" not in proc.stderr
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and its workers (torchrun starts each worker in its own session)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the parent pid
+            children.append(int(stat.parent.name))
+    os.kill(pid, signal.SIGKILL)
+    for c in children:
+        try:
+            os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_two_process_resume_after_sigkill_matches_uninterrupted(pair, tiny_model_dir, tmp_path):
+    """Kill -9 a 2-process LoRA run after its first (sharded) checkpoint, resume it on 2 processes: the final
+    weights, adapter and logged losses equal the uninterrupted 2-process run's exactly."""
+    _, ref = pair("lora")
+    recipe, config, overrides = cases(tiny_model_dir)["lora"]
+    out = tmp_path / "crashed"
+    args = [*overrides, "batch_size=2", f"output_dir={out}"]
+    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (closed below; the children write to it)
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", *TWO, recipe, "--config", config, *args],
+                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and not rc.complete_checkpoints(out):
+            time.sleep(0.01)
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+    finally:
+        proc.wait()
+        log.close()
+    text = (tmp_path / "killed.log").read_text()
+    assert proc.returncode == -signal.SIGKILL, f"not killed mid-run (exit {proc.returncode}):\n{text[-3000:]}"
+    assert not (out / "model").exists()
+    killed_at = int(rc.complete_checkpoints(out)[-1].name.split("_")[1])
+    assert 1 <= killed_at < STEPS
+    time.sleep(1)  # let the killed workers' ports close before the next rendezvous
+    run(recipe, config, [*args, "resume=true"], tmp_path, TWO)
+    rc.assert_same_weights(out / "model", ref / "model")
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (out, ref))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed, uninterrupted = rc.read_metrics(out), rc.read_metrics(ref)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # ~2 min (two launchers + the 2-process reference run)
+def test_two_nodes_on_one_host_match_two_processes(pair, tiny_model_dir, tmp_path):
+    """`recipe run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT kd ...` started
+    twice (as on two machines; here both on localhost) trains the KD student of the 2-process run."""
+    _, ref = pair("kd_full")
+    recipe, config, overrides = cases(tiny_model_dir)["kd_full"]
+    out = tmp_path / "two_nodes"
+    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "recipe-test"]
+    cmd = [sys.executable, "-m", "cli.main", "run", *launch, recipe, "--config", config, *overrides, "batch_size=2",
+           f"output_dir={out}"]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=rc.cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    logs = [n.communicate(timeout=900)[0] for n in nodes]
+    for n, text in zip(nodes, logs, strict=True):
+        assert n.returncode == 0, text[-4000:]
+    assert_close_weights(ref / "model", out / "model", atol=1e-6)
+    assert [r["loss"] for r in rc.read_metrics(out)] == pytest.approx([r["loss"] for r in rc.read_metrics(ref)],
+                                                                        rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("case", ["lora", "kd_dora", "kd_full", "qat"])
+@pytest.mark.parametrize("compile", [False, True])
+def test_two_gpus_match_one(case, compile, tiny_model_dir, tmp_path):
+    """The CPU cases above on 2 GPUs (NCCL), eager and compiled: finish, match 1 GPU, adapters load in PEFT."""
+    recipe, config, overrides = cases(tiny_model_dir)[case]
+    overrides = [o.replace("device=cpu", "device=cuda") for o in overrides] + [f"compile={str(compile).lower()}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(recipe, config, [*overrides, "batch_size=4", f"output_dir={one}"], tmp_path)
+    run(recipe, config, [*overrides, "batch_size=2", f"output_dir={two}"], tmp_path, TWO)
+    assert_close_weights(one / "model", two / "model", atol=1e-4)
+    if (one / "adapter").is_dir():
+        assert_adapter(one, two, tiny_model_dir)
+    assert_checkpoints_match(one, two, tmp_path)
+
+
+@pytest.mark.slow  # ~2 min: lm-eval imports and task building in 3 processes
+def test_eval_two_processes_split_requests_and_match_one(tiny_model_dir, tmp_path):
+    """`recipe run --nproc-per-node 2 eval ...`: lm-eval gives each rank half the requests (its log says so per
+    rank) and rank 0 reports the same metrics as one process."""
+    import json
+
+    args = [f"model.checkpoint_dir={tiny_model_dir}", "limit=8", "tasks=[recipe_copa]", "device=cpu",
+            "log_samples=true"]
+    run("eval", "eval/smollm2", [*args, f"output_dir={tmp_path / 'one'}"], tmp_path)
+    run("eval", "eval/smollm2", [*args, f"output_dir={tmp_path / 'two'}"], tmp_path, TWO)
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert one["results"] == two["results"] and one["results"]["recipe_copa"]["sample_len"] == 8
+    # both ranks' per-item samples were gathered on rank 0: the 8 items, each once
+    assert sorted(s["doc_id"] for s in two["samples"]["recipe_copa"]) == list(range(8))
