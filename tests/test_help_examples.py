@@ -198,6 +198,10 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
         if ns.config.endswith((".yaml", ".yml")):
             _stand_in_config(ns.config, shipped)
         _check_cli(args, capsys)
+    elif verb == "run" and not rest:  # a bare `recipe run` (prose names the verb) prints its help
+        with pytest.raises(SystemExit) as exit_:
+            cli_main.main(args)
+        assert exit_.value.code == 0 and "RECIPE --config CONFIG" in capsys.readouterr().out
     elif verb == "run":
         _check_run(rest)
     elif verb == "lm_eval":
