@@ -289,19 +289,22 @@ def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, li
     return ns, ns.training_script, list(ns.training_script_args)
 
 
-def _flat_checkout_root() -> Path | None:
-    """The checkout folder when `cli` is imported as a top-level package (a flat layout on sys.path), else None:
-    an installed package (wheel or editable) is importable in child processes without help."""
-    return Path(__file__).resolve().parent.parent if (__package__ or "").split(".")[0] == "cli" else None
+def _checkout_on_path() -> Path | None:
+    """The folder on sys.path that our top-level package was imported from when that package is a plain folder
+    there (a checkout used through PYTHONPATH or from its root), else None: an install (wheel or editable,
+    where the top level is a namespace package) is importable in child processes without help."""
+    top = sys.modules[__name__.split(".")[0]]
+    file = getattr(top, "__file__", None)
+    return Path(file).resolve().parent.parent if file else None
 
 
 def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: in a flat checkout, make
-    # `components` importable in the workers too.
-    root = _flat_checkout_root()
+    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: for a checkout on sys.path, make
+    # our package importable in the workers too.
+    root = _checkout_on_path()
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root is not None and str(root) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(root)])
