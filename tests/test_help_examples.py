@@ -6,6 +6,9 @@ printed: each `recipe ...` / `lm_eval ...` line is extracted and checked without
   parse, the recipe loads, and the config with the overrides validates against the recipe's schema.
 - `download`, `demo` and `lm_eval` evaluations parse with their real parsers; lm_eval's model must be registered
   (with its `--model_args` accepted by the model) and every task must exist.
+- A command on a line that shows its `recipe: error: ...` (or says what it prints: "`recipe ...` says `...`") is
+  documented as refused: it must exit non-zero with one `recipe: error:` line, as printed.
+- An inline `recipe VERB` alone names the verb in prose: the verb must exist.
 Files a user is expected to have written (`my_kd.yaml`, `path/to/my_recipe.py`) are stood in for by copies of
 shipped ones. Inline spans holding `...`, `<verb>` or `ARGS` are patterns, not examples.
 """
@@ -31,6 +34,8 @@ MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STAND_IN_RECIPE = "kd"  # what a user's own recipe file is stood in for by
 _COMMAND = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:\S*/)?(recipe|lm_eval)\s")
 _PLACEHOLDER = re.compile(r"\.\.\.|<\w|\b[A-Z]{2,}\b(?!=)")  # `recipe run ...`, `recipe <verb>`, `ARGS`
+_REFUSAL = re.compile(r"recipe: error|` says `")  # the line shows the command's error
+REFUSED = "refused: "  # prefix of an example documented as refused
 
 
 def _help_sources() -> list[tuple[str, str]]:
@@ -76,7 +81,7 @@ def _from_markdown(path: Path) -> list[tuple[str, str]]:
         elif not line.lstrip().startswith("#"):  # headings name verbs, they are not examples
             for span in re.findall(r"`([^`]+)`", line):
                 if _COMMAND.match(span) and not _PLACEHOLDER.search(span):
-                    found.append((where, span))
+                    found.append((where, REFUSED + span if _REFUSAL.search(line) else span))
     return found
 
 
@@ -123,6 +128,9 @@ def _check_cli(args: list[str], capsys) -> None:
 def _check_run(args: list[str]) -> None:
     torchrun, recipe, script_args = cli_main._split_run_args(args)
     shipped = _stand_in_recipe(recipe) if is_recipe_path(recipe) else recipe
+    if not any(a == "--config" or a.startswith("--config=") for a in script_args):  # prose: "`recipe run x.py`"
+        load_recipe(recipe)
+        return
     ns = recipe_argparser(f"recipe run {recipe}").parse_intermixed_args(script_args)
     if ns.config.endswith((".yaml", ".yml")):
         _stand_in_config(ns.config, shipped)
@@ -181,6 +189,14 @@ def test_examples_were_found():
 @pytest.mark.parametrize("where, command", EXAMPLES, ids=[f"{w}: {c[:60]}" for w, c in EXAMPLES])
 def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    if command.startswith(REFUSED):
+        try:
+            code = cli_main.main(_tokens(command[len(REFUSED):])[1:])
+        except SystemExit as exit_:  # `run` exits from the recipe's own script runner
+            code = exit_.code
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert code != 0 and len(lines) == 1 and lines[0].startswith("recipe: error: "), (code, lines)
+        return
     words = _tokens(command)
     tool, args = words[0], words[1:]
     if tool == "lm_eval":
@@ -189,7 +205,10 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
     while args and args[0] == "--debug":
         args = args[1:]
     verb, rest = args[0], args[1:]
-    if verb in ("ls", "cat", "cp", "assets"):
+    verbs = next(a for a in cli_main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if not rest and verb not in ("ls", "assets", "demo"):  # prose naming a verb
+        assert verb in verbs, f"`recipe {verb}`: no such verb"
+    elif verb in ("ls", "cat", "cp", "assets"):
         _check_cli(args, capsys)
     elif verb == "validate":
         ns = cli_main.build_parser().parse_known_args(args)[0]
@@ -198,10 +217,6 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
         if ns.config.endswith((".yaml", ".yml")):
             _stand_in_config(ns.config, shipped)
         _check_cli(args, capsys)
-    elif verb == "run" and not rest:  # a bare `recipe run` (prose names the verb) prints its help
-        with pytest.raises(SystemExit) as exit_:
-            cli_main.main(args)
-        assert exit_.value.code == 0 and "RECIPE --config CONFIG" in capsys.readouterr().out
     elif verb == "run":
         _check_run(rest)
     elif verb == "lm_eval":

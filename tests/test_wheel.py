@@ -120,3 +120,14 @@ def test_installed_recipe_lm_eval_needs_no_other_step(venv, tiny_model_dir, tmp_
                 f"checkpoint={tiny_model_dir}", "--tasks", "recipe_copa", "--limit", "4", "--device", "cpu",
                 "--batch_size", "4"], cwd=tmp_path).stdout
     assert "recipe_copa" in out and "acc" in out
+
+
+def test_stock_lm_eval_reads_our_folder_with_our_task_pack(venv, tiny_model_dir, tmp_path):
+    """docs/eval.md's route for a bare lm_eval: `--model hf` on our plain HF folder, our pack via --include_path
+    (its `!function` data loaders import from the installed package)."""
+    pytest.importorskip("transformers")
+    tasks = _run([str(venv / "recipe"), "lm_eval", "--tasks-path"], cwd=tmp_path).stdout.strip()
+    out = _run([str(venv / "python"), "-m", "lm_eval", "--model", "hf", "--model_args",
+                f"pretrained={tiny_model_dir}", "--include_path", tasks, "--tasks", "recipe_copa", "--limit", "4",
+                "--device", "cpu", "--batch_size", "4"], cwd=tmp_path).stdout
+    assert "recipe_copa" in out and "acc" in out
