@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from components.errors import RecipeError
@@ -124,8 +125,10 @@ def _display_path(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`), found through the `configs` package."""
-    return Path(str(importlib.resources.files("configs")))
+    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`): `$RECIPE_CONFIGS_DIR`, else the installed
+    `configs` package (package data, so it is found from a wheel install and from a checkout alike)."""
+    override = os.environ.get("RECIPE_CONFIGS_DIR")
+    return Path(override) if override else Path(str(importlib.resources.files("configs")))
 
 
 def shipped_configs() -> dict[str, list[str]]:
@@ -244,9 +247,13 @@ def _embedded_data(rel: str = "") -> str:
 
 # `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in
 # the offline eval data. Resolved only when a config uses them.
+# omegaconf 2.4 renamed register_new_resolver (now deprecated, warning on every call) back to register_resolver,
+# which in 2.3 is the old string-argument API; pick by version so a fresh install prints no warning.
+_register = (OmegaConf.register_resolver if tuple(int(x) for x in _omegaconf_version.split(".")[:2]) >= (2, 4)
+             else OmegaConf.register_new_resolver)
 if not OmegaConf.has_resolver("embedded_model"):
-    OmegaConf.register_new_resolver("embedded_model", _embedded_model)
-    OmegaConf.register_new_resolver("embedded_data", _embedded_data)
+    _register("embedded_model", _embedded_model)
+    _register("embedded_data", _embedded_data)
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -511,10 +518,15 @@ def print_error(err: BaseException, debug: bool) -> None:
 
 def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
+    name = prog.rsplit(" ", 1)[-1]
+    shipped = shipped_configs().get(name, [])
+    example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Run a recipe with a config and key=value / ~key overrides.",
-        epilog="example: --config kd/smollm2_demo max_steps=20 optimizer.lr=1e-4 ~save_every_n_steps",
+        description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
+        "~ deletes a key so the recipe's default applies).",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -540,7 +552,8 @@ def configure_logging(debug: bool = False) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("recipe", "components"):
+    # "recipe": the recipes' own loggers; the other is our package's top level (its loggers are named by module)
+    for name in ("recipe", __name__.split(".")[0]):
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
     if not debug:
         logging.getLogger("torchao").setLevel(logging.ERROR)

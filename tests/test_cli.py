@@ -1,5 +1,5 @@
-"""The `recipe` command through real subprocesses, against a fake shipped tree (recipes/ + configs/ packages
-placed first on PYTHONPATH) so the expected listing is known exactly."""
+"""The `recipe` command through real subprocesses, against a fake shipped tree (recipes/ + configs/ folders
+named by $RECIPE_RECIPES_DIR and $RECIPE_CONFIGS_DIR) so the expected listing is known exactly."""
 
 import argparse
 import json
@@ -40,9 +40,9 @@ def tree(tmp_path: Path) -> Path:
 
 
 def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree / "pkgs"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env["RECIPE_RECIPES_DIR"] = str(tree / "pkgs" / "recipes")
+    env["RECIPE_CONFIGS_DIR"] = str(tree / "pkgs" / "configs")
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         cwd=cwd or tree / "work",
