@@ -11,7 +11,7 @@ DEV    := $(VENV)/.installed-dev-$(HASH)
 TORCH  ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: setup setup-dev assets test test-all lint demo clean
+.PHONY: setup setup-dev assets test test-all lint demo wheel clean
 
 setup: $(RUN)
 setup-dev: $(DEV)
@@ -21,8 +21,8 @@ $(RUN): pyproject.toml
 	$(PIP) "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/constraints.txt
 	$(PIP) -c $(VENV)/constraints.txt -e .
-	# lm-eval reads no plugin entry points: a one-line .pth registers `--model recipe` and our task pack.
-	$(BIN)/python -m components.eval.plugin install
+	# Older checkouts installed a start-up hook for lm-eval; `recipe lm_eval` replaced it (docs/eval.md).
+	rm -f $(VENV)/lib/python*/site-packages/recipe_lm_eval.pth
 	rm -f $(VENV)/.installed-run-*
 	touch $@
 
@@ -48,5 +48,10 @@ lint: $(DEV)
 demo: assets
 	$(BIN)/recipe demo
 
+# dist/recipe-<version>-py3-none-any.whl; build/ is removed first so no deleted module leaks into the wheel.
+wheel: $(RUN)
+	rm -rf build
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs build dist

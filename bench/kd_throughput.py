@@ -9,7 +9,8 @@ transformers (`_from_config` + `save_pretrained`) and copies a tokenizer in (the
 ids are valid for a 128256 vocab). `run` runs each row in its own process, one after another: torchtune rows are
 bench/torchtune_kd_step.py (torchtune's KD step; `--tt-path` goes first on its PYTHONPATH and must hold torchao
 0.15); our rows are the real `recipe run kd` on those folders (shipped transfer passages packed to the sequence
-length), read back from metrics.jsonl. tokens/s is the median over the steps after `--warmup`; peak is
+length), read back from metrics.jsonl. `ours_lora_cache` first builds (or verifies) the teacher's top-32 cache with
+`recipe run kd_logits` over the same data (its build time and bytes/token are in the row) and trains from it. tokens/s is the median over the steps after `--warmup`; peak is
 `torch.cuda.max_memory_allocated`. `table` prints the rows with their ratio to torchtune's compiled and eager steps.
 Rows run on CPU too (`--device cpu --shapes smollm2`, see docs/benchmarks.md).
 """
@@ -48,6 +49,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "ours_full_eager": ("ours", "full", ["compile=false", "teacher.quantize=null"]),
     "ours_full_compile": ("ours", "full", ["compile=true", "teacher.quantize=null"]),
     "ours_full_compile_fp8": ("ours", "full", ["compile=true", "teacher.quantize=fp8"]),
+    # Offline teacher: the student trains from the teacher's top-32 cache (built first by `recipe run kd_logits`
+    # over the same packed transfer set, reused when complete); the teacher is never loaded.
+    "ours_lora_cache": ("ours", "lora", ["compile=true", "teacher.quantize=null", "CACHE"]),
 }
 
 
@@ -72,6 +76,33 @@ def build(out: Path, tokenizer_dir: Path) -> None:
         print(f"built {folder}", flush=True)
 
 
+def _data(a) -> list[str]:
+    """The transfer set of every `ours` row, and of the cache build (whose manifest must match it)."""
+    return ["dataset.source=transfer:passages", "dataset.format=text", "dataset.split=train", "dataset.name=null",
+            "dataset.data_files=null", "dataset.column_map=null", "dataset.train_on_input=false",
+            "dataset.packed=true", "dataset.use_chat_template=false", f"dataset.limit={a.data_limit or 'null'}",
+            f"dataset.max_seq_len={a.seq_len}"]
+
+
+def build_cache(a) -> tuple[Path, dict]:
+    """`recipe run kd_logits` for the rows' teacher and data (top-32, T=1); a complete cache is only verified."""
+    cache = a.out / f"cache_{a.shapes}_{a.seq_len}"
+    teacher = ([f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"tokenizer_dir={a.out / 'student_1b'}"]
+               if a.shapes == "llama" else [])
+    config = "kd_logits/llama3_1_8b" if a.shapes == "llama" else "kd_logits/smollm2_demo"
+    cmd = [sys.executable, "-m", "cli.main", "run", "kd_logits", "--config", config, *teacher, *_data(a),
+           f"output_dir={cache}", f"device={a.device}", f"dtype={a.dtype}", f"batch_size={a.batch_size}",
+           f"compile={'true' if a.device.startswith('cuda') else 'false'}", "teacher.quantize=null"]
+    t0 = time.time()
+    with open(a.out / f"{cache.name}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+    info = {"cache_rc": rc, "cache_build_s": round(time.time() - t0, 1), "cache_cmd": " ".join(cmd[1:])}
+    if rc == 0:
+        m = json.loads((cache / "manifest.json").read_text())
+        info.update(cache_tokens=m["tokens"], cache_bytes_per_token=m["bytes_per_token"])
+    return cache, info
+
+
 def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
     launch = ["--nproc-per-node", str(a.nproc), "--standalone"] if a.nproc > 1 else []
     if a.shapes == "llama":
@@ -82,9 +113,7 @@ def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
         config = "kd/smollm2_demo"
     lora = [f"lora={LORA}"] if student == "lora" and a.shapes == "llama" else ["lora=null"]
     return [sys.executable, "-m", "cli.main", "run", *launch, "kd", "--config", config, *models, *lora,
-            f"output_dir={out_dir}", f"device={a.device}", f"dtype={a.dtype}",
-            "dataset.source=transfer:passages", "dataset.format=text", "dataset.packed=true",
-            "dataset.use_chat_template=false", f"dataset.max_seq_len={a.seq_len}", f"batch_size={a.batch_size}",
+            f"output_dir={out_dir}", f"device={a.device}", f"dtype={a.dtype}", *_data(a), f"batch_size={a.batch_size}",
             "gradient_accumulation_steps=1", f"max_steps={a.steps + a.warmup}", "save_every_n_steps=null",
             "keep_last_n=1", "activation_checkpointing=false", "kd.loss=forward_kl", "kd.kd_ratio=0.5",
             "optimizer={_component_: torch.optim.AdamW, lr: 3.0e-4, weight_decay: 0.01}", "max_grad_norm=null",
@@ -103,17 +132,24 @@ def run_row(a, name: str) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cache_info: dict = {}
     if side == "torchtune":
         cmd = _tt_cmd(a, student, extra)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (a.tt_path, env.get("PYTHONPATH", "")) if p)
     else:
+        if "CACHE" in extra:
+            cache, cache_info = build_cache(a)
+            if cache_info["cache_rc"] != 0:
+                return {"name": name, "side": side, "student": student, "rc": cache_info["cache_rc"], **cache_info,
+                        "error": (a.out / f"{cache.name}.log").read_text()[-1500:]}
+            extra = [e for e in extra if e != "CACHE"] + [f"teacher.logits_dir={cache}"]
         cmd = _ours_cmd(a, student, extra, out_dir)
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             timeout=a.timeout).returncode
     row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
-           "cmd": " ".join(cmd[1:]), "device": a.device}
+           "cmd": " ".join(cmd[1:]), "device": a.device, **cache_info}
     if rc != 0:
         row["error"] = (out_dir / "log.txt").read_text()[-1500:]
         return row
@@ -130,7 +166,14 @@ def run_row(a, name: str) -> dict:
 
 def table(out: Path) -> str:
     rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines() if ln.strip()]
-    latest = {r["name"]: r for r in rows}
+    latest: dict[str, dict] = {}  # per row: the median over its successful repeats (`--repeat`), else the last try
+    for name in dict.fromkeys(r["name"] for r in rows):
+        ok = [r for r in rows if r["name"] == name and r.get("rc") == 0]
+        if not ok:
+            latest[name] = [r for r in rows if r["name"] == name][-1]
+            continue
+        latest[name] = {**ok[-1], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+                        "peak_gib": max(r.get("peak_gib") or 0 for r in ok), "repeats": len(ok)}
     ref = {k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile", "tt_lora_eager", "tt_full_eager")
            if k in latest and latest[k].get("rc") == 0}
     lines = ["| row | tokens/s | peak GiB | vs tt LoRA compiled | vs tt eager (same student) |", "|---|---|---|---|---|"]
@@ -161,6 +204,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--data-limit", type=int, default=None, help="first N transfer passages (CPU smoke runs)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=1, help="run the row list this many times, interleaved")
     p.add_argument("--timeout", type=int, default=900)

@@ -1,6 +1,7 @@
 """The KD loss path alone: student head + CE + forward KL (teacher head under no-grad), forward + backward.
 
     python bench/loss_path.py [--tokens 4096,16384] [--impls fused,chunked,torchtune,liger]
+    python bench/loss_path.py --device cpu --shapes smollm2 --tokens 1024,4096 --impls fused,chunked,torchtune
 
 Shapes of issue 9: student width 2048, teacher width 4096, vocab 128256, bf16, kd_ratio 0.5, the student's head
 trainable (its weight gets a gradient, the most work). Times are CUDA-event medians of `--iters` runs after
@@ -11,6 +12,8 @@ weights). Implementations:
 - torchtune: torchtune 0.6.1's CEWithChunkedOutputLoss + ForwardKLWithChunkedOutputLoss on 8 logit chunks;
 - liger: Liger-Kernel's LigerFusedLinearJSDLoss(jsd_beta=0) (forward KL only) plus its fused linear CE
   (skipped when liger_kernel is not installed).
+On CPU (`--device cpu`, fp32) times are wall-clock medians and memory is not measured; `--shapes smollm2` uses
+the embedded model's widths (576 / 576, vocab 49152).
 """
 
 from __future__ import annotations
@@ -18,20 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
-VOCAB, D_STUDENT, D_TEACHER = 128256, 2048, 4096
+SHAPES = {"llama": (128256, 2048, 4096), "smollm2": (49152, 576, 576)}  # vocab, student width, teacher width
+CFG = {"device": "cuda", "dtype": torch.bfloat16, "shape": SHAPES["llama"]}
 
 
 def make_inputs(n: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    h = (torch.randn(1, n, D_STUDENT, generator=g, **kw)).requires_grad_(True)
-    th = torch.randn(1, n, D_TEACHER, generator=g, **kw)
-    w = (torch.randn(VOCAB, D_STUDENT, generator=g, **kw) * D_STUDENT**-0.5).requires_grad_(True)
-    tw = torch.randn(VOCAB, D_TEACHER, generator=g, **kw) * D_TEACHER**-0.5
-    y = torch.randint(0, VOCAB, (1, n), generator=g, device="cuda")
+    vocab, d_student, d_teacher = CFG["shape"]
+    g = torch.Generator(device=CFG["device"]).manual_seed(seed)
+    kw = dict(device=CFG["device"], dtype=CFG["dtype"])
+    h = (torch.randn(1, n, d_student, generator=g, **kw)).requires_grad_(True)
+    th = torch.randn(1, n, d_teacher, generator=g, **kw)
+    w = (torch.randn(vocab, d_student, generator=g, **kw) * d_student**-0.5).requires_grad_(True)
+    tw = torch.randn(vocab, d_teacher, generator=g, **kw) * d_teacher**-0.5
+    y = torch.randint(0, vocab, (1, n), generator=g, device=CFG["device"])
     return h, th, w, tw, y
 
 
@@ -77,6 +83,14 @@ def measure(fn, n: int, warmup: int, iters: int) -> dict:
     for _ in range(warmup):
         fn(h, th, w, tw, y).backward()
         h.grad = w.grad = None
+    if CFG["device"] == "cpu":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn(h, th, w, tw, y).backward()
+            times.append((time.perf_counter() - start) * 1e3)
+            h.grad = w.grad = None
+        return {"ms": statistics.median(times), "extra_gib": float("nan")}
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -114,8 +128,12 @@ def main() -> None:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="llama")
     a = p.parse_args()
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    CFG.update(device=a.device, shape=SHAPES[a.shapes], dtype=torch.bfloat16 if a.device == "cuda" else torch.float32)
+    name = torch.cuda.get_device_name() if a.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(json.dumps({"device": name, "torch": torch.__version__, "shapes": a.shapes,
                       "fused_vs_chunked_rel_diff": check_grads()}), flush=True)
     rows = []
     for n in (int(t) for t in a.tokens.split(",")):
@@ -124,7 +142,8 @@ def main() -> None:
                 r = measure(IMPLS[name], n, a.warmup, a.iters)
             except Exception as e:  # noqa: BLE001  (a failing implementation is a row, not the end of the bench)
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            torch.cuda.empty_cache()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
             rows.append({"tokens": n, "impl": name, **r})
             print(json.dumps(rows[-1]), flush=True)
     print("| tokens | impl | ms (fwd+bwd) | extra GiB |\n|---|---|---|---|")

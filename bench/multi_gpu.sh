@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# KD scaling on 1 and 2 GPUs (issue 10's table): Llama-3.2-1B LoRA student <- Llama-3.1-8B teacher, shipped
+# KD scaling on 1 and 2 GPUs (issue 10's table): Llama-3.2-1B LoRA student (rank 64 on q,v,o + MLP, as in issue 9) <- Llama-3.1-8B teacher, shipped
 # transfer passages packed to 1024 tokens, batch 4 per GPU, STEPS steps; eager and compile=true; on 2 GPUs the
 # teacher replicated (one full copy per GPU) and sharded (FSDP2). Prints one table: tokens/s over all GPUs
 # (median of the steps after the first 5, from metrics.jsonl), speedup over 1 GPU, and peak GiB per GPU.
@@ -25,7 +25,7 @@ run() {  # name nproc compile placement
     rm -rf "${out:?}/$name"
     if ! $py -m cli.main run "${launch[@]}" kd --config kd/llama3_1_8b_to_llama3_2_1b \
         teacher.checkpoint_dir="$teacher" student.checkpoint_dir="$student" output_dir="$out/$name" \
-        "lora={rank: 16, alpha: 32.0, targets: [q_proj, k_proj, v_proj, o_proj]}" \
+        "lora={rank: 64, alpha: 128.0, targets: [q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}" \
         dataset.source=transfer:passages dataset.format=text dataset.packed=true dataset.max_seq_len=1024 \
         dataset.use_chat_template=false batch_size=4 gradient_accumulation_steps=1 max_steps="$steps" \
         save_every_n_steps=null keep_last_n=1 compile="$compile" teacher.placement="$placement" \

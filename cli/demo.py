@@ -134,6 +134,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     from components.assets import ensure_assets
     from components.checkpoint.atomic import atomic_write_bytes
     from components.config import load_config, validate_config
+    from components.folders import prepared_run
     from components.models import load_model, save_model
     from components.models.prune import student_layers
     from components.models.tokenizer import Tokenizer
@@ -187,7 +188,8 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides) + [
         f"student.keep_layers={keep}", "student.every=null", "student.prune=null"])
     validate_config(cfg, recipe.SCHEMA, recipe=name)
-    recipe.main(cfg)
+    with prepared_run(cfg, recipe.SCHEMA):  # folder checks and the output_dir lock, as `recipe run` does
+        recipe.main(cfg)
     lap("kd", t0)
     t0 = time.perf_counter()
     distilled_dir = out / "kd" / "model"

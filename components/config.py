@@ -21,9 +21,11 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from components.errors import RecipeError
+from components.schema import spec_problem, value_desc
 
 __all__ = [
     "COMPONENT",
@@ -43,10 +45,21 @@ __all__ = [
 
 
 class _Component:
-    """Schema sentinel: the node is `{_component_: dotted.path, **kwargs}` bound to the target's signature."""
+    """Schema sentinel: the node is `{_component_: dotted.path, **kwargs}` bound to the target's signature.
+
+    `COMPONENT(allow=("torch.optim.",), lr=Range(float, gt=0))` also restricts the dotted path to those prefixes
+    (checked before anything is imported) and checks the values of the named arguments when they are given.
+    """
+
+    def __init__(self, allow: Sequence[str] | None = None, args: Mapping[str, Any] | None = None) -> None:
+        self.allow = tuple(allow) if allow is not None else None
+        self.args = dict(args or {})
+
+    def __call__(self, allow: Sequence[str] | None = None, **args: Any) -> _Component:
+        return _Component(allow, args)
 
     def __repr__(self) -> str:
-        return "COMPONENT"
+        return f"COMPONENT(allow={self.allow}, {', '.join(self.args)})" if self.allow or self.args else "COMPONENT"
 
 
 COMPONENT = _Component()
@@ -73,9 +86,14 @@ class ConfigSource:
         for ov in reversed(self.overrides):
             if ov.startswith("~"):
                 continue
-            ov_key = ov.split("=", 1)[0]
+            ov_key = ov.split("=", 1)[0].strip()
             if key == ov_key or key.startswith(ov_key + "."):
                 return f"override '{ov}'"
+        # a key the file does not have, created by an override of a key below it (`a.b=1` creates `a`)
+        if key not in self.lines:
+            for ov in reversed(self.overrides):
+                if not ov.startswith("~") and ov.split("=", 1)[0].strip().startswith(key + "."):
+                    return f"override '{ov}'"
         line = self.lines.get(key)
         if line is None:
             # a key without its own line (e.g. inside a flow mapping): use its closest parent's line
@@ -107,8 +125,10 @@ def _display_path(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`), found through the `configs` package."""
-    return Path(str(importlib.resources.files("configs")))
+    """The folder of shipped configs (`configs/<recipe>/<name>.yaml`): `$RECIPE_CONFIGS_DIR`, else the installed
+    `configs` package (package data, so it is found from a wheel install and from a checkout alike)."""
+    override = os.environ.get("RECIPE_CONFIGS_DIR")
+    return Path(override) if override else Path(str(importlib.resources.files("configs")))
 
 
 def shipped_configs() -> dict[str, list[str]]:
@@ -227,9 +247,13 @@ def _embedded_data(rel: str = "") -> str:
 
 # `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in
 # the offline eval data. Resolved only when a config uses them.
+# omegaconf 2.4 renamed register_new_resolver (now deprecated, warning on every call) back to register_resolver,
+# which in 2.3 is the old string-argument API; pick by version so a fresh install prints no warning.
+_register = (OmegaConf.register_resolver if tuple(int(x) for x in _omegaconf_version.split(".")[:2]) >= (2, 4)
+             else OmegaConf.register_new_resolver)
 if not OmegaConf.has_resolver("embedded_model"):
-    OmegaConf.register_new_resolver("embedded_model", _embedded_model)
-    OmegaConf.register_new_resolver("embedded_data", _embedded_data)
+    _register("embedded_model", _embedded_model)
+    _register("embedded_data", _embedded_data)
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -370,54 +394,28 @@ def instantiate(node: DictConfig | Mapping[str, Any], *args: Any, **kwargs: Any)
 # ----------------------------------------------------------------------------------------------- validation
 
 
-def _type_name(expected: Any) -> str:
-    types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in types)
+def _check_allowed(dotted: str, allow: tuple[str, ...] | None, key: str, src: ConfigSource) -> None:
+    # Before any import: only paths under the recipe's prefixes, and no dunder attribute walks (`x.__init__...`).
+    if allow is None:
+        return
+    if not dotted.startswith(allow) or any(p.startswith("__") for p in dotted.split(".")):
+        raise RecipeError(f"{src.where(key)}: key '{key}': '{dotted}' is not allowed here: name a class under "
+                          f"{' or '.join(allow)}")
 
 
-def _value_desc(value: Any) -> str:
-    if isinstance(value, DictConfig):
-        return "a mapping"
-    if isinstance(value, ListConfig):
-        return "a list"
-    if value is None:
-        return "null"
-    return f"{type(value).__name__} {value!r}"
-
-
-def _type_ok(value: Any, expected: Any) -> bool:
-    types = expected if isinstance(expected, tuple) else (expected,)
-    for t in types:
-        if t is type(None) or t is None:
-            ok = value is None
-        elif t is bool:
-            ok = isinstance(value, bool)
-        elif t is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif t is float:  # an int is a fine float (lr: 1 is 1.0)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif t is list:
-            ok = isinstance(value, (ListConfig, list, tuple))
-        elif t is dict:
-            ok = isinstance(value, (DictConfig, dict))
-        else:
-            ok = isinstance(value, t)
-        if ok:
-            return True
-    return False
-
-
-def _validate_component(node: Any, key: str, src: ConfigSource) -> None:
+def _validate_component(node: Any, key: str, src: ConfigSource, spec: _Component | None = None) -> None:
     if node is None:  # "no such component" (e.g. lr_scheduler: null); the recipe decides
         return
+    allow, arg_specs = (spec.allow, spec.args) if spec is not None else (None, {})
     if not isinstance(node, DictConfig) or COMPONENT_KEY not in node:
         raise RecipeError(
-            f"{src.where(key)}: key '{key}' must be a mapping with '{COMPONENT_KEY}: dotted.path', got {_value_desc(node)}"
+            f"{src.where(key)}: key '{key}' must be a mapping with '{COMPONENT_KEY}: dotted.path', got {value_desc(node)}"
         )
     ckey = f"{key}.{COMPONENT_KEY}"
     dotted = node[COMPONENT_KEY]
     if not isinstance(dotted, str):
         raise RecipeError(f"{src.where(ckey)}: key '{ckey}' must be a dotted import path string")
+    _check_allowed(dotted, allow, ckey, src)
     try:
         target = _locate(dotted, ckey)
     except RecipeError as e:
@@ -438,12 +436,15 @@ def _validate_component(node: Any, key: str, src: ConfigSource) -> None:
             raise RecipeError(f"{src.where(key)}: key '{key}': cannot bind to {dotted}: {e}") from e
     for k in names:
         child = node[k]
+        if arg_specs and k in arg_specs:
+            _check_value(f"{key}.{k}", arg_specs[k], child, src)
+        nested = _Component(allow) if allow is not None else None  # nested components obey the same allow-list
         if isinstance(child, DictConfig) and COMPONENT_KEY in child:
-            _validate_component(child, f"{key}.{k}", src)
+            _validate_component(child, f"{key}.{k}", src, nested)
         elif isinstance(child, ListConfig):
             for i, item in enumerate(child):
                 if isinstance(item, DictConfig) and COMPONENT_KEY in item:
-                    _validate_component(item, f"{key}.{k}.{i}", src)
+                    _validate_component(item, f"{key}.{k}.{i}", src, nested)
 
 
 def _validate_section(
@@ -457,20 +458,24 @@ def _validate_section(
             raise RecipeError(f"{src.where(key)}: unknown key '{key}' ({who} reads: {reads})")
         expected = schema[k]
         value = node[k]
-        if expected is COMPONENT:
-            _validate_component(value, key, src)
+        if isinstance(expected, _Component):
+            _validate_component(value, key, src, expected)
         elif isinstance(expected, Mapping):
             if value is None:  # an absent section: the recipe's defaults apply
                 continue
             if not isinstance(value, DictConfig):
                 raise RecipeError(
-                    f"{src.where(key)}: key '{key}' must be a section (mapping), got {_value_desc(value)}"
+                    f"{src.where(key)}: key '{key}' must be a section (mapping), got {value_desc(value)}"
                 )
             _validate_section(value, expected, key + ".", src, recipe)
-        elif not _type_ok(value, expected):
-            raise RecipeError(
-                f"{src.where(key)}: key '{key}' must be {_type_name(expected)}, got {_value_desc(value)}"
-            )
+        else:
+            _check_value(key, expected, value, src)
+
+
+def _check_value(key: str, expected: Any, value: Any, src: ConfigSource) -> None:
+    problem = spec_problem(expected, value)
+    if problem is not None:
+        raise RecipeError(f"{src.where(key)}: key '{key}' {problem}")
 
 
 def validate_config(
@@ -482,8 +487,10 @@ def validate_config(
 ) -> None:
     """Check `cfg` against a recipe SCHEMA: unknown keys, types, `_component_` imports and arguments.
 
-    Schema values: a type or tuple of types (`int` also satisfies `float`), a nested dict (a section, may be
-    null) or `COMPONENT` (may be null). Errors name the key and `file:line` or the override that set it.
+    Schema values: a type or tuple of types (`int` also satisfies `float`), a value spec of components.schema
+    (`Range`, `Choice`, `ListOf`, `Pattern`, `ModelDir`, `OutputDir`), a nested dict (a section, may be null) or
+    `COMPONENT(...)` (may be null). Errors name the key and `file:line` or the override that set it. Folders are
+    not looked at here (see components.folders.prepared_run).
     """
     src = config_source(cfg)
     if source_file is not None and (src.file is None or Path(source_file).resolve() != src.file):
@@ -511,10 +518,15 @@ def print_error(err: BaseException, debug: bool) -> None:
 
 def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
+    name = prog.rsplit(" ", 1)[-1]
+    shipped = shipped_configs().get(name, [])
+    example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Run a recipe with a config and key=value / ~key overrides.",
-        epilog="example: --config kd/smollm2_demo max_steps=20 optimizer.lr=1e-4 ~model.keep_layers",
+        description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
+        "~ deletes a key so the recipe's default applies).",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -540,7 +552,8 @@ def configure_logging(debug: bool = False) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("recipe", "components"):
+    # "recipe": the recipes' own loggers; the other is our package's top level (its loggers are named by module)
+    for name in ("recipe", __name__.split(".")[0]):
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
     if not debug:
         logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -555,7 +568,9 @@ def run_recipe_script(
 ) -> None:
     """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
 
-    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug).
+    The folders the config names are checked and the output folder locked first (folders.prepared_run).
+    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug);
+    Ctrl-C prints `recipe: interrupted...` and exits 130.
     """
     if name is None:
         module = getattr(main, "__module__", "") or ""
@@ -564,7 +579,15 @@ def run_recipe_script(
     configure_logging(args.debug)
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
-        main(cfg)
+        from components.folders import prepared_run  # imports this module
+
+        with prepared_run(cfg, schema):
+            main(cfg)
     except RecipeError as e:
         print_error(e, args.debug)
         raise SystemExit(1) from None
+    except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
+        if args.debug:
+            traceback.print_exception(e)
+        print(f"recipe: {e or 'interrupted'}", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -8,6 +8,7 @@ There is deliberately no trainer class.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,23 +19,27 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from components.checkpoint.manifest import verify_manifest
 from components.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
 from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
-from components.config import COMPONENT
+from components.config import COMPONENT, config_source
 from components.data.dataset import build_dataset, build_loader
+from components.data.formats import FORMATS
 from components.errors import RecipeError
+from components.interrupt import StopRequest
 from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
-from components.models import LoRASettings, ModelArgs, save_model, save_peft_adapter
+from components.models import LORA_TARGETS, LoRASettings, ModelArgs, keep_every, save_model, save_peft_adapter
 from components.models.hf_io import copy_tokenizer_files
 from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
-from components.optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
-from components.runtime import Runtime
+from components.optim import SCHEDULERS, build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
+from components.runtime import DTYPES, Runtime
+from components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 
 IGNORE_INDEX = -100
 OPT_INT = (int, type(None))
@@ -43,46 +48,52 @@ OPT_STR = (str, type(None))
 
 DATASET_SCHEMA = {
     "source": str,
-    "format": str,
+    "format": Choice(*FORMATS),
     "split": str,
     "name": OPT_STR,
     "data_files": (str, list, dict, type(None)),
     "column_map": (dict, type(None)),
-    "max_seq_len": int,
+    "max_seq_len": Range(int, ge=2),
     "train_on_input": bool,
     "use_chat_template": bool,
     "packed": bool,
-    "limit": OPT_INT,
+    "limit": Range(int, ge=1, optional=True),
     "shuffle": bool,
     "bucket": bool,
 }
 LORA_SCHEMA = {
-    "rank": int,
-    "alpha": float,
-    "dropout": float,
-    "targets": list,
+    "rank": Range(int, ge=1),
+    "alpha": Range(float, gt=0),
+    "dropout": Range(float, ge=0, lt=1),
+    "targets": ListOf(Choice(*LORA_TARGETS), min_len=1, unique=True),
     "use_dora": bool,
     "quantize_base": bool,
 }
+# A torch/torchao optimizer class (nothing else is imported for a config); the arguments of AdamW-style
+# optimizers whose range is known are checked, others bind to the signature only.
+OPTIMIZER = COMPONENT(allow=("torch.optim.", "torchao.optim."), lr=Range(float, gt=0),
+                      weight_decay=Range(float, ge=0), eps=Range(float, gt=0),
+                      betas=ListOf(Range(float, ge=0, lt=1), min_len=2, max_len=2))
 # Keys every training recipe reads; recipes add their model/loss sections.
 TRAIN_SCHEMA: dict[str, Any] = {
-    "output_dir": str,
-    "seed": int,
-    "device": str,
-    "dtype": str,
-    "max_steps": OPT_INT,
-    "epochs": int,
-    "batch_size": int,
-    "gradient_accumulation_steps": int,
-    "max_grad_norm": OPT_FLOAT,
-    "optimizer": COMPONENT,
-    "lr_scheduler": {"name": str, "warmup_steps": int, "min_lr_ratio": float},
+    "output_dir": OutputDir(),
+    "seed": Range(int, ge=0),
+    "device": DEVICE,
+    "dtype": Choice(*DTYPES),
+    "max_steps": Range(int, ge=1, optional=True),
+    "epochs": Range(int, ge=1),
+    "batch_size": Range(int, ge=1),
+    "gradient_accumulation_steps": Range(int, ge=1),
+    "max_grad_norm": Range(float, gt=0, optional=True),
+    "optimizer": OPTIMIZER,
+    "lr_scheduler": {"name": Choice(*SCHEDULERS), "warmup_steps": Range(int, ge=0),
+                     "min_lr_ratio": Range(float, ge=0, le=1)},
     "dataset": DATASET_SCHEMA,
-    "num_output_chunks": int,
+    "num_output_chunks": Range(int, ge=1),
     "activation_checkpointing": bool,
     "compile": bool,
-    "save_every_n_steps": OPT_INT,
-    "keep_last_n": OPT_INT,
+    "save_every_n_steps": Range(int, ge=1, optional=True),
+    "keep_last_n": Range(int, ge=1, optional=True),
     "resume": bool,
     "tensorboard": bool,
     "wandb": (dict, type(None)),
@@ -99,16 +110,41 @@ def lora_settings(node: DictConfig | None) -> LoRASettings | None:
     return LoRASettings(**kw)
 
 
+def student_layers(cfg: DictConfig, teacher_layers: int, source: str = "the teacher") -> list[int] | None:
+    """KD: which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
+    s = cfg.get("student") or {}
+    if s.get("keep_layers") is not None and s.get("every") is not None:
+        raise RecipeError("student: set keep_layers or every, not both")
+    if s.get("keep_layers") is not None:
+        keep = [int(i) for i in s.keep_layers]
+        if max(keep) >= teacher_layers:
+            where = config_source(cfg).where("student.keep_layers")
+            raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(keep)} does not exist: {source} has "
+                              f"{teacher_layers} layers (0..{teacher_layers - 1})")
+        return keep
+    if s.get("every") is not None:
+        return keep_every(teacher_layers, int(s.every))
+    return None
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime):
-    """The tokenized dataset and its resumable loader, sharded over ranks."""
+def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime, wrap_dataset: Callable | None = None):
+    """The tokenized dataset and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
+    the dataset first (KD from a logits cache adds the cached teacher rows).
+
+    Packed and compiled: every batch has the same shape (the last partial batch of an epoch is dropped when
+    there is a full one), so torch.compile never recompiles for a smaller batch."""
     kw = OmegaConf.to_container(cfg.dataset, resolve=True)
     dataset = build_dataset(tokenizer, **kw)
-    return build_loader(dataset, cfg.get("batch_size", 4), seed=cfg.get("seed", 0), rank=rt.rank,
-                        world_size=rt.world_size)
+    if wrap_dataset is not None:
+        dataset = wrap_dataset(dataset)
+    batch_size = cfg.get("batch_size", 4)
+    static = bool(cfg.get("compile")) and dataset.packed and len(dataset) >= batch_size * rt.world_size
+    return build_loader(dataset, batch_size, seed=cfg.get("seed", 0), rank=rt.rank, world_size=rt.world_size,
+                        drop_last=static)
 
 
 def total_steps(cfg: DictConfig, loader) -> int:
@@ -138,12 +174,12 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
 
 
 def setup_training(cfg: DictConfig, rt: Runtime, model: nn.Module, tokenizer: Tokenizer, resume_from: Path | None,
-                   adapters: bool):
+                   adapters: bool, wrap_dataset: Callable | None = None):
     """Data loader, step count, optimizer and schedule; restored from `resume_from` when resuming.
 
     Returns `(loader, steps, optimizer, scheduler, start_step)`.
     """
-    loader = build_train_loader(cfg, tokenizer, rt)
+    loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset)
     steps = total_steps(cfg, loader)
     optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
     start = 0
@@ -238,13 +274,17 @@ def resume_weights(ckpt: Path | None) -> Path | None:
 
 
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
-    """The latest complete checkpoint when `resume: true` (an error when there is none)."""
+    """The latest complete checkpoint when `resume: true` (an error when there is none), its file checksums
+    verified (an error naming the first corrupt file)."""
     if not cfg.get("resume", False):
         return None
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
         raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
                           "run without resume to start fresh")
+    verify_manifest(ckpt)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resuming from {ckpt} (file checksums verified)", flush=True)
     return ckpt
 
 
@@ -351,6 +391,7 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
     clock = Throughput()
     step = start_step
     model.train()
+    stop = StopRequest.install(enabled=rt.world_size == 1)  # Ctrl-C: checkpoint at the next step boundary
     # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
     try:
         for window in windows(loader, accum):
@@ -377,7 +418,11 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
             if save_every and step % save_every == 0 and step < steps:
                 last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
                                                            scheduler, loader, adapters)
+            if stop.requested:
+                raise stop.interrupted(step, save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir,
+                                                                      optimizer, scheduler, loader, adapters))
         save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
     finally:
+        stop.restore()
         logger.close()
     return step

@@ -10,20 +10,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from components.config import run_recipe_script
 from components.eval.run import evaluate
+from components.models.loader import DTYPES
+from components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
 
 SCHEMA = {
-    "model": {"checkpoint_dir": str},
-    "tasks": list,
-    "limit": (int, float, type(None)),
-    "num_fewshot": (int, type(None)),
-    "batch_size": int,
-    "max_length": (int, type(None)),
+    "model": {"checkpoint_dir": ModelDir()},
+    "tasks": ListOf(str, min_len=1),
+    "limit": Range(float, gt=0, optional=True),  # lm-eval: a count of items, or a fraction of each task below 1
+    "num_fewshot": Range(int, ge=0, optional=True),
+    "batch_size": Range(int, ge=1),
+    "max_length": Range(int, ge=2, optional=True),
     "apply_chat_template": bool,
     "log_samples": bool,
-    "device": str,
-    "dtype": str,
-    "seed": int,
-    "output_dir": str,
+    "device": DEVICE,
+    "dtype": Choice(*DTYPES),
+    "seed": Range(int, ge=0),
+    "output_dir": OutputDir(),
 }
 
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from components.config import run_recipe_script
 from components.models import load_model
 from components.runtime import setup_runtime
+from components.schema import ModelDir
 from components.training import (
     TRAIN_SCHEMA,
     find_resume_checkpoint,
@@ -22,7 +23,7 @@ from components.training import (
     write_final_model,
 )
 
-SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": str}}
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}}
 
 
 def main(cfg: DictConfig) -> None:

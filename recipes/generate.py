@@ -14,19 +14,21 @@ from omegaconf import DictConfig
 from components.config import run_recipe_script
 from components.eval.lm import load_checkpoint
 from components.models.generation import generate
+from components.models.loader import DTYPES
+from components.schema import DEVICE, Choice, ModelDir, Range
 
 SCHEMA = {
-    "model": {"checkpoint_dir": str},
+    "model": {"checkpoint_dir": ModelDir()},
     "prompt": str,
     "chat": bool,
     "system": (str, type(None)),
-    "max_new_tokens": int,
-    "temperature": float,
-    "top_k": (int, type(None)),
-    "top_p": (float, type(None)),
-    "device": str,
-    "dtype": str,
-    "seed": int,
+    "max_new_tokens": Range(int, ge=1),
+    "temperature": Range(float, ge=0),  # 0: greedy
+    "top_k": Range(int, ge=1, optional=True),
+    "top_p": Range(float, gt=0, le=1, optional=True),
+    "device": DEVICE,
+    "dtype": Choice(*DTYPES),
+    "seed": Range(int, ge=0),
 }
 
 

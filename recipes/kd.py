@@ -3,6 +3,7 @@ optionally quantization-aware: `qat:` trains it through fake quantizers, KD-QAT)
 
 loss = (1 - kd_ratio) * CE(student, labels) + kd_ratio * KD(teacher || student), both computed chunk by chunk
 from final hidden states, so full [batch, seq, vocab] logits of the two models are never alive at once.
+With `teacher.logits_dir` the teacher is its cached top-k (`recipe run kd_logits`) and is never loaded.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from components.config import run_recipe_script
-from components.losses import build_kd_loss, kd_and_ce, same_tokenizer, shared_vocab
-from components.models import load_model
-from components.models.prune import student_layers
-from components.quantization import compile_fake_quantizers, prepare_qat, qat_metadata
-from components.quantization.teacher import quantize_teacher
-from components.runtime import prepare_teacher, setup_runtime
+from components.errors import RecipeError
+from components.losses import KD_LOSSES, build_kd_loss, kd_and_ce
+from components.losses.topk import cached_kd_and_ce
+from components.models import load_model, read_model_args
+from components.models.prune import METHODS, importance_keep
+from components.quantization import QAT_SCHEMES, compile_fake_quantizers, prepare_qat, qat_metadata
+from components.quantization.teacher import TEACHER_QUANT
+from components.runtime import TEACHER_PLACEMENTS, setup_runtime
+from components.schema import Choice, ListOf, ModelDir, Range
+from components.teacher import load_teacher, loss_vocab
 from components.training import (
     LORA_SCHEMA,
-    OPT_FLOAT,
-    OPT_INT,
+    OPT_STR,
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     freeze_all_but_adapters,
@@ -31,26 +35,34 @@ from components.training import (
     lora_settings,
     resume_weights,
     setup_training,
+    student_layers,
     train,
     write_final_model,
 )
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": str, "placement": str, "quantize": (str, type(None))},
-    "student": {"checkpoint_dir": (str, type(None)), "keep_layers": (list, type(None)), "every": OPT_INT,
-                "prune": {"method": str, "keep": int, "calibration_tokens": int}},
+    "teacher": {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
+                "quantize": Choice(*TEACHER_QUANT, optional=True), "logits_dir": OPT_STR},
+    "student": {"checkpoint_dir": ModelDir(optional=True),
+                "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
+                "every": Range(int, ge=1, optional=True),
+                "prune": {"method": Choice(*METHODS), "keep": Range(int, ge=1),
+                          "calibration_tokens": Range(int, ge=1)}},  # null: no importance scoring
     "lora": LORA_SCHEMA,  # null: the whole student trains
-    "qat": {"scheme": str, "group_size": int, "include_output": bool},  # null: no fake quantization
-    "kd": {"loss": str, "kd_ratio": float, "temperature": float, "beta": OPT_FLOAT, "alpha": OPT_FLOAT,
-           "ratio": OPT_FLOAT},
+    "qat": {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1), "include_output": bool},  # null: none
+    "kd": {"loss": Choice(*KD_LOSSES), "kd_ratio": Range(float, ge=0, le=1), "temperature": Range(float, gt=0),
+           "beta": Range(float, gt=0, lt=1, optional=True), "alpha": Range(float, ge=0, lt=1, optional=True),
+           "ratio": Range(float, ge=0, le=1, optional=True)},
 }
 
 
 def main(cfg: DictConfig) -> None:
     rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
-    teacher_dir = cfg.teacher.checkpoint_dir
+    teacher_dir = cfg.teacher.get("checkpoint_dir")
     student_dir = (cfg.get("student") or {}).get("checkpoint_dir") or teacher_dir
+    if student_dir is None:
+        raise RecipeError("set teacher.checkpoint_dir (or student.checkpoint_dir with teacher.logits_dir)")
     tokenizer = load_tokenizer(student_dir)
     k = cfg.kd
     kd_loss = build_kd_loss(k.get("loss", "forward_kl"), k.get("temperature", 1.0),
@@ -58,21 +70,26 @@ def main(cfg: DictConfig) -> None:
     kd_ratio = float(k.get("kd_ratio", 0.5))
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
+    # Checked before any weights load: the layers the student keeps (from config.json) and the checkpoint to resume.
+    keep = student_layers(cfg, read_model_args(student_dir).num_layers, f"{student_dir}/config.json")
+    resume_from = find_resume_checkpoint(cfg)
+    prune = (cfg.get("student") or {}).get("prune")
+    if prune is not None and not (resume_weights(resume_from) is not None and lora is None):  # measured importance
+        if keep is not None:
+            raise RecipeError("student: set one of keep_layers, every or prune, not two (student.prune=null drops "
+                              "the importance scoring)")
+        keep = importance_keep(student_dir, OmegaConf.to_container(prune), OmegaConf.to_container(cfg.dataset,
+                               resolve=True), cfg.get("batch_size", 4), rt.device, rt.dtype,
+                               cfg.output_dir if rt.is_main else None)
 
-    # Teacher: frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
-    # quantized (fp8 / int8) and compiled.
-    teacher, targs = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=max_len)
-    prepare_teacher(rt, teacher, cfg.teacher.get("placement", "auto"), cfg.get("compile", False))
-    quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
+    # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
+    # top-k, verified and checked against this run before anything is loaded.
+    teacher, targs, cache = load_teacher(cfg, rt, student_dir, kd_loss.temperature, max_len)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
-    resume_from = find_resume_checkpoint(cfg)
-    keep = None
     if resume_weights(resume_from) is not None and lora is None:
         student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
     else:
-        keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
-                              cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None)
         student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
         if keep is not None and rt.is_main:
             print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
@@ -84,26 +101,28 @@ def main(cfg: DictConfig) -> None:
         prepare_qat(student, *qat)
         if rt.device.type == "cuda":
             compile_fake_quantizers(student)
-    vocab, note = shared_vocab(sargs.vocab_size, targs.vocab_size, tokenizer.vocab_size,
-                               same_tokenizer(student_dir, teacher_dir))
-    if note and rt.is_main:
-        print(note, flush=True)
-    vocab = None if vocab == sargs.vocab_size == targs.vocab_size else vocab
+    vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
     rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, student, tokenizer, resume_from,
-                                                                 adapters=lora is not None)
+    # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
+    loader, steps, optimizer, scheduler, start = setup_training(
+        cfg, rt, student, tokenizer, resume_from, adapters=lora is not None,
+        wrap_dataset=cache.dataset if cache is not None else None)
 
     # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
     # student's gradients are computed in the same pass: components/losses/fused.py).
     chunks = cfg.get("num_output_chunks", 8)
 
     def loss_fn(batch: dict) -> dict:
-        with torch.inference_mode():
-            t_hidden = hidden_states(teacher, batch)
-        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden, teacher.output,
-                          kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
+        if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
+            parts = cached_kd_and_ce(hidden_states(student, batch), student.output, batch["labels"],
+                                     batch["teacher_logp"], batch["teacher_ids"], kd_loss, kd_ratio, chunks, vocab)
+        else:
+            with torch.inference_mode():
+                t_hidden = hidden_states(teacher, batch)
+            parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden,
+                              teacher.output, kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
         return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,

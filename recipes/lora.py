@@ -12,6 +12,7 @@ from components.config import run_recipe_script
 from components.errors import RecipeError
 from components.models import load_model
 from components.runtime import setup_runtime
+from components.schema import ModelDir
 from components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
@@ -25,7 +26,7 @@ from components.training import (
     write_final_model,
 )
 
-SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": str}, "lora": LORA_SCHEMA}
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}, "lora": LORA_SCHEMA}
 
 
 def main(cfg: DictConfig) -> None:
@@ -37,12 +38,12 @@ def main(cfg: DictConfig) -> None:
         raise RecipeError("lora: the lora recipe needs a lora section (rank, alpha, targets, ...)")
 
     # The base always comes from model.checkpoint_dir; a resumed run restores only the adapters.
+    resume_from = find_resume_checkpoint(cfg)
     model, args = load_model(base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
     freeze_all_but_adapters(model)
     rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
 
-    resume_from = find_resume_checkpoint(cfg)
     loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
                                                                  adapters=True)
 

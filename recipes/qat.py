@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from components.config import run_recipe_script
 from components.models import load_model
 from components.quantization import (
+    QAT_SCHEMES,
     compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
@@ -24,9 +25,9 @@ from components.quantization import (
 )
 from components.quantization.export_hf import export_hf_torchao
 from components.runtime import setup_runtime
+from components.schema import Choice, ModelDir, Range
 from components.training import (
     LORA_SCHEMA,
-    OPT_INT,
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     freeze_all_but_adapters,
@@ -41,10 +42,10 @@ from components.training import (
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "model": {"checkpoint_dir": str},
+    "model": {"checkpoint_dir": ModelDir()},
     "lora": LORA_SCHEMA,  # null: full QAT
-    "qat": {"scheme": str, "group_size": int, "fake_quant_after_n_steps": OPT_INT, "include_output": bool,
-            "convert": bool},
+    "qat": {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1),
+            "fake_quant_after_n_steps": Range(int, ge=0, optional=True), "include_output": bool, "convert": bool},
 }
 
 

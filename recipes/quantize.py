@@ -19,24 +19,31 @@ from components.errors import RecipeError
 from components.eval.perplexity import held_out_texts, perplexity
 from components.models import load_model
 from components.models.tokenizer import Tokenizer
-from components.quantization import QAT_METADATA_FILE, quantize_model, read_qat_metadata, size_on_disk
-from components.quantization.export_gguf import export_gguf
+from components.quantization import (
+    QAT_METADATA_FILE,
+    SCHEMES,
+    quantize_model,
+    read_qat_metadata,
+    size_on_disk,
+)
+from components.quantization.export_gguf import QTYPES, export_gguf
 from components.quantization.export_hf import export_hf_torchao
+from components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
 
 log = logging.getLogger("recipe.quantize")
 FORMATS = ("hf", "gguf", "pte")
 
 SCHEMA = {
-    "model": {"checkpoint_dir": str},
-    "output_dir": str,
-    "scheme": str,
-    "group_size": int,
+    "model": {"checkpoint_dir": ModelDir()},
+    "output_dir": OutputDir(),
+    "scheme": Choice(*SCHEMES),
+    "group_size": Range(int, ge=1),
     "include_output": bool,
-    "formats": list,
-    "gguf_qtype": str,
-    "pte_max_seq_len": int,
-    "perplexity": {"limit": (int, type(None)), "max_seq_len": int},
-    "device": str,
+    "formats": ListOf(Choice(*FORMATS), min_len=1, unique=True),
+    "gguf_qtype": Choice(*QTYPES),
+    "pte_max_seq_len": Range(int, ge=2),
+    "perplexity": {"limit": Range(int, ge=1, optional=True), "max_seq_len": Range(int, ge=2)},
+    "device": DEVICE,
 }
 
 
@@ -44,9 +51,6 @@ def main(cfg: DictConfig) -> None:
     src = Path(cfg.model.checkpoint_dir)
     out = Path(cfg.output_dir)
     formats = list(cfg.get("formats", ["hf"]))
-    bad = [f for f in formats if f not in FORMATS]
-    if bad:
-        raise RecipeError(f"formats: unknown {bad}; choose from {list(FORMATS)}")
     scheme, group_size = cfg.get("scheme", "8da4w"), cfg.get("group_size", 32)
     include_output = cfg.get("include_output", False)
     if (src / QAT_METADATA_FILE).is_file():  # a QAT run converts with exactly what it trained for

@@ -17,18 +17,21 @@ from components.config import run_recipe_script
 from components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from components.errors import RecipeError
 from components.eval.lm import load_checkpoint
+from components.models.loader import DTYPES
 from components.runtime import setup_runtime
-from components.training import OPT_FLOAT, OPT_INT
+from components.schema import DEVICE, Choice, ModelDir, OutputDir, Range
 
 SCHEMA = {
-    "output_dir": str,
-    "seed": int,
-    "device": str,
-    "dtype": str,
-    "teacher": {"checkpoint_dir": str},
-    "prompts": {"passages": OPT_INT, "chat": OPT_INT, "samples_per_prompt": int, "opening_tokens": int},
-    "generation": {"max_new_tokens": int, "temperature": float, "top_k": OPT_INT, "top_p": OPT_FLOAT,
-                   "batch_size": int},
+    "output_dir": OutputDir(),
+    "seed": Range(int, ge=0),
+    "device": DEVICE,
+    "dtype": Choice(*DTYPES),
+    "teacher": {"checkpoint_dir": ModelDir()},
+    "prompts": {"passages": Range(int, ge=0, optional=True), "chat": Range(int, ge=0, optional=True),
+                "samples_per_prompt": Range(int, ge=1), "opening_tokens": Range(int, ge=1)},
+    "generation": {"max_new_tokens": Range(int, ge=1), "temperature": Range(float, ge=0),
+                   "top_k": Range(int, ge=1, optional=True), "top_p": Range(float, gt=0, le=1, optional=True),
+                   "batch_size": Range(int, ge=1)},
     "decontaminate": bool,
 }
 

@@ -1,8 +1,10 @@
-"""The `recipe` command through real subprocesses, against a fake shipped tree (recipes/ + configs/ packages
-placed first on PYTHONPATH) so the expected listing is known exactly."""
+"""The `recipe` command through real subprocesses, against a fake shipped tree (recipes/ + configs/ folders
+named by $RECIPE_RECIPES_DIR and $RECIPE_CONFIGS_DIR) so the expected listing is known exactly."""
 
+import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,9 +40,9 @@ def tree(tmp_path: Path) -> Path:
 
 
 def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree / "pkgs"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env["RECIPE_RECIPES_DIR"] = str(tree / "pkgs" / "recipes")
+    env["RECIPE_CONFIGS_DIR"] = str(tree / "pkgs" / "configs")
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         cwd=cwd or tree / "work",
@@ -225,3 +227,49 @@ def test_usage_errors_exit_2_and_help_has_examples(tree):
     for verb in ("ls", "cp", "cat", "validate", "run", "download", "assets"):
         proc = recipe(tree, verb, "--help")
         assert proc.returncode == 0 and "example" in proc.stdout, verb
+
+
+def _help_examples() -> list[list[str]]:
+    """Every `recipe ...` example line of `recipe --help`, each verb's --help and a recipe script's --help."""
+    from cli.main import build_parser
+    from components.config import recipe_argparser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    texts = [parser.format_help(), *(p.format_help() for p in verbs.values()),
+             recipe_argparser("recipe run kd").format_help().replace("example: --config", "recipe run kd --config")]
+    lines = [ln.split("#")[0].strip() for t in texts for ln in t.splitlines()]
+    return [shlex.split(ln)[1:] for ln in lines if ln.startswith("recipe ") and "[" not in ln]
+
+
+def test_help_examples_name_configs_and_keys_that_exist(capsys, tmp_path, monkeypatch):
+    """The examples in --help texts work: their shipped configs exist and their overrides are keys the recipe
+    reads (each `run` example is validated, each `cp` runs in a scratch folder); examples on the user's own
+    files (my_kd.yaml) are skipped."""
+    from cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    examples = _help_examples()
+    assert len(examples) >= 10
+    checked = 0
+    for ex in examples:
+        verb, rest = ex[0], ex[1:]
+        if verb == "run":
+            while rest[0].startswith("--"):  # torchrun options (--standalone takes no value)
+                rest = rest[1:] if rest[0] == "--standalone" else rest[2:]
+            recipe_name, config, overrides = rest[0], rest[2], rest[3:]
+            argv = ["validate", config, "--recipe", recipe_name, *overrides]
+        elif verb == "validate":
+            argv = ex
+        elif verb == "cat":
+            argv = ex
+        elif verb == "cp":
+            argv = ex  # writes into the scratch folder
+        else:
+            continue
+        if verb != "cp" and any(a.endswith((".yaml", ".py")) or "/" in a and a.startswith("path") for a in argv):
+            continue  # the user's own file
+        capsys.readouterr()
+        assert main(argv) == 0, (ex, capsys.readouterr().err)
+        checked += 1
+    assert checked >= 6

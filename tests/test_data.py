@@ -411,3 +411,19 @@ def test_smollm2_chat_masks_only_the_assistant_reply(smol_tok):
     assert tok.decode(item["tokens"][:first], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     passages = build_dataset(tok, "transfer:passages", limit=3, max_seq_len=128, packed=True)
     assert all(len(x["tokens"]) == 128 for x in passages)
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_packed_compiled_runs_see_one_batch_shape(tok, compile_):
+    """compile=true with packing drops the last partial batch, so torch.compile never recompiles for it."""
+    from omegaconf import OmegaConf
+
+    from components.runtime import Runtime
+    from components.training import build_train_loader
+
+    cfg = OmegaConf.create({"batch_size": 3, "seed": 0, "compile": compile_, "dataset": {
+        "source": "transfer:passages", "format": "text", "limit": 40, "max_seq_len": 64, "packed": True}})
+    loader = build_train_loader(cfg, tok, Runtime(torch.device("cpu"), torch.float32))
+    shapes = {tuple(b["tokens"].shape) for b in loader}
+    assert len(loader.dataset) % 3 != 0, "the test needs a partial last batch"
+    assert shapes == ({(3, 64)} if compile_ else {(3, 64), (len(loader.dataset) % 3, 64)})

@@ -12,7 +12,9 @@ Runs are shared between assertions (module-scoped fixtures) to keep the file to 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,7 +109,9 @@ def assert_same_metrics(one: Path, two: Path, rel: float = 1e-4) -> None:
 
 
 def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_close_weights) -> None:
-    """Same steps; the 2-process ones are sharded and convert into the 1-process checkpoint's weights."""
+    """Same steps; the 2-process ones are sharded, checksummed (every rank's shards in the manifest) and convert
+    into the 1-process checkpoint's weights."""
+    from components.checkpoint.manifest import verify_manifest
     from components.checkpoint.sharded import is_sharded_checkpoint
 
     c1, c2 = rc.complete_checkpoints(one), rc.complete_checkpoints(two)
@@ -116,11 +120,31 @@ def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_
         assert not is_sharded_checkpoint(a) and is_sharded_checkpoint(b)
         assert not (b / "model.safetensors").exists()  # no full gather per save
         assert sorted(p.name for p in (b / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        listed = json.loads((b / "manifest.json").read_text())["files"]
+        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= listed.keys()
+        verify_manifest(b)
         out = tmp_path / f"{two.name}_{b.name}_hf"
         proc = subprocess.run([sys.executable, "-m", "components.checkpoint.sharded", str(b), str(out)],
                               env=rc.cli_env(), capture_output=True, text=True, timeout=300)
         rc.assert_ok(proc)
         close(a, out)
+
+
+def assert_flipped_shard_is_refused(two: Path, tmp_path: Path, capsys) -> None:
+    """A flipped byte in one rank's shard is a one-line error when converting, never a silent conversion."""
+    from components.checkpoint.sharded import main as convert
+
+    flipped = tmp_path / f"{two.name}_flipped"
+    shutil.copytree(rc.complete_checkpoints(two)[-1], flipped)
+    shard = flipped / "sharded" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert convert([str(flipped), str(tmp_path / "no")]) == 1  # `python -m components.checkpoint.sharded`
+    err = capsys.readouterr().err
+    assert err.startswith(f"recipe: error: checkpoint file {shard} is corrupt") and err.count("\n") == 1, err
+    assert not (tmp_path / "no").exists()
 
 
 def assert_adapter(one: Path, two: Path, base: Path) -> None:
@@ -139,11 +163,12 @@ def assert_adapter(one: Path, two: Path, base: Path) -> None:
     torch.testing.assert_close(theirs, rc.our_logits(two / "model", tokens), atol=1e-4, rtol=0)
 
 
-def test_lora_two_processes_match_one(pair, tiny_model_dir, tmp_path):
+def test_lora_two_processes_match_one(pair, tiny_model_dir, tmp_path, capsys):
     one, two = pair("lora")
     assert_close_weights(one / "model", two / "model")
     assert_adapter(one, two, tiny_model_dir)
     assert_checkpoints_match(one, two, tmp_path)
+    assert_flipped_shard_is_refused(two, tmp_path, capsys)
     assert_same_metrics(one, two)
 
 

@@ -18,7 +18,6 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from components.errors import RecipeError
 from components.eval import TASKS_DIR, evaluate, offline_task_names, task_manager
 from components.eval.lm import RecipeLM
-from components.eval.plugin import PTH_NAME, install_pth, pth_path
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK = Path(lm_eval.__file__).parent / "tasks"
@@ -228,38 +227,36 @@ def test_errors_name_the_culprit(model_dir):
         evaluate(str(model_dir), ["recipe_hellasvag"])
 
 
-def test_lm_eval_cli_runs_recipe_model(model_dir, tmp_path):
-    """`lm_eval --model recipe ... --tasks recipe_arc_easy` through lm-eval's own CLI entry point.
-
-    Uses the installed .pth when `make install` put it in site-packages (then the real `lm_eval` script runs);
-    otherwise loads the same .pth file from a temporary site dir, which is exactly what site.py does with it.
-    """
+def test_recipe_lm_eval_runs_lm_eval_cli_with_our_model_and_pack(model_dir, tmp_path):
+    """`recipe lm_eval --model recipe ... --tasks recipe_arc_easy`: lm-eval's own CLI, in a fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4", "--device", "cpu",
             "--tasks", "recipe_arc_easy", "--limit", "5", "--output_path", str(tmp_path / "out")]
-    if pth_path().is_file():
-        cmd = [str(Path(sys.executable).parent / "lm_eval"), *args]
-    else:
-        site_dir = tmp_path / "site"
-        site_dir.mkdir()
-        import components.eval.plugin as plugin
-
-        orig = plugin.pth_path
-        plugin.pth_path = lambda: site_dir / PTH_NAME
-        try:
-            install_pth()
-        finally:
-            plugin.pth_path = orig
-        boot = (f"import site, sys; site.addsitedir({str(site_dir)!r}); "
-                "from lm_eval.__main__ import cli_evaluate; sys.argv[0] = 'lm_eval'; sys.exit(cli_evaluate())")
-        cmd = [sys.executable, "-c", boot, *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "lm_eval", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe_arc_easy" in proc.stdout and "acc_norm" in proc.stdout
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert results, list((tmp_path / "out").rglob("*"))
     data = json.loads(results[0].read_text())
     assert 0.0 <= data["results"]["recipe_arc_easy"]["acc,none"] <= 1.0
+
+
+def test_recipe_lm_eval_keeps_a_users_include_path_and_patches_nothing(tmp_path, capsys):
+    """A user's --include_path is scanned next to our pack; lm-eval's TaskManager itself is left untouched."""
+    from lm_eval.tasks import TaskManager
+
+    from cli.lmeval import main as lm_eval_main
+
+    init = TaskManager.__init__
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my_copa.yaml").write_text((REPO / "components/eval/tasks/recipe_copa.yaml").read_text()
+                                       .replace("task: recipe_copa", "task: my_copa"))
+    assert lm_eval_main(["ls", "tasks", "--include_path", str(mine)]) == 0
+    out = capsys.readouterr().out
+    assert "my_copa" in out and "recipe_copa" in out
+    assert TaskManager.__init__ is init and not TaskManager(include_defaults=False).all_tasks
 
 
 def test_torchao_checkpoint_is_scored_quantized(model_dir, ours, tmp_path):

@@ -1,6 +1,7 @@
-"""Checkpoints: atomic directory writes and recipe state (optimizer, scheduler, data position, RNG) save/resume."""
+"""Checkpoints: atomic directory writes, file checksums (manifest) and recipe state (optimizer, scheduler, data position, RNG) save/resume."""
 
 from components.checkpoint.atomic import atomic_directory, atomic_write_bytes
+from components.checkpoint.manifest import verify_manifest, write_manifest
 from components.checkpoint.state import (
     capture_rng,
     checkpoint_dir,
@@ -22,5 +23,7 @@ __all__ = [
     "load_recipe_state",
     "restore_rng",
     "save_checkpoint",
+    "verify_manifest",
+    "write_manifest",
     "write_recipe_state",
 ]

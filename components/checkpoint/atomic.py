@@ -1,17 +1,23 @@
 """Atomic directory writes: a crash mid-save never leaves a folder that looks complete.
 
 Files go to a hidden temp dir beside the target, are fsynced, then the dir is renamed into place. A folder
-that exists under its final name is therefore always complete.
+that exists under its final name is therefore always complete. A write that fails for lack of space (or any other
+OS reason) removes the temp dir and raises a one-line RecipeError; the previous folder of that name is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from safetensors import SafetensorError
+
+from components.errors import RecipeError
 
 
 def _fsync_tree(root: Path) -> None:
@@ -38,6 +44,16 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
     """Yield a temp dir to fill; on success it replaces `target` atomically, on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Leftovers of an earlier write of this target that was killed (one run writes a folder at a time: the
+    # output_dir lock, components.folders): half-written temp dirs are dropped; an old copy moved aside just
+    # before the kill is put back when nothing replaced it.
+    name = glob.escape(target.name)
+    for stale in target.parent.glob(f".{name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in target.parent.glob(f".{name}.old-*"):
+        if not target.exists() and (stale / "x").is_dir():
+            os.rename(stale / "x", target)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
@@ -53,9 +69,23 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
         else:
             os.rename(tmp, target)
         _fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = write_failure(e)
+        if reason is not None:
+            raise RecipeError(f"cannot write {target}: {reason}; nothing under that name was changed") from e
         raise
+
+
+def write_failure(err: BaseException) -> str | None:
+    """The reason of a failed write (disk full, file too large, permission, read-only filesystem), else None.
+
+    safetensors reports I/O errors as SafetensorError("Error while serializing: I/O error: <reason>")."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    if isinstance(err, SafetensorError) and "I/O error" in str(err):
+        return str(err).split("I/O error:", 1)[1].strip()
+    return None
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -6,8 +6,10 @@ the full model per save. Layout of `output_dir/checkpoints/step_000100/`:
   under `model.`) and every optimizer *tensor* (under `optimizer.`, flattened FQN keys);
 - `config.json` + tokenizer files and `sharded.json` (world size, LoRA rank/alpha, weights left to the base):
   what `to_hf` needs to turn the checkpoint into a plain HF folder without the run's config;
-- `recipe_state/` (rank 0, written last: marks the checkpoint complete, as for one-process checkpoints):
-  step, scheduler, data position, RNG, and the optimizer's non-tensor entries (lr, betas, ...).
+- `recipe_state/` (rank 0: marks the checkpoint complete, as for one-process checkpoints): step, scheduler,
+  data position, RNG, and the optimizer's non-tensor entries (lr, betas, ...);
+- `manifest.json` (rank 0, last, once every rank's shards are written): checksums of every file above, verified
+  by every rank before a resume (components.checkpoint.manifest).
 
 Non-tensor optimizer entries go to recipe_state (JSON) rather than DCP because DCP reads non-tensor items back
 with `torch.load(weights_only=False)`. DCP's own `.metadata` is a pickle: resume or convert only checkpoints
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from components.checkpoint.atomic import atomic_directory
+from components.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
 from components.checkpoint.state import (
     STATE_DIR,
     _remove,
@@ -113,6 +116,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         write_recipe_state(tmp / STATE_DIR, {**recipe_state, "step": recipe_state.get("step", step),
                                               _OPTIM_META: others})
+        write_manifest(tmp)  # last: dcp.save above returned after every rank's shards were written
     if keep_last_n is not None:
         complete = list_checkpoints(output_dir)
         keep = {p for _, p in complete[-int(keep_last_n):]} | {target}
@@ -157,6 +161,8 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
                           "one-process checkpoints already are HF folders")
     meta = json.loads((ckpt / META_FILE).read_text())
     load_recipe_state(ckpt)  # a complete checkpoint, or a one-line error
+    if (ckpt / MANIFEST).is_file():  # checkpoints written before manifests existed convert unverified
+        verify_manifest(ckpt)
     args = read_model_args(ckpt)
     reader = dcp.FileSystemReader(ckpt / SHARDED_DIR)
     saved = reader.read_metadata().state_dict_metadata

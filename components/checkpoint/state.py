@@ -3,7 +3,8 @@
 Layout of `output_dir/checkpoints/step_000100/`:
 - whatever `write_model(dir)` writes (an HF folder);
 - `recipe_state/tensors.safetensors`: every tensor of the recipe state (optimizer moments, RNG states, ...);
-- `recipe_state/state.json`: the nested structure, with references into the safetensors file.
+- `recipe_state/state.json`: the nested structure, with references into the safetensors file;
+- `manifest.json`: size and checksum of every file above (components.checkpoint.manifest), checked on resume.
 
 The structure is encoded in JSON with small tagged objects for what JSON lacks (tuples, int dict keys, numpy
 arrays, dtypes) and for torchao's low-bit optimizer states (tensor subclasses), which are flattened into
@@ -31,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.checkpoint.atomic import atomic_directory
+from components.checkpoint.manifest import write_manifest
 from components.errors import RecipeError
 
 STATE_DIR = "recipe_state"
@@ -284,9 +286,15 @@ def save_checkpoint(
             if re.search(r"\.(tmp|old|del)-", p.name):
                 shutil.rmtree(p, ignore_errors=True)
         state = {**recipe_state, "step": recipe_state.get("step", step)}
-        with atomic_directory(target) as tmp:
-            write_model(tmp)
-            write_recipe_state(tmp / STATE_DIR, state)
+        try:
+            with atomic_directory(target) as tmp:
+                write_model(tmp)
+                write_recipe_state(tmp / STATE_DIR, state)
+                write_manifest(tmp)  # last: checksums of every file above, verified before a resume
+        except RecipeError as e:
+            prev = latest_checkpoint(output_dir)
+            raise RecipeError(f"{e}; the newest complete checkpoint is still {prev}" if prev is not None
+                              else f"{e}; no checkpoint of this run was written yet") from e
         if keep_last_n is not None:
             complete = list_checkpoints(output_dir)
             keep = {p for _, p in complete[-int(keep_last_n) :]} | {target}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from components.data.collate import PackedDataset, collate
@@ -126,7 +125,8 @@ DATASET_KEYS = tuple(p for p in inspect.signature(build_dataset).parameters if p
 
 def build_loader(dataset: TokenizedDataset, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  drop_last: bool = False) -> StatefulLoader:
-    """A StatefulLoader over `dataset` using its shuffle/bucket options and its pad id for collation."""
+    """A StatefulLoader over `dataset` using its shuffle/bucket options and its `collate` (a subclass may add
+    to the batch: components.logits_cache)."""
     return StatefulLoader(dataset, batch_size, shuffle=dataset.shuffle, seed=seed,
-                          collate_fn=partial(collate, pad_id=dataset.pad_id), drop_last=drop_last,
+                          collate_fn=dataset.collate, drop_last=drop_last,
                           rank=rank, world_size=world_size, bucket=dataset.bucket)

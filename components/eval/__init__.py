@@ -1,6 +1,6 @@
 """Evaluation with lm-eval 0.4.13: the `recipe` lm-eval model and an offline task pack.
 
-Kept import-light (the lm-eval plugin hook imports this package at interpreter start-up): the submodules
+Kept import-light (the CLI imports it for `recipe lm_eval --tasks-path`): the submodules
 load lm-eval, torch and our models only when their names are first used.
 """
 

@@ -7,9 +7,9 @@ stored. Compared with ``chunked_kd_and_ce`` (checkpointed chunks) this drops the
 heads in backward and never keeps logits: one chunk of student and teacher logits is alive at a time.
 
 Why ours and not Liger-Kernel's ``LigerFusedLinearJSDLoss``: it covers forward KL (beta 0) and JSD only (no
-reverse/symmetric/skew, no CE in the same pass), crashed at 16k tokens on torch 2.11 (Dynamo IndexError), and is
-not faster than this at our shapes (docs/losses.md has the measured table). The forward-KL + CE chunk (the
-default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
+reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
+crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. The
+forward-KL + CE chunk (the default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
 divergences reuse their reference implementations in ``kd.py`` and take the gradient with autograd per chunk,
 so every divergence gives the same gradients as the unfused path (tests/test_fused_loss.py).
 """
@@ -17,6 +17,8 @@ so every divergence gives the same gradients as the unfused path (tests/test_fus
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +27,10 @@ from components.errors import RecipeError
 from components.losses.chunked import Projection, _ce_sum, chunked_cross_entropy, chunked_kd_and_ce
 from components.losses.kd import IGNORE_INDEX, KDLoss
 
-__all__ = ["fusable_head_weight", "fused_linear_kd_and_ce", "kd_and_ce"]
+__all__ = ["fusable_head_weight", "fused_linear_kd_and_ce", "fused_linear_loss", "kd_and_ce"]
+
+# rows i..j of the flattened batch -> the teacher's target for them (logits, or a cached top-k tuple)
+TeacherRows = Callable[[int, int], Any]
 
 
 def fusable_head_weight(head: nn.Module) -> Tensor | None:
@@ -100,9 +105,8 @@ def _autograd_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: f
 
 class _FusedLinearKDCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, t_hidden: Tensor | None, t_project: Projection | None,
-                labels: Tensor, chunk_fn, rows: int, vocab: int | None, ce_w: float,
-                kd_w: float) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, hidden: Tensor, weight: Tensor, teacher_rows: TeacherRows | None, labels: Tensor, chunk_fn,
+                rows: int, vocab: int | None, ce_w: float, kd_w: float) -> tuple[Tensor, Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight if vocab is None else weight[:vocab]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -113,7 +117,7 @@ class _FusedLinearKDCE(torch.autograd.Function):
         for i in range(0, hidden.shape[0], rows):
             h = hidden[i:i + rows]
             s = h @ w.t()
-            t = None if t_project is None else _logits(t_project, t_hidden[i:i + rows], vocab)
+            t = None if teacher_rows is None else teacher_rows(i, i + rows)
             ce_c, kd_c, g = chunk_fn(s, t, labels[i:i + rows])
             del s, t
             ce += ce_c
@@ -133,7 +137,18 @@ class _FusedLinearKDCE(torch.autograd.Function):
             grad_h = grad_h * g_total.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = grad_w * g_total.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def fused_linear_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher_rows: TeacherRows | None, chunk_fn,
+                      num_chunks: int, vocab_size: int | None, ce_w: float,
+                      kd_w: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused loop for any chunk kernel: ``hidden [n, d]`` (flattened tokens) in ``num_chunks`` row chunks;
+    ``teacher_rows(i, j)`` gives the teacher's target for rows i..j (its logits, or cached top-k: see
+    ``components/losses/topk.py``), ``chunk_fn(s, t, y) -> (ce_sum, kd_sum, d loss / d s)``. Returns the weighted
+    loss (with grad) and the two detached sums."""
+    rows = -(-hidden.shape[0] // max(1, int(num_chunks)))
+    return _FusedLinearKDCE.apply(hidden, weight, teacher_rows, labels, chunk_fn, rows, vocab_size, ce_w, kd_w)
 
 
 def fused_linear_kd_and_ce(
@@ -168,7 +183,6 @@ def fused_linear_kd_and_ce(
     hidden = student_hidden.flatten(0, 1)
     t_hidden = teacher_hidden.detach().flatten(0, 1) if teacher else None
     flat = labels.flatten()
-    rows = -(-hidden.shape[0] // max(1, int(num_chunks)))
     ce_w, kd_w = 1.0 - kd_ratio, (kd_ratio if teacher else 0.0)
     if compile is None:
         compile = hidden.is_cuda
@@ -180,8 +194,9 @@ def fused_linear_kd_and_ce(
     else:
         chunk_fn = functools.partial(_autograd_chunk, ce_w=ce_w, kd_w=kd_w, kd_loss=kd_loss,
                                      ignore_index=ignore_index)
-    total, ce, kd = _FusedLinearKDCE.apply(hidden, student_weight, t_hidden, teacher_project if teacher else None,
-                                           flat, chunk_fn, rows, vocab_size, ce_w, kd_w)
+    teacher_rows = (lambda i, j: _logits(teacher_project, t_hidden[i:j], vocab_size)) if teacher else None
+    total, ce, kd = fused_linear_loss(hidden, student_weight, flat, teacher_rows, chunk_fn, num_chunks, vocab_size,
+                                      ce_w, kd_w)
     return {"loss": total, "ce": ce, "kd": kd, "n": (labels != ignore_index).sum()}
 
 

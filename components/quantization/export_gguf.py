@@ -14,6 +14,7 @@ scale is rounded to fp16.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from components.checkpoint.atomic import write_failure
 from components.errors import RecipeError
 from components.models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
 from components.quantization.schemes import _is_torchao_tensor
@@ -285,6 +287,8 @@ def export_gguf(
         sd.pop("lm_head.weight", None)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_path.parent.glob(f".{glob.escape(out_path.name)}.*.tmp"):  # a killed export's leftover
+        stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     os.close(fd)
     try:
@@ -330,8 +334,11 @@ def export_gguf(
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp_name, out_path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp_name).unlink(missing_ok=True)
+        reason = write_failure(e)
+        if reason is not None:  # disk full, quota, permission: one line, the previous file untouched
+            raise RecipeError(f"cannot write {out_path}: {reason}; nothing under that name was changed") from e
         raise
     return out_path
 

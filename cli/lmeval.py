@@ -1,0 +1,75 @@
+"""`recipe lm_eval ...`: lm-eval's own command line, with our model and offline task pack added for that run.
+
+lm-eval 0.4.13 has no plugin mechanism: it reads no entry points and no environment variable for third-party
+models or task folders (its model registry is filled from the hard-coded `lm_eval.models.MODEL_MAPPING`, and
+`TaskManager` scans `lm_eval/tasks` plus an explicit `--include_path`). Making a bare `lm_eval --model recipe`
+work would need code run at the start of every Python process of the environment (a `.pth` import hook) that
+patches lm-eval, which a user never asked for. Instead this verb runs lm-eval's CLI in our process after two
+documented, local steps: `model_registry.register("recipe", ...)` (lm-eval's API for adding a model) and our
+task folder added to the run's `include_path`. Every lm-eval option and subcommand (`run`, `ls`, `validate`)
+works as in `lm_eval`. Our checkpoints are plain Hugging Face folders, so stock `lm_eval --model hf` reads them
+too (see docs/eval.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+USAGE = """\
+usage: recipe lm_eval [lm-eval arguments ...]
+       recipe lm_eval --tasks-path
+
+lm-eval's own command line (run, ls, validate; `run` is implied as in lm_eval), with `--model recipe` (our
+checkpoints: float, LoRA-merged, QAT and torchao folders) and the offline `recipe_*` task pack available.
+--tasks-path prints the task pack's folder, for stock lm_eval's --include_path.
+
+examples:
+  recipe lm_eval --model recipe --model_args checkpoint=outputs/kd_smollm2_demo/model --tasks recipe_arc_easy --limit 20
+  recipe lm_eval ls tasks
+  recipe lm_eval --tasks-path
+
+lm-eval's options follow.
+"""
+
+
+def tasks_dir() -> Path:
+    """The offline task pack's folder (`recipe_*.yaml`)."""
+    from components.eval import TASKS_DIR
+
+    return TASKS_DIR
+
+
+def _register_model() -> None:
+    import lm_eval.models  # noqa: F401  (the stock lazy entries first: get_model() skips them once non-empty)
+    from lm_eval.api.registry import model_registry
+
+    if "recipe" not in model_registry:
+        model_registry.register("recipe", target="components.eval.lm:RecipeLM")
+
+
+def main(argv: list[str]) -> int:
+    """Run lm-eval's CLI on `argv` (the arguments after `recipe lm_eval`)."""
+    if argv == ["--tasks-path"]:
+        print(tasks_dir())
+        return 0
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE + "\n")
+        argv = ["run", "--help"]
+    _register_model()
+    setup_logging()
+    cli = HarnessCLI()
+    # HarnessCLI.parse_args reads sys.argv (and inserts `run` when no subcommand is given, as `lm_eval` does).
+    saved = sys.argv
+    sys.argv = ["recipe lm_eval", *argv]
+    try:
+        args = cli.parse_args()
+    finally:
+        sys.argv = saved
+    if hasattr(args, "include_path"):  # run, ls and validate: our pack first, then the user's folder if any
+        args.include_path = [str(tasks_dir()), *([args.include_path] if args.include_path else [])]
+    cli.execute(args)
+    return 0

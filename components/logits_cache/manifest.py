@@ -1,0 +1,179 @@
+"""The offline-teacher cache's format: fingerprints, the manifest, shard encoding and verification.
+
+A cache folder holds ``shard_NNNNN.safetensors`` files (a contiguous range of dataset items each) and
+``manifest.json``. Per target token (a position whose shifted label is not -100) a shard stores the teacher's
+top-k log-probabilities at temperature T (fp16, 2k bytes), their ids (3 bytes each, little-endian: vocabularies
+up to 16.7M), and the log of the remaining mass (fp16, 2 bytes): 5k + 2 bytes, 162 at k = 32. Per item it
+stores the offset of its first row (8 bytes per item).
+
+The manifest records what the cache was built from, so that ``kd`` refuses a cache that does not match its run
+(naming the field): the teacher (a fingerprint: config.json and a sampled hash of each weight file), the
+tokenizer (hash of tokenizer.json and the chat template), the dataset section, packing, max_seq_len, k, T, the
+vocabulary size, a hash of the tokenized transfer set itself (no token is written anywhere), and per shard its
+item range, token count, size and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from components.checkpoint.atomic import atomic_write_bytes
+from components.errors import RecipeError
+
+FORMAT = "recipe-logits-cache/1"
+MANIFEST = "manifest.json"
+ID_BYTES = 3
+# dataset keys that decide the tokenized items (shuffle/bucket only change the order batches are drawn in)
+DATASET_FIELDS = ("source", "format", "split", "name", "data_files", "column_map", "train_on_input",
+                  "use_chat_template", "limit", "packed", "max_seq_len")
+# manifest fields a training run must match, in the order they are checked (first mismatch is reported)
+RUN_FIELDS = ("tokenizer", *(f"dataset.{k}" for k in DATASET_FIELDS), "temperature", "data_sha256")
+_SAMPLE = 1 << 20  # bytes per sampled block of a weight file
+_BLOCKS = 8
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def teacher_fingerprint(model_dir: str | Path) -> str:
+    """sha256 of config.json plus, per weight file, its name, size and sha256 of 8 evenly spaced 1 MiB blocks.
+
+    Sampled rather than full: hashing 16 GB of weights would add a minute to every training start, and two
+    teachers with the same shapes (other weights, other fine-tune) differ in every block.
+    """
+    d = Path(model_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for i in range(_BLOCKS):
+                fh.seek(max(0, (size - _SAMPLE) * i // (_BLOCKS - 1)))
+                h.update(fh.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(model_dir: str | Path) -> str:
+    """sha256 of tokenizer.json (its canonical JSON) and of the chat template (tokenizer_config.json)."""
+    d = Path(model_dir)
+    try:
+        data = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{d}: no tokenizer.json") from None
+    h = hashlib.sha256(json.dumps(data, sort_keys=True).encode())
+    cfg = d / "tokenizer_config.json"
+    template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template") if cfg.is_file() else None
+    jinja = d / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    h.update(json.dumps(template).encode())
+    return h.hexdigest()
+
+
+def data_fingerprint(items) -> str:
+    """sha256 of the tokenized items (tokens, labels, packed document lengths), in order."""
+    h = hashlib.sha256()
+    for x in items:
+        for key in ("tokens", "labels", "seq_lens"):
+            if key in x:
+                h.update(torch.tensor(list(x[key]), dtype=torch.int64).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def run_fields(dataset_cfg: Mapping[str, Any], tokenizer_dir: str | Path, temperature: float, items) -> dict:
+    """The fields a cache and a training run must share (RUN_FIELDS), from the run's side (without
+    data_sha256 when `items` is None)."""
+    if isinstance(dataset_cfg, DictConfig):
+        dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
+    fields: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(tokenizer_dir)}
+    defaults = {"format": "text", "split": "train", "max_seq_len": 2048, "train_on_input": False,
+                "use_chat_template": False, "packed": False}
+    for k in DATASET_FIELDS:
+        fields[f"dataset.{k}"] = dataset_cfg.get(k, defaults.get(k))
+    fields["temperature"] = float(temperature)
+    if items is not None:
+        fields["data_sha256"] = data_fingerprint(items)
+    return fields
+
+
+# ------------------------------------------------------------------------------------------------ shard encoding
+
+
+def pack_ids(ids: torch.Tensor) -> torch.Tensor:
+    """int ids [n, k] (< 2**24) -> uint8 [n, 3k], little-endian."""
+    ids = ids.to(torch.int64)
+    return torch.stack([(ids >> s) & 0xFF for s in (0, 8, 16)], dim=-1).to(torch.uint8).flatten(-2)
+
+
+def unpack_ids(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 3k] -> int64 [n, k]."""
+    b = packed.to(torch.int64).unflatten(-1, (-1, ID_BYTES))
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+
+
+def bytes_per_token(k: int) -> int:
+    return 2 * k + ID_BYTES * k + 2
+
+
+# ------------------------------------------------------------------------------------------------ manifest
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{path.parent}: no {path.name}; build the cache with `recipe run kd_logits`") from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}: not valid JSON ({e})") from None
+    if data.get("format") != FORMAT:
+        raise RecipeError(f"{path}: format {data.get('format')!r} is not {FORMAT!r} (a cache of another version)")
+    return data
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-12)
+    return a == b
+
+
+def first_difference(cached: Mapping[str, Any], now: Mapping[str, Any], keys) -> str | None:
+    """The first key (in `keys` order) whose values differ, or None."""
+    for k in keys:
+        if not _same(cached.get(k), now.get(k)):
+            return k
+    return None
+
+
+def shard_problem(cache_dir: Path, record: Mapping[str, Any], full: bool = True) -> str | None:
+    """Why a recorded shard cannot be used (missing, truncated, checksum mismatch), or None when it is intact."""
+    path = cache_dir / record["file"]
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{path.name} is truncated or altered ({size} bytes, the manifest says {record['bytes']})"
+    if full and sha256_file(path) != record["sha256"]:
+        return f"{path.name} fails its checksum (sha256 differs from the manifest's)"
+    return None

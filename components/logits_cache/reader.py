@@ -1,0 +1,153 @@
+"""Training from the offline-teacher cache: open and verify it, check it matches the run, and add the cached
+teacher targets to each batch (``teacher_logp [b, s, k + 1]``, ``teacher_ids [b, s, k]``, beside the labels).
+
+Everything that can be wrong with a cache is found before the first step, as one-line errors: an incomplete
+cache, a missing or truncated shard, a checksum mismatch, another teacher, and any manifest field that differs
+from the run (tokenizer, dataset keys, packing, max_seq_len, temperature, the tokenized data itself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from components.data.collate import collate
+from components.data.dataset import TokenizedDataset
+from components.errors import RecipeError
+from components.logits_cache.manifest import (
+    MANIFEST,
+    RUN_FIELDS,
+    data_fingerprint,
+    first_difference,
+    read_manifest,
+    run_fields,
+    shard_problem,
+    teacher_fingerprint,
+    unpack_ids,
+)
+from components.models import ModelArgs
+
+IGNORE_INDEX = -100
+_CONFIG_KEY = {"temperature": "kd.temperature", "tokenizer": "tokenizer (tokenizer.json + chat template)",
+               "data_sha256": "tokenized transfer set (data_sha256)"}
+
+
+class LogitsCache:
+    """A verified cache folder: its manifest, and the cached rows of each dataset item."""
+
+    def __init__(self, cache_dir: str | Path) -> None:
+        self.dir = Path(cache_dir)
+        if not self.dir.is_dir():
+            raise RecipeError(f"teacher.logits_dir={self.dir}: no such folder; build it with `recipe run kd_logits`")
+        self.manifest = read_manifest(self.dir / MANIFEST)
+        m = self.manifest
+        if not m.get("complete"):
+            raise RecipeError(f"teacher.logits_dir={self.dir}: the cache is incomplete ({len(m.get('shards', {}))} "
+                              f"of {m['num_shards']} shards); rerun `recipe run kd_logits` with the same config to "
+                              "finish it")
+        for i in range(m["num_shards"]):
+            record = m["shards"].get(str(i))
+            problem = "not in the manifest" if record is None else shard_problem(self.dir, record)
+            if problem is not None:
+                raise RecipeError(f"teacher.logits_dir={self.dir}: shard {i}: {problem}; rebuild it with "
+                                  "`recipe run kd_logits` (finished shards are kept)")
+        self.top_k = int(m["top_k"])
+        self.temperature = float(m["temperature"])
+        self.vocab_size = int(m["vocab_size"])
+        self.teacher_args = ModelArgs.from_hf_config(m["teacher"]["config"], source=f"{self.dir / MANIFEST}")
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+        self._run: dict[str, Any] = {}
+
+    @classmethod
+    def for_run(cls, cache_dir: str | Path, dataset_cfg: Mapping[str, Any], tokenizer_dir: str | Path,
+                teacher_dir: str | Path | None, temperature: float) -> LogitsCache:
+        """Open and verify the cache, and check it against a run's teacher, tokenizer, dataset keys and
+        temperature (the tokenized data itself is checked by `dataset`, once it is built)."""
+        cache = cls(cache_dir)
+        cache.check_teacher(teacher_dir)
+        cache._run = run_fields(dataset_cfg, tokenizer_dir, temperature, None)
+        cache.check_run(cache._run)
+        return cache
+
+    def check_teacher(self, teacher_dir: str | Path | None) -> None:
+        """When the run names a teacher folder, it must be the one the cache was built from."""
+        if teacher_dir is None or not (Path(teacher_dir) / "config.json").is_file():
+            return
+        if teacher_fingerprint(teacher_dir) != self.manifest["teacher"]["fingerprint"]:
+            raise RecipeError(f"teacher.logits_dir={self.dir}: teacher.checkpoint_dir={teacher_dir} is not the "
+                              "teacher the cache was built from (its config/weights fingerprint differs)")
+
+    def check_run(self, fields: Mapping[str, Any], keys=RUN_FIELDS) -> None:
+        """One-line error naming the first manifest field that differs from the run's `fields`."""
+        key = first_difference(self.manifest["run"], fields, [k for k in keys if k in fields])
+        if key is not None:
+            cached, now = self.manifest["run"].get(key), fields.get(key)
+            if isinstance(cached, str) and len(cached) == 64:  # a hash: show its start
+                cached, now = f"{cached[:12]}...", f"{str(now)[:12]}..."
+            raise RecipeError(f"teacher.logits_dir={self.dir}: {_CONFIG_KEY.get(key, key)} differs: the cache was "
+                              f"built with {cached!r}, this run has {now!r}; build a cache for this run with "
+                              "`recipe run kd_logits`")
+
+    def student_vocab(self, student_vocab: int) -> int | None:
+        """Vocabulary to slice the student's logits to (None: its whole head), or an error."""
+        if student_vocab < self.vocab_size:
+            raise RecipeError(f"teacher.logits_dir={self.dir}: the student's head has {student_vocab} rows, fewer "
+                              f"than the cache's vocabulary ({self.vocab_size}, the teacher's head)")
+        return None if student_vocab == self.vocab_size else self.vocab_size
+
+    def rows(self, item: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached ``(top-k log-probs fp16 [n, k], tail fp16 [n], ids int64 [n, k])`` of dataset item `item`."""
+        per = self.manifest["items_per_shard"]
+        shard, local = divmod(item, per)
+        if shard not in self._handles:
+            record = self.manifest["shards"][str(shard)]
+            self._handles[shard] = safe_open(str(self.dir / record["file"]), framework="pt")
+            self._offsets[shard] = self._handles[shard].get_tensor("offsets")
+        f, off = self._handles[shard], self._offsets[shard]
+        a, b = int(off[local]), int(off[local + 1])
+        return (f.get_slice("logprobs")[a:b], f.get_slice("tail")[a:b], unpack_ids(f.get_slice("ids")[a:b]))
+
+    def dataset(self, base: TokenizedDataset) -> CachedDataset:
+        """`base` (the run's tokenized transfer set) with the cached targets in each batch, once it is checked to
+        be exactly the data the cache was built from (after `for_run`)."""
+        self.check_run({**self._run, "data_sha256": data_fingerprint(base.items)})
+        if len(base) != self.manifest["num_items"]:  # implied by data_sha256; a clearer message
+            raise RecipeError(f"teacher.logits_dir={self.dir}: {len(base)} dataset items, the cache has "
+                              f"{self.manifest['num_items']}")
+        return CachedDataset(base, self)
+
+
+class CachedDataset(TokenizedDataset):
+    """The run's dataset; items carry their index and `collate` adds the cached teacher rows."""
+
+    def __init__(self, base: TokenizedDataset, cache: LogitsCache) -> None:
+        super().__init__(base.items, base.pad_id, base.max_seq_len, base.packed, base.shuffle, base.bucket,
+                         base.origin)
+        self.cache = cache
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        return {**self.items[i], "cache_index": i}
+
+    def collate(self, batch: list[dict]) -> dict:
+        out = collate(batch, self.pad_id)
+        labels = out["labels"]
+        k = self.cache.top_k
+        logp = torch.full((*labels.shape, k + 1), -math.log(k + 1))  # rows without a target: any proper filler
+        ids = torch.zeros((*labels.shape, k), dtype=torch.int64)
+        for r, item in enumerate(batch):
+            values, tail, row_ids = self.cache.rows(item["cache_index"])
+            where = (labels[r] != IGNORE_INDEX).nonzero().squeeze(1)
+            if where.numel() != values.shape[0]:
+                raise RecipeError(f"teacher.logits_dir={self.cache.dir}: item {item['cache_index']} has "
+                                  f"{where.numel()} targets but {values.shape[0]} cached rows")
+            logp[r, where, :k] = values.float()
+            logp[r, where, k] = tail.float()
+            ids[r, where] = row_ids
+        out["teacher_logp"], out["teacher_ids"] = logp, ids
+        return out

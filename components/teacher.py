@@ -1,0 +1,46 @@
+"""The KD teacher as the `kd` recipe sees it: a frozen model (placed, quantized, compiled), or its offline cache
+(`teacher.logits_dir`, written by `recipe run kd_logits`), in which case the teacher is never loaded; and the
+vocabulary the loss runs over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+from torch import nn
+
+from components.logits_cache import LogitsCache
+from components.losses import same_tokenizer, shared_vocab
+from components.models import ModelArgs, load_model
+from components.quantization.teacher import quantize_teacher
+from components.runtime import Runtime, prepare_teacher
+
+
+def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperature: float,
+                 max_seq_len: int) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
+    """`(teacher, teacher_args, None)`, or `(None, teacher_args, cache)` with `teacher.logits_dir`: the cache is
+    verified (shards, checksums) and checked against this run (teacher, tokenizer, dataset, temperature) here,
+    before any model is loaded; one-line errors name what differs."""
+    t = cfg.teacher
+    if t.get("logits_dir") is not None:
+        cache = LogitsCache.for_run(t.logits_dir, cfg.dataset, student_dir, t.get("checkpoint_dir"), temperature)
+        return None, cache.teacher_args, cache
+    # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
+    # quantized (fp8 / int8) and compiled.
+    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, max_seq_len=max_seq_len)
+    prepare_teacher(rt, teacher, t.get("placement", "auto"), cfg.get("compile", False))
+    quantize_teacher(teacher, t.get("quantize"), rt.device)
+    return teacher, targs, None
+
+
+def loss_vocab(rt: Runtime, student_vocab: int, targs: ModelArgs, tokenizer_vocab: int, student_dir: str | Path,
+               teacher_dir: str | Path | None, cache: LogitsCache | None) -> int | None:
+    """The vocabulary both heads' logits are sliced to (None: whole heads). Heads that differ only by padding
+    rows are trimmed to the tokenizer (logged); different tokenizers are an error (components.losses.kd)."""
+    if cache is not None:
+        return cache.student_vocab(student_vocab)
+    vocab, note = shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,
+                               same_tokenizer(student_dir, teacher_dir))
+    if note and rt.is_main:
+        print(note, flush=True)
+    return None if vocab == student_vocab == targs.vocab_size else vocab

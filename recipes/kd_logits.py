@@ -1,0 +1,105 @@
+"""Offline teacher: run the KD teacher once over the transfer set and cache its top-k log-probabilities.
+
+The transfer set is tokenized and packed exactly as `kd` does it (the same `dataset:` section, the same builder).
+Per target token the cache keeps the teacher's k largest log-probs at temperature T (fp16), their ids (3 bytes)
+and the log of the rest of the mass (fp16): 162 bytes at k = 32. `recipe run kd ... teacher.logits_dir=DIR` then
+distils any number of students without loading the teacher. Shards are written atomically; a rerun after a
+crash keeps the finished ones; under torchrun each rank writes every world_size-th shard with its own copy of
+the teacher. Format: components/logits_cache/manifest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from components.config import run_recipe_script
+from components.data.dataset import build_dataset
+from components.errors import RecipeError
+from components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
+from components.models import load_model, read_model_args
+from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from components.runtime import prepare_teacher, setup_runtime
+from components.schema import Choice, ModelDir, Range
+from components.training import DATASET_SCHEMA, TRAIN_SCHEMA, hidden_states, load_tokenizer, to_device
+
+SCHEMA = {
+    **{k: TRAIN_SCHEMA[k] for k in ("output_dir", "seed", "device", "dtype", "compile", "batch_size",
+                                    "num_output_chunks")},
+    "tokenizer_dir": ModelDir(optional=True),
+    "teacher": {"checkpoint_dir": ModelDir(), "quantize": Choice(*TEACHER_QUANT, optional=True)},
+    "dataset": DATASET_SCHEMA,
+    "cache": {"top_k": Range(int, ge=1, le=2**24), "temperature": Range(float, gt=0),
+              "items_per_shard": Range(int, ge=1)},
+}
+
+
+def main(cfg: DictConfig) -> None:
+    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+    teacher_dir = cfg.teacher.checkpoint_dir
+    c = cfg.get("cache") or {}
+    k, temperature, per_shard = int(c.get("top_k", 32)), float(c.get("temperature", 1.0)), c.get("items_per_shard", 256)
+    targs = read_model_args(teacher_dir)
+    if not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
+        raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary, < 2^24)")
+
+    # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
+    # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
+    tokenizer_dir = cfg.get("tokenizer_dir") or teacher_dir
+    data_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
+    dataset = build_dataset(load_tokenizer(tokenizer_dir), **data_cfg)
+
+    # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run.
+    header = {
+        "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
+        "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.get("quantize"),
+                    "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
+        "top_k": k, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
+        "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
+        "num_shards": -(-len(dataset) // per_shard),
+    }
+    writer = CacheWriter(cfg.output_dir, header, rt)
+    todo = writer.todo()
+
+    # The teacher: frozen, under inference mode, optionally fp8/int8 and compiled; a full copy on every rank
+    # (each rank runs its own shards, so a sharded teacher's collectives would not line up).
+    if todo:
+        teacher, _ = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=dataset.max_seq_len)
+        prepare_teacher(rt, teacher, "replicate", cfg.get("compile", False))
+        quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
+    if rt.is_main and writer.records:
+        print(f"resuming: {len(writer.records)} of {header['num_shards']} shards already written and verified",
+              flush=True)
+
+    bs, chunks = cfg.get("batch_size", 4), cfg.get("num_output_chunks", 8)
+    for shard in todo:
+        start, parts, counts = time.perf_counter(), [], []
+        items = writer.items(shard)
+        for first in range(items.start, items.stop, bs):
+            batch = to_device(dataset.collate([dataset[i] for i in range(first, min(first + bs, items.stop))]),
+                              rt.device)
+            counts += (batch["labels"] != -100).sum(1).tolist()
+            with torch.inference_mode():
+                hidden = hidden_states(teacher, batch)
+                parts += [tuple(x.cpu() for x in rows) for rows in
+                          teacher_rows(hidden, teacher.output, batch["labels"], k, temperature, targs.vocab_size,
+                                       chunks)]
+        values, ids, tails = (torch.cat([p[j] for p in parts]) for j in range(3))
+        writer.write(shard, values, ids, tails, counts)
+        print(f"rank {rt.rank}: shard {shard + 1}/{header['num_shards']}: {sum(counts)} tokens, "
+              f"{sum(counts) / (time.perf_counter() - start):,.0f} tokens/s", flush=True)
+
+    manifest = writer.finish()
+    if rt.is_main:
+        print(f"cache: {cfg.output_dir} ({manifest['tokens']} tokens, {manifest['num_shards']} shards, "
+              f"{manifest['bytes_per_token']} bytes/token at k={k})\n"
+              f"train from it: recipe run kd --config ... teacher.logits_dir={cfg.output_dir}", flush=True)
+    rt.teardown()
+
+
+if __name__ == "__main__":
+    run_recipe_script(SCHEMA, main)

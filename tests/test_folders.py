@@ -1,0 +1,121 @@
+"""The output_dir lock (components/folders.py), failed writes (components/checkpoint/atomic.py) and checkpoint
+manifests (components/checkpoint/manifest.py), in-process and fast; whole runs are in test_faults.py."""
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from components.checkpoint import atomic_directory, verify_manifest, write_manifest
+from components.errors import RecipeError
+from components.folders import LOCK_NAME, check_model_dir, check_output_dir, lock_output_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lock_is_exclusive_and_released(tmp_path):
+    out = tmp_path / "run"
+    with lock_output_dir(out) as lock:
+        owner = json.loads(lock.read_text())
+        assert owner["pid"] == os.getpid()
+        # another holder (a second open file, as another process would have) is refused, with the owner named
+        with pytest.raises(RecipeError, match=rf"is in use by another run \(pid {os.getpid()} on "):
+            with lock_output_dir(out):
+                pass
+        with pytest.raises(RecipeError, match="in use by another run"):
+            check_output_dir(out)
+    assert not (out / LOCK_NAME).exists()
+    check_output_dir(out)
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": "h", "started": "t"}))
+    check_output_dir(out)  # a file nobody holds is no obstacle
+    with caplog.at_level(logging.WARNING, logger="components.folders"):
+        with lock_output_dir(out):
+            assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert f"taking over the lock left by a run that did not finish (pid {dead.stdout.strip()} on h" in caplog.text
+
+
+def test_lock_is_released_when_the_holder_is_killed(tmp_path):
+    out = tmp_path / "run"
+    code = ("import sys, time\nfrom components.folders import lock_output_dir\n"
+            "with lock_output_dir(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(300)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RecipeError, match=f"pid {holder.pid} on"):
+            check_output_dir(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    with lock_output_dir(out):  # kill -9 released the flock; the file it left is taken over
+        pass
+
+
+def test_model_dir_checks(tmp_path):
+    with pytest.raises(RecipeError, match="folder does not exist: /no/such/dir$"):
+        check_model_dir("/no/such/dir")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RecipeError, match="is a file, not a model folder$"):
+        check_model_dir(tmp_path / "f")
+    with pytest.raises(RecipeError, match="has no config.json$"):
+        check_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("err, reason", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    (PermissionError(errno.EACCES, "Permission denied"), "Permission denied"),
+])
+def test_a_failed_write_is_one_line_and_keeps_the_previous_folder(tmp_path, err, reason):
+    target = tmp_path / "model"
+    with atomic_directory(target) as d:
+        (d / "a").write_text("old")
+    with pytest.raises(RecipeError) as e:
+        with atomic_directory(target) as d:
+            (d / "a").write_text("new, half")
+            raise err
+    assert str(e.value) == f"cannot write {target}: {reason}; nothing under that name was changed"
+    assert (target / "a").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_killed_write_leaves_a_temp_dir_that_the_next_write_removes(tmp_path):
+    target = tmp_path / "model"
+    (tmp_path / ".model.tmp-abc").mkdir()  # what a kill -9 mid-write leaves
+    old = tmp_path / ".model.old-xyz"      # killed between moving the old copy aside and renaming the new one
+    (old / "x").mkdir(parents=True)
+    (old / "x" / "a").write_text("old")
+    with atomic_directory(tmp_path / "other") as d:  # another folder's write leaves them alone
+        (d / "b").write_text("b")
+    assert (tmp_path / ".model.tmp-abc").exists() and old.exists()
+    with atomic_directory(target) as d:
+        assert (target / "a").read_text() == "old"  # the moved-aside copy was put back first
+        (d / "a").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other"]
+    assert (target / "a").read_text() == "new"
+
+
+def test_manifest_names_the_changed_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(os.urandom(1000))
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    write_manifest(tmp_path)
+    verify_manifest(tmp_path)
+    data = bytearray((tmp_path / "a.bin").read_bytes())
+    data[10] ^= 0x80
+    (tmp_path / "a.bin").write_bytes(bytes(data))
+    with pytest.raises(RecipeError, match=f"checkpoint file {tmp_path / 'a.bin'} is corrupt: its checksum"):
+        verify_manifest(tmp_path)
+    (tmp_path / "manifest.json").unlink()
+    with pytest.raises(RecipeError, match=r"no manifest.json \(file checksums\)"):
+        verify_manifest(tmp_path)

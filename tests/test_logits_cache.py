@@ -1,0 +1,219 @@
+"""The offline teacher end to end: `recipe run kd_logits` writes the cache (contents = the teacher's top-k at T,
+<= 200 bytes/token), a kill -9 mid-write then a rerun gives the same shards, `kd` trains from it without the
+teacher, and every bad cache (incomplete, truncated, altered, another teacher, another run) is a one-line error
+before anything trains. The quality comparison with online KD on the embedded model is slow-marked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
+rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
+if "recipes_common" not in sys.modules:
+    sys.modules["recipes_common"] = rc
+    _spec.loader.exec_module(rc)
+
+DATA = ["device=cpu", "dtype=fp32", "dataset.max_seq_len=48", "dataset.limit=24"]
+CACHE = [*DATA, "cache.items_per_shard=2", "batch_size=2", "num_output_chunks=2"]
+KD = [*rc.KD_COMMON, "dataset.limit=24", "max_steps=2", "optimizer.lr=1e-3", "lr_scheduler.name=constant"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, embedded_model_dir) -> Path:
+    # Wide enough (and untied) that writing 12 shards takes long enough to be killed mid-way.
+    return rc.make_llama(tmp_path_factory.mktemp("lc") / "teacher", embedded_model_dir, seed=1, hidden=256,
+                         intermediate=512, tied=False)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, teacher) -> Path:
+    out = tmp_path_factory.mktemp("lc") / "cache"
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, f"teacher.checkpoint_dir={teacher}",
+                                                              f"output_dir={out}"], cwd=out.parent)
+    rc.assert_ok(proc)
+    assert "bytes/token at k=32" in proc.stdout
+    return out
+
+
+def test_cache_holds_the_teachers_top_k_within_200_bytes_per_token(cache, teacher):
+    from components.data.dataset import build_dataset
+    from components.logits_cache.manifest import unpack_ids
+    from components.losses.topk import teacher_topk
+    from components.models import load_model
+    from components.models.tokenizer import Tokenizer
+
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["complete"] and m["num_shards"] == 12 and m["top_k"] == 32
+    assert m["payload_bytes_per_token"] == 162 and m["bytes_per_token"] <= 200
+    ds = build_dataset(Tokenizer.from_dir(teacher), source="transfer:passages", max_seq_len=48, limit=24, packed=True)
+    assert m["tokens"] == ds.num_loss_tokens()
+    model, _ = load_model(teacher)
+    batch = ds.collate([ds[2], ds[3]])  # shard 1
+    with torch.no_grad():
+        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"]).flatten(0, 1)
+    ref_v, ref_i, ref_t = teacher_topk(logits[batch["labels"].flatten() != -100], 32)
+    shard = load_file(str(cache / "shard_00001.safetensors"))
+    assert torch.equal(unpack_ids(shard["ids"]), ref_i)
+    torch.testing.assert_close(shard["logprobs"].float(), ref_v, rtol=1e-3, atol=1e-3)  # fp16 storage
+    torch.testing.assert_close(shard["tail"].float(), ref_t, rtol=1e-3, atol=1e-3)
+    assert shard["offsets"].tolist() == [0, *torch.cumsum((batch["labels"] != -100).sum(1), 0).tolist()]
+
+
+def test_kill_9_while_writing_then_rerun_gives_identical_shards(tmp_path, cache, teacher):
+    out = tmp_path / "cache"
+    args = ["run", "kd_logits", "--config", "kd_logits/smollm2_demo", *CACHE, f"teacher.checkpoint_dir={teacher}",
+            f"output_dir={out}"]
+    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (closed below; the child writes to it)
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=tmp_path, env=rc.cli_env(),
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if json.loads((out / "manifest.json").read_text())["shards"]:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                pass
+            time.sleep(0.002)
+    finally:
+        proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    killed = json.loads((out / "manifest.json").read_text())
+    assert not killed["complete"] and 0 < len(killed["shards"]) < 12
+    (out / "shard_00011.safetensors").write_bytes(b"half a shard")  # as if killed mid-write without the rename
+    rerun = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, f"teacher.checkpoint_dir={teacher}",
+                                                               f"output_dir={out}"], cwd=tmp_path)
+    rc.assert_ok(rerun)
+    assert f"resuming: {len(killed['shards'])} of 12 shards" in rerun.stdout
+    for i in range(12):
+        name = f"shard_{i:05d}.safetensors"
+        assert (out / name).read_bytes() == (cache / name).read_bytes(), name
+    assert json.loads((out / "manifest.json").read_text())["shards"] == json.loads(
+        (cache / "manifest.json").read_text())["shards"]
+
+
+def kd_args(out: Path, cache: Path, student: Path, *extra: str) -> list[str]:
+    return [*KD, "teacher.checkpoint_dir=null", f"teacher.logits_dir={cache}", f"student.checkpoint_dir={student}",
+            f"output_dir={out}", *extra]
+
+
+def test_kd_trains_from_the_cache_without_the_teacher(tmp_path, cache, tiny_model_dir, teacher):
+    out = tmp_path / "kd"
+    proc = rc.run_cli("kd", "kd/smollm2_demo", kd_args(out, cache, tiny_model_dir), cwd=tmp_path)
+    rc.assert_ok(proc)
+    rows = rc.assert_metrics(out, 2, {"loss", "ce_loss", "kd_loss"})
+    assert rows[0]["kd_loss"] > 0.1 and rows[0]["loss"] == pytest.approx(0.5 * rows[0]["ce_loss"]
+                                                                          + 0.5 * rows[0]["kd_loss"], rel=1e-5)
+    # Naming the teacher it was built from is fine too (its fingerprint matches); other kinds still train.
+    code = rc.run_in_process("kd", "kd/smollm2_demo", kd_args(tmp_path / "jsd", cache, tiny_model_dir,
+                                                              f"teacher.checkpoint_dir={teacher}", "kd.loss=jsd",
+                                                              "kd.beta=0.5", "max_steps=1"))
+    assert code == 0
+
+
+def _error(capsys, tmp_path: Path, cache: Path, student: Path, *extra: str) -> str:
+    out = tmp_path / "kd_bad"
+    code = rc.run_in_process("kd", "kd/smollm2_demo", kd_args(out, cache, student, *extra))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("recipe: error:")]
+    assert code == 1 and len(err) == 1, err
+    assert not (out / "metrics.jsonl").exists()  # nothing trained
+    return err[0]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("dataset.max_seq_len=40", "dataset.max_seq_len"), ("dataset.packed=false", "dataset.packed"),
+    ("dataset.limit=20", "dataset.limit"), ("kd.temperature=2.0", "kd.temperature"),
+    ("dataset.source=transfer:chat", "dataset.source"),
+])
+def test_a_cache_of_another_run_is_a_one_line_error_naming_the_field(capsys, tmp_path, cache, tiny_model_dir,
+                                                                     override, field):
+    assert f"{field} differs" in _error(capsys, tmp_path, cache, tiny_model_dir, override)
+
+
+def test_other_tokenizer_and_other_teacher_are_refused(capsys, tmp_path, cache, tiny_copy, tiny_model_dir):
+    cfg = json.loads((tiny_copy / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"] + "{# another template #}"
+    (tiny_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert "tokenizer (tokenizer.json + chat template) differs" in _error(capsys, tmp_path, cache, tiny_copy)
+    err = _error(capsys, tmp_path, cache, tiny_model_dir, f"teacher.checkpoint_dir={tiny_model_dir}")
+    assert "is not the teacher the cache was built from" in err
+
+
+def test_damaged_or_unfinished_caches_are_one_line_errors(capsys, tmp_path, cache, tiny_model_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(cache, bad)
+    shard = bad / "shard_00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    assert "shard 3: shard_00003.safetensors is truncated" in _error(capsys, tmp_path, bad, tiny_model_dir)
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert "shard 3: shard_00003.safetensors fails its checksum" in _error(capsys, tmp_path, bad, tiny_model_dir)
+    shard.unlink()
+    assert "shard_00003.safetensors is missing" in _error(capsys, tmp_path, bad, tiny_model_dir)
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**m, "complete": False}))
+    assert "the cache is incomplete" in _error(capsys, tmp_path, bad, tiny_model_dir)
+    (bad / "manifest.json").write_text("{")
+    assert "manifest.json: not valid JSON" in _error(capsys, tmp_path, bad, tiny_model_dir)
+
+
+def test_rebuilding_into_a_cache_of_another_run_is_refused(tmp_path, cache, teacher):
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, f"teacher.checkpoint_dir={teacher}",
+                                                              f"output_dir={cache}", "cache.top_k=16"], cwd=tmp_path)
+    (err,) = rc.error_lines(proc)
+    assert "holds a cache of another run (top_k: 32 there, 16 now)" in err
+
+
+@pytest.mark.slow
+def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_path, embedded_model_dir,
+                                                                          tiny_model_dir):
+    """SmolLM2-135M teaches the tiny student for 12 steps, online and from its top-32 cache: the students end
+    within a few percent of each other on the full-vocabulary objective (CE + forward KL)."""
+    from components.data.dataset import build_dataset
+    from components.models import load_model
+    from components.models.tokenizer import Tokenizer
+
+    data = ["dataset.max_seq_len=48", "dataset.limit=24"]
+    cache = tmp_path / "cache"
+    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={cache}"],
+                            cwd=tmp_path))
+    common = [*KD, *data, "max_steps=12", "batch_size=4", f"student.checkpoint_dir={tiny_model_dir}",
+              "optimizer.lr=3e-3"]
+    online, cached = tmp_path / "online", tmp_path / "cached"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={online}"]) == 0
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={cached}",
+                                                       f"teacher.logits_dir={cache}"]) == 0
+    ds = build_dataset(Tokenizer.from_dir(embedded_model_dir), source="transfer:passages", max_seq_len=48,
+                       limit=24, packed=True)
+    batch = ds.collate([ds[i] for i in range(len(ds))])
+    valid = batch["labels"] != -100
+
+    def logp(folder: Path) -> torch.Tensor:
+        model, _ = load_model(folder)
+        with torch.no_grad():
+            return model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])[valid].log_softmax(-1)
+
+    t = logp(embedded_model_dir)
+
+    def objective(folder: Path) -> float:
+        s = logp(folder)
+        ce = -s.gather(1, batch["labels"][valid][:, None]).mean()
+        return float(0.5 * ce + 0.5 * (t.exp() * (t - s)).sum(-1).mean())
+
+    start, a, b = objective(tiny_model_dir), objective(online / "model"), objective(cached / "model")
+    assert a < 0.8 * start and b < 0.8 * start  # both learnt
+    assert b == pytest.approx(a, rel=0.05), (start, a, b)
