@@ -238,13 +238,10 @@ class ListOf(Spec):
 
 
 @dataclass(frozen=True)
-class ModelDir(Spec):
-    """A Hugging Face model folder (a string). `recipe run` checks it exists and has a config.json."""
+class _Folder(Spec):
+    """A folder path (a non-empty string); subclasses say which kind `recipe run` checks."""
 
     optional: bool = False
-
-    def describe(self) -> str:
-        return f"a model folder path{' (or null)' if self.optional else ''}"
 
     def problem(self, value: Any) -> str | None:
         if not isinstance(value, str) or not value.strip():
@@ -253,18 +250,19 @@ class ModelDir(Spec):
 
 
 @dataclass(frozen=True)
-class OutputDir(Spec):
-    """The run's output folder (a string). `recipe run` checks it can be written and locks it for the run."""
+class ModelDir(_Folder):
+    """A Hugging Face model folder (a string). `recipe run` checks it exists and has a config.json."""
 
-    optional: bool = False
+    def describe(self) -> str:
+        return f"a model folder path{' (or null)' if self.optional else ''}"
+
+
+@dataclass(frozen=True)
+class OutputDir(_Folder):
+    """The run's output folder (a string). `recipe run` checks it can be written and locks it for the run."""
 
     def describe(self) -> str:
         return "a folder path"
-
-    def problem(self, value: Any) -> str | None:
-        if not isinstance(value, str) or not value.strip():
-            return f"must be {self.describe()}, got {value_desc(value)}"
-        return None
 
 
 # `device:` of every recipe: what components.runtime.setup_runtime accepts.

@@ -12,8 +12,13 @@ from torch import nn
 from components.logits_cache import LogitsCache
 from components.losses import same_tokenizer, shared_vocab
 from components.models import ModelArgs, load_model
-from components.quantization.teacher import quantize_teacher
-from components.runtime import Runtime, prepare_teacher
+from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from components.runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
+from components.schema import Choice, ModelDir
+
+# kd's `teacher:` section
+TEACHER_SCHEMA = {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
+                  "quantize": Choice(*TEACHER_QUANT, optional=True), "logits_dir": (str, type(None))}
 
 
 def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperature: float,

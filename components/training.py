@@ -26,14 +26,14 @@ from components.checkpoint.sharded import (
     save_sharded_checkpoint,
 )
 from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
-from components.config import COMPONENT, config_source
+from components.config import COMPONENT
 from components.data.dataset import build_dataset, build_loader
 from components.data.formats import FORMATS
 from components.errors import RecipeError
 from components.interrupt import StopRequest
 from components.losses import kd_and_ce
 from components.metrics import MetricLogger, check_finite
-from components.models import LORA_TARGETS, LoRASettings, ModelArgs, keep_every, save_model, save_peft_adapter
+from components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
 from components.models.hf_io import copy_tokenizer_files
 from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from components.models.tokenizer import Tokenizer
@@ -108,23 +108,6 @@ def lora_settings(node: DictConfig | None) -> LoRASettings | None:
     if "targets" in kw:
         kw["targets"] = tuple(kw["targets"])
     return LoRASettings(**kw)
-
-
-def student_layers(cfg: DictConfig, teacher_layers: int, source: str = "the teacher") -> list[int] | None:
-    """KD: which teacher layers initialise the student: `keep_layers: [...]`, or `every: k`, or all (None)."""
-    s = cfg.get("student") or {}
-    if s.get("keep_layers") is not None and s.get("every") is not None:
-        raise RecipeError("student: set keep_layers or every, not both")
-    if s.get("keep_layers") is not None:
-        keep = [int(i) for i in s.keep_layers]
-        if max(keep) >= teacher_layers:
-            where = config_source(cfg).where("student.keep_layers")
-            raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(keep)} does not exist: {source} has "
-                              f"{teacher_layers} layers (0..{teacher_layers - 1})")
-        return keep
-    if s.get("every") is not None:
-        return keep_every(teacher_layers, int(s.every))
-    return None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

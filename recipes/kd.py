@@ -1,32 +1,26 @@
-"""Knowledge distillation: a frozen teacher guides a student (full, LoRA, or layer-pruned from the teacher;
-optionally quantization-aware: `qat:` trains it through fake quantizers, KD-QAT).
+"""Knowledge distillation: a frozen teacher guides a student (full, LoRA, layer-pruned from the teacher, or KD-QAT).
 
-loss = (1 - kd_ratio) * CE(student, labels) + kd_ratio * KD(teacher || student), both computed chunk by chunk
-from final hidden states, so full [batch, seq, vocab] logits of the two models are never alive at once.
-With `teacher.logits_dir` the teacher is its cached top-k (`recipe run kd_logits`) and is never loaded.
+loss = (1 - kd_ratio) * CE + kd_ratio * KD(teacher || student), computed chunk by chunk from final hidden states
+(full [batch, seq, vocab] logits never exist). With `teacher.logits_dir` the teacher is its cached top-k.
 """
 
 from __future__ import annotations
 
-import json
-
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import run_recipe_script
+from components.config import config_source, run_recipe_script
 from components.errors import RecipeError
 from components.losses import KD_LOSSES, build_kd_loss, kd_and_ce
 from components.losses.topk import cached_kd_and_ce
-from components.models import load_model, read_model_args
-from components.models.prune import METHODS, importance_keep
-from components.quantization import QAT_SCHEMES, compile_fake_quantizers, prepare_qat, qat_metadata
-from components.quantization.teacher import TEACHER_QUANT
-from components.runtime import TEACHER_PLACEMENTS, setup_runtime
-from components.schema import Choice, ListOf, ModelDir, Range
-from components.teacher import load_teacher, loss_vocab
+from components.models import load_model
+from components.models.prune import STUDENT_SCHEMA, student_layers
+from components.quantization import QAT_SCHEMES, prepare_qat_student
+from components.runtime import setup_runtime
+from components.schema import Choice, Range
+from components.teacher import TEACHER_SCHEMA, load_teacher, loss_vocab
 from components.training import (
     LORA_SCHEMA,
-    OPT_STR,
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     freeze_all_but_adapters,
@@ -35,20 +29,14 @@ from components.training import (
     lora_settings,
     resume_weights,
     setup_training,
-    student_layers,
     train,
     write_final_model,
 )
 
 SCHEMA = {
     **TRAIN_SCHEMA,
-    "teacher": {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
-                "quantize": Choice(*TEACHER_QUANT, optional=True), "logits_dir": OPT_STR},
-    "student": {"checkpoint_dir": ModelDir(optional=True),
-                "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
-                "every": Range(int, ge=1, optional=True),
-                "prune": {"method": Choice(*METHODS), "keep": Range(int, ge=1),
-                          "calibration_tokens": Range(int, ge=1)}},  # null: no importance scoring
+    "teacher": TEACHER_SCHEMA,
+    "student": STUDENT_SCHEMA,
     "lora": LORA_SCHEMA,  # null: the whole student trains
     "qat": {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1), "include_output": bool},  # null: none
     "kd": {"loss": Choice(*KD_LOSSES), "kd_ratio": Range(float, ge=0, le=1), "temperature": Range(float, gt=0),
@@ -70,17 +58,13 @@ def main(cfg: DictConfig) -> None:
     kd_ratio = float(k.get("kd_ratio", 0.5))
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
-    # Checked before any weights load: the layers the student keeps (from config.json) and the checkpoint to resume.
-    keep = student_layers(cfg, read_model_args(student_dir).num_layers, f"{student_dir}/config.json")
+    # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
+    # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = find_resume_checkpoint(cfg)
-    prune = (cfg.get("student") or {}).get("prune")
-    if prune is not None and not (resume_weights(resume_from) is not None and lora is None):  # measured importance
-        if keep is not None:
-            raise RecipeError("student: set one of keep_layers, every or prune, not two (student.prune=null drops "
-                              "the importance scoring)")
-        keep = importance_keep(student_dir, OmegaConf.to_container(prune), OmegaConf.to_container(cfg.dataset,
-                               resolve=True), cfg.get("batch_size", 4), rt.device, rt.dtype,
-                               cfg.output_dir if rt.is_main else None)
+    keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
+                          cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None,
+                          score=resume_weights(resume_from) is None or lora is not None,
+                          where=config_source(cfg).where("student.keep_layers"))
 
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
     # top-k, verified and checked against this run before anything is loaded.
@@ -95,12 +79,7 @@ def main(cfg: DictConfig) -> None:
             print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
     if lora is not None:
         freeze_all_but_adapters(student)
-    q = cfg.get("qat")  # KD-QAT: the student learns through the fake quantizers it will be converted with
-    qat = None if q is None else (q.get("scheme", "8da4w"), q.get("group_size", 32), q.get("include_output", False))
-    if qat is not None:
-        prepare_qat(student, *qat)
-        if rt.device.type == "cuda":
-            compile_fake_quantizers(student)
+    qat_files = prepare_qat_student(student, cfg.get("qat"), rt.device)  # KD-QAT (null: none)
     vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
     rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
                      compile=cfg.get("compile", False))
@@ -130,9 +109,8 @@ def main(cfg: DictConfig) -> None:
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None
-    extra = None if qat is None else {"quantization.json": json.dumps(qat_metadata(*qat), indent=2) + "\n"}
     final = write_final_model(cfg, rt, student, sargs, student_dir, lora=adapter_lora, base_model=str(student_dir),
-                              extra_files=extra)
+                              extra_files=qat_files)
     if rt.is_main:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "

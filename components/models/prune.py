@@ -28,9 +28,17 @@ from components.checkpoint.atomic import atomic_write_bytes
 from components.data.collate import collate
 from components.errors import RecipeError
 from components.losses import chunked_cross_entropy
+from components.schema import Choice, ListOf, ModelDir, Range
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
+
+
+# kd's `student:` section: at most one of keep_layers, every, prune (null: no importance scoring)
+STUDENT_SCHEMA = {"checkpoint_dir": ModelDir(optional=True),
+                  "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
+                  "every": Range(int, ge=1, optional=True),
+                  "prune": {"method": Choice(*METHODS), "keep": Range(int, ge=1), "calibration_tokens": Range(int, ge=1)}}
 
 
 def _loss(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -185,20 +193,28 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
 
 def student_layers(student, model_dir: str | Path, dataset: dict, batch_size: int,
                    device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
-                   out_dir: str | Path | None = None) -> list[int] | None:
+                   out_dir: str | Path | None = None, score: bool = True,
+                   where: str = "student.keep_layers") -> list[int] | None:
     """Which layers of `model_dir` a KD student keeps, from its `student:` section: `keep_layers: [...]`,
     `every: k` (layers 0, k, 2k, ... and the last), `prune: {method, keep, calibration_tokens}` (the `keep` layers
-    that matter most, measured on the first tokens of `dataset`), or all of them (None)."""
+    that matter most, measured on the first tokens of `dataset`; skipped with `score=False`, e.g. when a full
+    student resumes its own weights), or all of them (None). Cheap checks come first, before any model loads;
+    `where` names the config line of `keep_layers` in errors."""
     from components.models.args import read_model_args
     from components.models.loader import keep_every
 
+    keep_layers = student.get("keep_layers")
+    if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):
+        raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(int(i) for i in keep_layers)} does not "
+                          f"exist: {model_dir}/config.json has {layers} layers (0..{layers - 1})")
     chosen = [k for k in ("keep_layers", "every", "prune") if student.get(k) is not None]
     if len(chosen) > 1:
-        raise RecipeError(f"student: set one of keep_layers, every or prune, not {' and '.join(chosen)}")
-    if student.get("keep_layers") is not None:
-        return [int(i) for i in student["keep_layers"]]
+        raise RecipeError(f"student: set one of keep_layers, every or prune, not {' and '.join(chosen)} "
+                          "(student.prune=null drops the importance scoring)")
+    if keep_layers is not None:
+        return [int(i) for i in keep_layers]
     if student.get("every") is not None:
         return keep_every(read_model_args(model_dir).num_layers, int(student["every"]))
-    if student.get("prune") is not None:
+    if student.get("prune") is not None and score:
         return importance_keep(model_dir, student["prune"], dataset, batch_size, device, dtype, out_dir)
     return None

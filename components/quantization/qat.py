@@ -255,3 +255,16 @@ def read_qat_metadata(model_dir: str | Path) -> dict:
             raise RecipeError(f"{path}: missing key {key!r}")
     _check_qat_scheme(meta["scheme"])
     return meta
+
+
+def prepare_qat_student(model: nn.Module, section, device: torch.device) -> dict[str, str] | None:
+    """KD-QAT: put the `qat:` section's fake quantizers into `model` (compiled on GPU), so the student learns
+    through the quantization it will be converted with. Returns the extra files of its final folder
+    (quantization.json), or None without a section."""
+    if section is None:
+        return None
+    qat = (section.get("scheme", "8da4w"), section.get("group_size", 32), section.get("include_output", False))
+    prepare_qat(model, *qat)
+    if device.type == "cuda":
+        compile_fake_quantizers(model)
+    return {QAT_METADATA_FILE: json.dumps(qat_metadata(*qat), indent=2) + "\n"}
