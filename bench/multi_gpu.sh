@@ -23,7 +23,7 @@ run() {  # name nproc compile placement
     ((n > 1)) && launch=(--nproc-per-node "$n" --standalone)
     echo "== $name" >&2
     rm -rf "${out:?}/$name"
-    if ! $py -m cli.main run "${launch[@]}" kd --config kd/llama3_1_8b_to_llama3_2_1b \
+    if ! $py -m llm_recipe.cli.main run "${launch[@]}" kd --config kd/llama3_1_8b_to_llama3_2_1b \
         teacher.checkpoint_dir="$teacher" student.checkpoint_dir="$student" output_dir="$out/$name" \
         "lora={rank: 64, alpha: 128.0, targets: [q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}" \
         dataset.source=transfer:passages dataset.format=text dataset.packed=true dataset.max_seq_len=1024 \

@@ -4,7 +4,7 @@
 
 The embedded SmolLM2-135M-Instruct by default (real weights), over the shipped transfer passages packed as
 `recipe run kd` packs them (the data KD trains on), with `teacher.quantize`'s own code path
-(components.quantization.teacher). Prints one JSON line per mode: mean and 99th-percentile token KL in nats and
+(llm_recipe.components.quantization.teacher). Prints one JSON line per mode: mean and 99th-percentile token KL in nats and
 the top-1 agreement with the bf16 teacher.
 """
 
@@ -15,12 +15,12 @@ import json
 
 import torch
 
-from components.assets import embedded_model_dir
-from components.data.dataset import build_dataset, build_loader
-from components.models import load_model
-from components.models.tokenizer import Tokenizer
-from components.quantization.teacher import quantize_teacher
-from components.training import hidden_states
+from llm_recipe.components.assets import embedded_model_dir
+from llm_recipe.components.data.dataset import build_dataset, build_loader
+from llm_recipe.components.models import load_model
+from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.quantization.teacher import quantize_teacher
+from llm_recipe.components.training import hidden_states
 
 
 def main() -> None:

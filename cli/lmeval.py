@@ -35,7 +35,7 @@ lm-eval's options follow.
 
 def tasks_dir() -> Path:
     """The offline task pack's folder (`recipe_*.yaml`)."""
-    from components.eval import TASKS_DIR
+    from llm_recipe.components.eval import TASKS_DIR
 
     return TASKS_DIR
 
@@ -45,7 +45,7 @@ def _register_model() -> None:
     from lm_eval.api.registry import model_registry
 
     if "recipe" not in model_registry:
-        model_registry.register("recipe", target="components.eval.lm:RecipeLM")
+        model_registry.register("recipe", target="llm_recipe.components.eval.lm:RecipeLM")
 
 
 def main(argv: list[str]) -> int:

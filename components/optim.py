@@ -2,7 +2,7 @@
 
 Optimizers come from a config node `{_component_: torch.optim.AdamW | torchao.optim.AdamW8bit | AdamW4bit |
 AdamWFp8 | CPUOffloadOptimizer, ...kwargs}`. Their state (torchao's low-bit state tensor subclasses included)
-is saved and restored by `components.checkpoint.state`.
+is saved and restored by `llm_recipe.components.checkpoint.state`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ SCHEDULERS = ("cosine", "linear", "constant")
 
 
 def _resolve_optimizer_class(path: Any, key: str) -> type:
-    # A tiny resolver rather than components.config.instantiate: it restricts targets to optimizer namespaces,
+    # A tiny resolver rather than llm_recipe.components.config.instantiate: it restricts targets to optimizer namespaces,
     # so a typo or an arbitrary import path in a config fails with a message naming the key.
     if isinstance(path, type):
         return path
@@ -82,7 +82,7 @@ def build_optimizer(
     """Build the optimizer a config node names, with device-aware defaults (fused AdamW on CUDA).
 
     `params`: parameters or param-group dicts; frozen parameters (requires_grad=False) are dropped.
-    `runtime`: a `components.runtime.Runtime` (only `.device` is read). `key` names the node in errors.
+    `runtime`: a `llm_recipe.components.runtime.Runtime` (only `.device` is read). `key` names the node in errors.
     """
     kwargs = {str(k): _plain(v) for k, v in dict(node).items()}
     target = kwargs.pop("_component_", None)

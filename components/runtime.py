@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Runtime:
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
             return
-        from components.optim import load_optimizer_state
+        from llm_recipe.components.optim import load_optimizer_state
 
         load_optimizer_state(optimizer, sd)
 

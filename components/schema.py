@@ -13,7 +13,7 @@ A SCHEMA maps each key a recipe reads to a spec. Plain Python types (`int`, `flo
 
 `recipe validate` and `recipe run` check every spec before anything is built, so a bad value is one line naming
 the key, where it was set and what is allowed. Folders are checked by `recipe run` only (`preflight` in
-components.config): a config may name a folder that exists only on the machine it will run on.
+llm_recipe.components.config): a config may name a folder that exists only on the machine it will run on.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ class OutputDir(_Folder):
         return "a folder path"
 
 
-# `device:` of every recipe: what components.runtime.setup_runtime accepts.
+# `device:` of every recipe: what llm_recipe.components.runtime.setup_runtime accepts.
 DEVICE = Pattern(r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")
 
 

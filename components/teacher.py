@@ -9,12 +9,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
-from components.logits_cache import LogitsCache
-from components.losses import same_tokenizer, shared_vocab
-from components.models import ModelArgs, load_model
-from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
-from components.runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
-from components.schema import Choice, ModelDir
+from llm_recipe.components.logits_cache import LogitsCache
+from llm_recipe.components.losses import same_tokenizer, shared_vocab
+from llm_recipe.components.models import ModelArgs, load_model
+from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from llm_recipe.components.runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
+from llm_recipe.components.schema import Choice, ModelDir
 
 # kd's `teacher:` section
 TEACHER_SCHEMA = {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
@@ -41,7 +41,7 @@ def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperat
 def loss_vocab(rt: Runtime, student_vocab: int, targs: ModelArgs, tokenizer_vocab: int, student_dir: str | Path,
                teacher_dir: str | Path | None, cache: LogitsCache | None) -> int | None:
     """The vocabulary both heads' logits are sliced to (None: whole heads). Heads that differ only by padding
-    rows are trimmed to the tokenizer (logged); different tokenizers are an error (components.losses.kd)."""
+    rows are trimmed to the tokenizer (logged); different tokenizers are an error (llm_recipe.components.losses.kd)."""
     if cache is not None:
         return cache.student_vocab(student_vocab)
     vocab, note = shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,

@@ -19,27 +19,37 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from components.checkpoint.manifest import verify_manifest
-from components.checkpoint.sharded import (
+from llm_recipe.components.checkpoint.manifest import verify_manifest
+from llm_recipe.components.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from components.checkpoint.state import latest_checkpoint, load_recipe_state, restore_rng, save_checkpoint
-from components.config import COMPONENT
-from components.data.dataset import build_dataset, build_loader
-from components.data.formats import FORMATS
-from components.errors import RecipeError
-from components.interrupt import StopRequest
-from components.losses import kd_and_ce
-from components.metrics import MetricLogger, check_finite
-from components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
-from components.models.hf_io import copy_tokenizer_files
-from components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
-from components.models.tokenizer import Tokenizer
-from components.optim import SCHEDULERS, build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
-from components.runtime import DTYPES, Runtime
-from components.schema import DEVICE, Choice, ListOf, OutputDir, Range
+from llm_recipe.components.checkpoint.state import (
+    latest_checkpoint,
+    load_recipe_state,
+    restore_rng,
+    save_checkpoint,
+)
+from llm_recipe.components.config import COMPONENT
+from llm_recipe.components.data.dataset import build_dataset, build_loader
+from llm_recipe.components.data.formats import FORMATS
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.interrupt import StopRequest
+from llm_recipe.components.losses import kd_and_ce
+from llm_recipe.components.metrics import MetricLogger, check_finite
+from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from llm_recipe.components.models.hf_io import copy_tokenizer_files
+from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
+from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.optim import (
+    SCHEDULERS,
+    build_optimizer,
+    build_scheduler,
+    warn_if_bf16_updates_round_away,
+)
+from llm_recipe.components.runtime import DTYPES, Runtime
+from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 
 IGNORE_INDEX = -100
 OPT_INT = (int, type(None))
@@ -315,10 +325,10 @@ def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.
                              tokenizer_dir: str | Path, optimizer, scheduler, loader, adapters: bool) -> Path:
     """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`.
 
-    On several processes every rank writes its own shards instead (components.checkpoint.sharded): no
+    On several processes every rank writes its own shards instead (llm_recipe.components.checkpoint.sharded): no
     full gather per save; the final model is still one HF folder (`write_final_model`).
     """
-    from components.checkpoint.state import capture_rng
+    from llm_recipe.components.checkpoint.state import capture_rng
 
     state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}
     if rt.world_size > 1:

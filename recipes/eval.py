@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import run_recipe_script
-from components.eval.run import evaluate
-from components.models.loader import DTYPES
-from components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.eval.run import evaluate
+from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
 
 SCHEMA = {
     "model": {"checkpoint_dir": ModelDir()},

@@ -1,6 +1,6 @@
 """Full fine-tuning: every weight trains on next-token cross-entropy.
 
-setup (runtime, tokenizer, model, data, optimizer, resume) -> loop (components.training.train: accumulate,
+setup (runtime, tokenizer, model, data, optimizer, resume) -> loop (llm_recipe.components.training.train: accumulate,
 clip, step, log, checkpoint) -> final HF folder in output_dir/model.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
-from components.models import load_model
-from components.runtime import setup_runtime
-from components.schema import ModelDir
-from components.training import (
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.models import load_model
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.schema import ModelDir
+from llm_recipe.components.training import (
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     lm_loss_sum,

@@ -11,11 +11,11 @@ import time
 import torch
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
-from components.eval.lm import load_checkpoint
-from components.models.generation import generate
-from components.models.loader import DTYPES
-from components.schema import DEVICE, Choice, ModelDir, Range
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.eval.lm import load_checkpoint
+from llm_recipe.components.models.generation import generate
+from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.schema import DEVICE, Choice, ModelDir, Range
 
 SCHEMA = {
     "model": {"checkpoint_dir": ModelDir()},

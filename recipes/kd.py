@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import config_source, run_recipe_script
-from components.errors import RecipeError
-from components.losses import KD_LOSSES, build_kd_loss, kd_and_ce
-from components.losses.topk import cached_kd_and_ce
-from components.models import load_model
-from components.models.prune import STUDENT_SCHEMA, student_layers
-from components.quantization import QAT_SCHEMES, prepare_qat_student
-from components.runtime import setup_runtime
-from components.schema import Choice, Range
-from components.teacher import TEACHER_SCHEMA, load_teacher, loss_vocab
-from components.training import (
+from llm_recipe.components.config import config_source, run_recipe_script
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses import KD_LOSSES, build_kd_loss, kd_and_ce
+from llm_recipe.components.losses.topk import cached_kd_and_ce
+from llm_recipe.components.models import load_model
+from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
+from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.teacher import TEACHER_SCHEMA, load_teacher, loss_vocab
+from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
     find_resume_checkpoint,

@@ -17,15 +17,21 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import run_recipe_script
-from components.data.dataset import build_dataset
-from components.errors import RecipeError
-from components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
-from components.models import load_model, read_model_args
-from components.quantization.teacher import TEACHER_QUANT, quantize_teacher
-from components.runtime import prepare_teacher, setup_runtime
-from components.schema import Choice, ModelDir, Range
-from components.training import DATASET_SCHEMA, TRAIN_SCHEMA, hidden_states, load_tokenizer, to_device
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.data.dataset import build_dataset
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
+from llm_recipe.components.models import load_model, read_model_args
+from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from llm_recipe.components.runtime import prepare_teacher, setup_runtime
+from llm_recipe.components.schema import Choice, ModelDir, Range
+from llm_recipe.components.training import (
+    DATASET_SCHEMA,
+    TRAIN_SCHEMA,
+    hidden_states,
+    load_tokenizer,
+    to_device,
+)
 
 SCHEMA = {
     **{k: TRAIN_SCHEMA[k] for k in ("output_dir", "seed", "device", "dtype", "compile", "batch_size",

@@ -1,6 +1,6 @@
 """LoRA / DoRA / QLoRA fine-tuning: the base stays frozen (NF4-quantized for QLoRA), low-rank adapters train.
 
-setup (runtime, tokenizer, base + adapters, data, optimizer, resume) -> loop (components.training.train)
+setup (runtime, tokenizer, base + adapters, data, optimizer, resume) -> loop (llm_recipe.components.training.train)
 -> output_dir/model (adapters merged, a plain HF folder) and output_dir/adapter (PEFT format).
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
-from components.errors import RecipeError
-from components.models import load_model
-from components.runtime import setup_runtime
-from components.schema import ModelDir
-from components.training import (
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import load_model
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.schema import ModelDir
+from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
     find_resume_checkpoint,

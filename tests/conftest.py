@@ -22,8 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
-    """HF folder of the embedded SmolLM2-135M-Instruct (see components.assets)."""
-    from components.assets import ensure_assets
+    """HF folder of the embedded SmolLM2-135M-Instruct (see llm_recipe.components.assets)."""
+    from llm_recipe.components.assets import ensure_assets
 
     return ensure_assets(quiet=True)
 
@@ -31,7 +31,7 @@ def embedded_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
     """A 4-layer, 64-wide Llama with random weights and SmolLM2's real tokenizer and chat template."""
-    from components.models import ModelArgs, build_model, save_model
+    from llm_recipe.components.models import ModelArgs, build_model, save_model
 
     args = ModelArgs.from_hf_config({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,

@@ -1,4 +1,4 @@
-"""components.assets: embedded GGUF/eval data lookup and the one-time GGUF -> HF conversion into the cache."""
+"""llm_recipe.components.assets: embedded GGUF/eval data lookup and the one-time GGUF -> HF conversion into the cache."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from components import assets
-from components.errors import RecipeError
+from llm_recipe.components import assets
+from llm_recipe.components.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_partial_folder_is_rebuilt(cache, monkeypatch, capsys):
 
 
 def test_marker_matches_converter():
-    from components.models.gguf_import import MARKER
+    from llm_recipe.components.models.gguf_import import MARKER
 
     assert assets.MARKER == MARKER
 

@@ -44,7 +44,7 @@ def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.Comple
     env["RECIPE_RECIPES_DIR"] = str(tree / "pkgs" / "recipes")
     env["RECIPE_CONFIGS_DIR"] = str(tree / "pkgs" / "configs")
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args],
+        [sys.executable, "-m", "llm_recipe.cli.main", *args],
         cwd=cwd or tree / "work",
         env=env,
         capture_output=True,
@@ -75,7 +75,7 @@ def test_ls_lists_recipes_with_their_configs_only(tree):
 def test_ls_on_the_real_tree_lists_each_shipped_recipe():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "ls"],
+        [sys.executable, "-m", "llm_recipe.cli.main", "ls"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -231,8 +231,8 @@ def test_usage_errors_exit_2_and_help_has_examples(tree):
 
 def _help_examples() -> list[list[str]]:
     """Every `recipe ...` example line of `recipe --help`, each verb's --help and a recipe script's --help."""
-    from cli.main import build_parser
-    from components.config import recipe_argparser
+    from llm_recipe.cli.main import build_parser
+    from llm_recipe.components.config import recipe_argparser
 
     parser = build_parser()
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -246,7 +246,7 @@ def test_help_examples_name_configs_and_keys_that_exist(capsys, tmp_path, monkey
     """The examples in --help texts work: their shipped configs exist and their overrides are keys the recipe
     reads (each `run` example is validated, each `cp` runs in a scratch folder); examples on the user's own
     files (my_kd.yaml) are skipped."""
-    from cli.main import main
+    from llm_recipe.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     examples = _help_examples()

@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from components.config import (
+from llm_recipe.components.config import (
     COMPONENT,
     instantiate,
     load_config,
     run_recipe_script,
     validate_config,
 )
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -209,7 +209,7 @@ def test_missing_config_suggests_recipe_ls(tmp_path, monkeypatch):
 
 
 def test_shipped_names_resolve_in_configs_package(tmp_path, monkeypatch):
-    import components.config as config
+    import llm_recipe.components.config as config
 
     (tmp_path / "kd").mkdir()
     (tmp_path / "kd" / "demo.yaml").write_text("lr: 2\n")

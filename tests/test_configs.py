@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.recipes import load_recipe
-from components.config import load_config, validate_config
+from llm_recipe.cli.recipes import load_recipe
+from llm_recipe.components.config import load_config, validate_config
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*/*.yaml"))
 
@@ -45,7 +45,7 @@ def test_validate_cli_reports_unknown_key_with_line(tmp_path):
     text = (Path(__file__).resolve().parents[1] / "configs/eval/smollm2.yaml").read_text()
     cfg.write_text(text + "enable_activation_offloading: true  # torchtune silently ignored this\n")
     line = len(text.splitlines()) + 1
-    r = subprocess.run([sys.executable, "-m", "cli.main", "validate", str(cfg), "--recipe", "eval"],
+    r = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", str(cfg), "--recipe", "eval"],
                        capture_output=True, text=True)
     assert r.returncode == 1
     assert f"bad.yaml:{line}: unknown key 'enable_activation_offloading'" in r.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import (
+from llm_recipe.components.data import (
     IGNORE_INDEX,
     PackedDataset,
     StatefulLoader,
@@ -20,8 +20,8 @@ from components.data import (
     tokenize_segments,
     transfer_set_path,
 )
-from components.errors import RecipeError
-from components.models.tokenizer import Tokenizer
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.tokenizer import Tokenizer
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -380,7 +380,7 @@ def test_build_loader_collates_with_pad_id(tmp_path, tok):
 def smol_tok(request) -> Tokenizer:
     """The embedded SmolLM2-135M-Instruct tokenizer (converted from the shipped GGUF once, then cached)."""
     try:
-        from components.assets import ensure_assets  # the project's own cache, when available
+        from llm_recipe.components.assets import ensure_assets  # the project's own cache, when available
     except ImportError:
         ensure_assets = None
     if ensure_assets is not None:
@@ -389,7 +389,7 @@ def smol_tok(request) -> Tokenizer:
     else:
         from importlib.metadata import distribution
 
-        from components.models.gguf_import import convert_gguf_to_hf
+        from llm_recipe.components.models.gguf_import import convert_gguf_to_hf
 
         model_dir = Path(request.config.cache.mkdir("data_smollm2_hf")) / "model"
         if not (model_dir / "tokenizer.json").is_file():
@@ -418,8 +418,8 @@ def test_packed_compiled_runs_see_one_batch_shape(tok, compile_):
     """compile=true with packing drops the last partial batch, so torch.compile never recompiles for it."""
     from omegaconf import OmegaConf
 
-    from components.runtime import Runtime
-    from components.training import build_train_loader
+    from llm_recipe.components.runtime import Runtime
+    from llm_recipe.components.training import build_train_loader
 
     cfg = OmegaConf.create({"batch_size": 3, "seed": 0, "compile": compile_, "dataset": {
         "source": "transfer:passages", "format": "text", "limit": 40, "max_seq_len": 64, "packed": True}})

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cli.demo import run_demo, summary_table
+from llm_recipe.cli.demo import run_demo, summary_table
 
 
 def _check_outputs(out, rows):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 def _run(tmp_path, tiny_model_dir, name, torchrun, batch_size):
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "cli.main", "run", *torchrun, "full", "--config", "full/smollm2",
+    cmd = [sys.executable, "-m", "llm_recipe.cli.main", "run", *torchrun, "full", "--config", "full/smollm2",
            f"model.checkpoint_dir={tiny_model_dir}", f"output_dir={out}", "device=cpu", "dtype=fp32", "max_steps=2",
            f"batch_size={batch_size}", "gradient_accumulation_steps=1", "dataset.limit=32", "dataset.max_seq_len=64",
            "dataset.shuffle=false", "max_grad_norm=null", "save_every_n_steps=null",

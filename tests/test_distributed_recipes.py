@@ -3,7 +3,7 @@
 Each case trains the tiny model for a few steps once with 1 process (batch 4) and once with 2 (batch 2 each,
 the same global batch), then compares what a user gets: the merged HF folder, the PEFT adapter (which PEFT
 loads on the base with the logits of our merged model), the checkpoints (sharded on 2 processes, turned into
-HF folders with `python -m components.checkpoint.sharded`), metrics.jsonl, and QAT's converted folder.
+HF folders with `python -m llm_recipe.components.checkpoint.sharded`), metrics.jsonl, and QAT's converted folder.
 Then a 2-process run killed with SIGKILL mid-training resumes to the uninterrupted run's exact weights.
 
 Runs are shared between assertions (module-scoped fixtures) to keep the file to a few minutes.
@@ -60,7 +60,7 @@ def cases(model: Path) -> dict[str, tuple[str, str, list[str]]]:
 
 
 def run(recipe: str, config: str, overrides: list[str], cwd: Path, torchrun: list[str] = ()) -> None:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", *torchrun, recipe, "--config", config,
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *torchrun, recipe, "--config", config,
                            *overrides], cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
     rc.assert_ok(proc)
 
@@ -111,8 +111,8 @@ def assert_same_metrics(one: Path, two: Path, rel: float = 1e-4) -> None:
 def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_close_weights) -> None:
     """Same steps; the 2-process ones are sharded, checksummed (every rank's shards in the manifest) and convert
     into the 1-process checkpoint's weights."""
-    from components.checkpoint.manifest import verify_manifest
-    from components.checkpoint.sharded import is_sharded_checkpoint
+    from llm_recipe.components.checkpoint.manifest import verify_manifest
+    from llm_recipe.components.checkpoint.sharded import is_sharded_checkpoint
 
     c1, c2 = rc.complete_checkpoints(one), rc.complete_checkpoints(two)
     assert [p.name for p in c1] == [p.name for p in c2] and c1
@@ -124,7 +124,7 @@ def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_
         assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= listed.keys()
         verify_manifest(b)
         out = tmp_path / f"{two.name}_{b.name}_hf"
-        proc = subprocess.run([sys.executable, "-m", "components.checkpoint.sharded", str(b), str(out)],
+        proc = subprocess.run([sys.executable, "-m", "llm_recipe.components.checkpoint.sharded", str(b), str(out)],
                               env=rc.cli_env(), capture_output=True, text=True, timeout=300)
         rc.assert_ok(proc)
         close(a, out)
@@ -132,7 +132,7 @@ def assert_checkpoints_match(one: Path, two: Path, tmp_path: Path, close=assert_
 
 def assert_flipped_shard_is_refused(two: Path, tmp_path: Path, capsys) -> None:
     """A flipped byte in one rank's shard is a one-line error when converting, never a silent conversion."""
-    from components.checkpoint.sharded import main as convert
+    from llm_recipe.components.checkpoint.sharded import main as convert
 
     flipped = tmp_path / f"{two.name}_flipped"
     shutil.copytree(rc.complete_checkpoints(two)[-1], flipped)
@@ -141,7 +141,7 @@ def assert_flipped_shard_is_refused(two: Path, tmp_path: Path, capsys) -> None:
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    assert convert([str(flipped), str(tmp_path / "no")]) == 1  # `python -m components.checkpoint.sharded`
+    assert convert([str(flipped), str(tmp_path / "no")]) == 1  # `python -m llm_recipe.components.checkpoint.sharded`
     err = capsys.readouterr().err
     assert err.startswith(f"recipe: error: checkpoint file {shard} is corrupt") and err.count("\n") == 1, err
     assert not (tmp_path / "no").exists()
@@ -182,7 +182,7 @@ def test_kd_dora_student_two_processes_match_one(pair, tiny_model_dir, tmp_path)
 
 @pytest.mark.slow  # ~80 s on 2 shared cores; the default suite keeps KD's LoRA (DoRA) student case
 def test_kd_full_student_two_processes_match_one(pair, tmp_path):
-    from components.models import read_model_args
+    from llm_recipe.components.models import read_model_args
 
     one, two = pair("kd_full")
     assert_close_weights(one / "model", two / "model")
@@ -193,7 +193,7 @@ def test_kd_full_student_two_processes_match_one(pair, tmp_path):
 
 
 def test_qat_two_processes_match_one(pair, tiny_model_dir, tmp_path):
-    from components.quantization.export_hf import load_hf_torchao
+    from llm_recipe.components.quantization.export_hf import load_hf_torchao
 
     one, two = pair("qat")
     assert rc.read_metrics(one)[0]["loss"] == pytest.approx(rc.read_metrics(two)[0]["loss"], rel=1e-6)
@@ -213,7 +213,7 @@ def test_qat_two_processes_match_one(pair, tiny_model_dir, tmp_path):
 def test_qlora_unshardable_nf4_is_one_line_error(tmp_path, tiny_model_dir):
     """The tiny model's 64x64 NF4 weights hold one double-quantization factor each, which FSDP2 cannot split
     over 2 ranks: a one-line error naming the weight, not an AssertionError from inside torchao."""
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", *TWO, "lora", "--config", "lora/smollm2",
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, "lora", "--config", "lora/smollm2",
                            *TRAIN, f"model.checkpoint_dir={tiny_model_dir}", LORA, "lora.quantize_base=true",
                            f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=rc.cli_env(), capture_output=True,
                           text=True, timeout=600)
@@ -249,7 +249,7 @@ def test_two_process_resume_after_sigkill_matches_uninterrupted(pair, tiny_model
     out = tmp_path / "crashed"
     args = [*overrides, "batch_size=2", f"output_dir={out}"]
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (closed below; the children write to it)
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "run", *TWO, recipe, "--config", config, *args],
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
                             cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     try:
@@ -292,7 +292,7 @@ def test_two_nodes_on_one_host_match_two_processes(pair, tiny_model_dir, tmp_pat
     out = tmp_path / "two_nodes"
     launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "recipe-test"]
-    cmd = [sys.executable, "-m", "cli.main", "run", *launch, recipe, "--config", config, *overrides, "batch_size=2",
+    cmd = [sys.executable, "-m", "llm_recipe.cli.main", "run", *launch, recipe, "--config", config, *overrides, "batch_size=2",
            f"output_dir={out}"]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=rc.cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]

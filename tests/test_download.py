@@ -178,7 +178,7 @@ def download(endpoint: str, tmp_path: Path, *args: str, env_extra: dict | None =
     )
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", "download", *args],
+        [sys.executable, "-m", "llm_recipe.cli.main", "download", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -15,9 +15,9 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from components.errors import RecipeError
-from components.eval import TASKS_DIR, evaluate, offline_task_names, task_manager
-from components.eval.lm import RecipeLM
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.eval import TASKS_DIR, evaluate, offline_task_names, task_manager
+from llm_recipe.components.eval.lm import RecipeLM
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK = Path(lm_eval.__file__).parent / "tasks"
@@ -49,7 +49,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from components.assets import ensure_assets
+    from llm_recipe.components.assets import ensure_assets
 
     return ensure_assets(quiet=True)
 
@@ -165,13 +165,13 @@ def test_loglikelihood_rolling_windows_match_hf(model_dir, hf, one_thread):
 
 
 def ours_model(model_dir):
-    from components.eval.lm import load_checkpoint
+    from llm_recipe.components.eval.lm import load_checkpoint
 
     return load_checkpoint(model_dir)[0]
 
 
 def ours_tok(model_dir):
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 
@@ -232,7 +232,7 @@ def test_recipe_lm_eval_runs_lm_eval_cli_with_our_model_and_pack(model_dir, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4", "--device", "cpu",
             "--tasks", "recipe_arc_easy", "--limit", "5", "--output_path", str(tmp_path / "out")]
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "lm_eval", *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "lm_eval", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe_arc_easy" in proc.stdout and "acc_norm" in proc.stdout
@@ -246,7 +246,7 @@ def test_recipe_lm_eval_keeps_a_users_include_path_and_patches_nothing(tmp_path,
     """A user's --include_path is scanned next to our pack; lm-eval's TaskManager itself is left untouched."""
     from lm_eval.tasks import TaskManager
 
-    from cli.lmeval import main as lm_eval_main
+    from llm_recipe.cli.lmeval import main as lm_eval_main
 
     init = TaskManager.__init__
     mine = tmp_path / "mine"
@@ -261,8 +261,8 @@ def test_recipe_lm_eval_keeps_a_users_include_path_and_patches_nothing(tmp_path,
 
 def test_torchao_checkpoint_is_scored_quantized(model_dir, ours, tmp_path):
     """A folder from the torchao HF export loads with its quantized tensors (not silently as floats)."""
-    from components.models import load_model
-    from components.quantization.export_hf import export_hf_torchao
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.quantization.export_hf import export_hf_torchao
 
     model, args = load_model(model_dir)
     qdir = export_hf_torchao(model, args, model_dir, tmp_path / "q", "int8_weight_only")

@@ -1,11 +1,11 @@
-"""components.eval.stats: the standard errors the demo and the KD study print, from lm-eval's per-item samples."""
+"""llm_recipe.components.eval.stats: the standard errors the demo and the KD study print, from lm-eval's per-item samples."""
 
 import math
 import random
 
 import pytest
 
-from components.eval.stats import loglikelihood_task_stats, paired_difference, per_item
+from llm_recipe.components.eval.stats import loglikelihood_task_stats, paired_difference, per_item
 
 
 def _samples(accs, lls):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from components.assets import ensure_assets
-from components.errors import RecipeError
-from components.models import ModelArgs, build_model, load_model
-from components.models.gguf_import import _unpermute_qk
-from components.quantization import convert_qat, prepare_qat, quantize_model
-from components.quantization.export_gguf import (
+from llm_recipe.components.assets import ensure_assets
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import ModelArgs, build_model, load_model
+from llm_recipe.components.models.gguf_import import _unpermute_qk
+from llm_recipe.components.quantization import convert_qat, prepare_qat, quantize_model
+from llm_recipe.components.quantization.export_gguf import (
     bits_per_weight,
     export_gguf,
     gguf_tensor_types,

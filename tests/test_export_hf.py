@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from components.assets import ensure_assets
-from components.errors import RecipeError
-from components.models import ModelArgs, build_model, load_model
-from components.quantization import quantize_model
-from components.quantization.export_hf import export_hf_torchao, load_hf_torchao
+from llm_recipe.components.assets import ensure_assets
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import ModelArgs, build_model, load_model
+from llm_recipe.components.quantization import quantize_model
+from llm_recipe.components.quantization.export_hf import export_hf_torchao, load_hf_torchao
 
 transformers = pytest.importorskip("transformers")
 

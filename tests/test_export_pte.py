@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("executorch.runtime")
 
-from components.errors import RecipeError  # noqa: E402
-from components.models import ModelArgs, build_model, load_model  # noqa: E402
-from components.quantization import quantize_model  # noqa: E402
-from components.quantization.export_pte import (  # noqa: E402
+from llm_recipe.components.errors import RecipeError  # noqa: E402
+from llm_recipe.components.models import ModelArgs, build_model, load_model  # noqa: E402
+from llm_recipe.components.quantization import quantize_model  # noqa: E402
+from llm_recipe.components.quantization.export_pte import (  # noqa: E402
     PteRunner,
     StaticCacheDecoder,
     export_pte,
@@ -98,7 +98,7 @@ def check_embedded_pte(model, path):
 
 @pytest.mark.slow
 def test_embedded_model_pte(tmp_path):
-    from components.assets import ensure_assets
+    from llm_recipe.components.assets import ensure_assets
 
     model, _ = load_model(ensure_assets(quiet=True), max_seq_len=64)
     model.eval()

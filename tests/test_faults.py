@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from components.checkpoint import load_recipe_state, verify_manifest
-from components.folders import LOCK_NAME
+from llm_recipe.components.checkpoint import load_recipe_state, verify_manifest
+from llm_recipe.components.folders import LOCK_NAME
 
 
 def _load(name: str):
@@ -54,7 +54,7 @@ def train_args(model: Path, out: Path) -> list[str]:
 
 def run_with_fault(fault: dict | None, recipe: str, config: str, overrides: list[str], cwd: Path,
                    preexec_fn=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(KILL_AT), json.dumps(fault)] if fault else [sys.executable, "-m", "cli.main"]
+    cmd = [sys.executable, str(KILL_AT), json.dumps(fault)] if fault else [sys.executable, "-m", "llm_recipe.cli.main"]
     return subprocess.run([*cmd, *rc.run_args(recipe, config, overrides)], cwd=cwd, env=rc.cli_env(),
                           capture_output=True, text=True, timeout=600, preexec_fn=preexec_fn)
 
@@ -93,13 +93,13 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     resume = [*args, "resume=true"]
 
     # 1. kill -9 inside optimizer step 3: its forward and backward ran, its update did not
-    assert_killed(run_with_fault({"target": "components.training.optimizer_step", "nth": 3}, "full", CONFIG, args,
+    assert_killed(run_with_fault({"target": "llm_recipe.components.training.optimizer_step", "nth": 3}, "full", CONFIG, args,
                                  tmp_path))
     assert steps_of(out) == ["step_000002"]
     assert (out / LOCK_NAME).exists()  # a killed run cannot clean up: the next run takes its lock over
 
     # 2. resumed; kill -9 halfway through writing step 4's recipe state (the file is cut to half its size)
-    p = run_with_fault({"target": "components.checkpoint.state.save_file", "action": "truncate"}, "full", CONFIG,
+    p = run_with_fault({"target": "llm_recipe.components.checkpoint.state.save_file", "action": "truncate"}, "full", CONFIG,
                        resume, tmp_path)
     assert_killed(p)
     doc.expect("stale-lock", p.stderr, out=out)
@@ -108,7 +108,7 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     assert [n.split(".tmp-")[0] for n in hidden_leftovers(out / "checkpoints")] == [".step_000004"]
 
     # 3. resumed from step 2 again; kill -9 halfway through writing the final model's weights
-    p = run_with_fault({"target": "components.models.hf_io.save_file", "action": "truncate",
+    p = run_with_fault({"target": "llm_recipe.components.models.hf_io.save_file", "action": "truncate",
                         "path_contains": "/.model.tmp-"}, "full", CONFIG, resume, tmp_path)
     assert_killed(p)
     doc.expect("kill-mid-save", p.stdout, out=out)
@@ -154,7 +154,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, ti
     out = tmp_path / "out"
     args = train_args(tiny_model_dir, out)
     # SIGINT arrives inside optimizer step 3 (what Ctrl-C in the terminal does)
-    p = run_with_fault({"target": "components.training.optimizer_step", "nth": 3, "action": "sigint"}, "full",
+    p = run_with_fault({"target": "llm_recipe.components.training.optimizer_step", "nth": 3, "action": "sigint"}, "full",
                        CONFIG, args, tmp_path)
     assert p.returncode == 130, p.stderr
     assert "Traceback" not in p.stderr
@@ -197,7 +197,7 @@ def test_kill_during_quantize_export_then_rerun_gives_the_same_files(tmp_path, t
     ref, out = tmp_path / "uninterrupted", tmp_path / "out"
     assert rc.run_in_process("quantize", "quantize/smollm2_8da4w", [*args, f"output_dir={ref}"]) == 0
     # kill -9 halfway through writing the torchao HF export's weights
-    p = run_with_fault({"target": "components.quantization.export_hf.save_file", "action": "truncate"}, "quantize",
+    p = run_with_fault({"target": "llm_recipe.components.quantization.export_hf.save_file", "action": "truncate"}, "quantize",
                        "quantize/smollm2_8da4w", [*args, f"output_dir={out}"], tmp_path)
     assert_killed(p)
     assert not (out / "hf").exists() and not (out / "report.json").exists()
@@ -230,7 +230,7 @@ def test_output_dir_without_write_permission(tmp_path, tiny_model_dir):
             pytest.skip("running as root and util-linux setpriv is not installed")
         prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps=-all"]
     try:
-        p = subprocess.run([*prefix, sys.executable, "-m", "cli.main", *rc.run_args("full", CONFIG, [
+        p = subprocess.run([*prefix, sys.executable, "-m", "llm_recipe.cli.main", *rc.run_args("full", CONFIG, [
             f"model.checkpoint_dir={tiny_model_dir}", f"output_dir={ro}/out"])], cwd=tmp_path, env=rc.cli_env(),
             capture_output=True, text=True, timeout=300)
         assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from components.checkpoint import atomic_directory, verify_manifest, write_manifest
-from components.errors import RecipeError
-from components.folders import LOCK_NAME, check_model_dir, check_output_dir, lock_output_dir
+from llm_recipe.components.checkpoint import atomic_directory, verify_manifest, write_manifest
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.folders import LOCK_NAME, check_model_dir, check_output_dir, lock_output_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, caplog
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (out / LOCK_NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": "h", "started": "t"}))
     check_output_dir(out)  # a file nobody holds is no obstacle
-    with caplog.at_level(logging.WARNING, logger="components.folders"):
+    with caplog.at_level(logging.WARNING, logger="llm_recipe.components.folders"):
         with lock_output_dir(out):
             assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert f"taking over the lock left by a run that did not finish (pid {dead.stdout.strip()} on h" in caplog.text
@@ -47,7 +47,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, caplog
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     out = tmp_path / "run"
-    code = ("import sys, time\nfrom components.folders import lock_output_dir\n"
+    code = ("import sys, time\nfrom llm_recipe.components.folders import lock_output_dir\n"
             "with lock_output_dir(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(300)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from components.losses import (
+from llm_recipe.components.losses import (
     build_kd_loss,
     chunked_cross_entropy,
     chunked_kd_and_ce,
@@ -14,7 +14,7 @@ from components.losses import (
     fused_linear_kd_and_ce,
     kd_and_ce,
 )
-from components.models.builder import LoRASettings, _linear
+from llm_recipe.components.models.builder import LoRASettings, _linear
 
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("symmetric_kl", {"ratio": 0.3}), ("jsd", {"beta": 0.3}),
          ("skew_kl", {"alpha": 0.2}), ("skew_reverse_kl", {"alpha": 0.2})]

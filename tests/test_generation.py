@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from components.models import ModelArgs, build_model
-from components.models.generation import generate, sample_next
+from llm_recipe.components.models import ModelArgs, build_model
+from llm_recipe.components.models.generation import generate, sample_next
 
 ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
@@ -61,7 +61,7 @@ def test_max_new_tokens(n):
 
 
 def test_batched_greedy_matches_one_prompt_at_a_time():
-    from components.models.generation import generate_batch
+    from llm_recipe.components.models.generation import generate_batch
 
     model = _model()
     prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]  # different lengths: left padding must not leak
@@ -76,7 +76,7 @@ def test_batched_greedy_matches_one_prompt_at_a_time():
 
 
 def test_batched_sampling_is_reproducible_and_honours_top_k():
-    from components.models.generation import generate_batch, sample_batch
+    from llm_recipe.components.models.generation import generate_batch, sample_batch
 
     model = _model()
     prompts = [[1, 2, 3], [4, 5]]

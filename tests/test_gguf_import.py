@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.errors import RecipeError
-from components.models.gguf_import import MARKER, _unpermute_qk, convert_gguf_to_hf
-from components.models.tokenizer import Tokenizer
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.gguf_import import MARKER, _unpermute_qk, convert_gguf_to_hf
+from llm_recipe.components.models.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

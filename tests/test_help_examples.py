@@ -24,10 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from cli import main as cli_main
-from cli.lmeval import USAGE as LM_EVAL_USAGE
-from cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_file
-from components.config import load_recipe_config, recipe_argparser, resolve_config_path, shipped_configs
+from llm_recipe.cli import main as cli_main
+from llm_recipe.cli.lmeval import USAGE as LM_EVAL_USAGE
+from llm_recipe.cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_file
+from llm_recipe.components.config import (
+    load_recipe_config,
+    recipe_argparser,
+    resolve_config_path,
+    shipped_configs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -139,7 +144,7 @@ def _check_run(args: list[str]) -> None:
 
 
 def _check_lm_eval(args: list[str], stock: bool, capsys) -> None:
-    from cli import lmeval
+    from llm_recipe.cli import lmeval
 
     if args == ["--tasks-path"]:
         assert lmeval.main(args) == 0 and Path(capsys.readouterr().out.strip()).is_dir()
@@ -147,7 +152,7 @@ def _check_lm_eval(args: list[str], stock: bool, capsys) -> None:
     from lm_eval._cli import HarnessCLI
     from lm_eval.api.registry import get_model
 
-    from components.eval.run import offline_task_names
+    from llm_recipe.components.eval.run import offline_task_names
 
     if not args or "--help" in args or "-h" in args:
         with pytest.raises(SystemExit) as exit_:

@@ -41,7 +41,7 @@ READING_TOP1 = 0.05  # F32 re-export of the file's weights: no rounding in llama
 
 def _ours(model, ids: list[int]) -> tuple[np.ndarray, list[int]]:
     """(prompt logits [T, V], greedy continuation) of our model."""
-    from components.models.generation import generate
+    from llm_recipe.components.models.generation import generate
 
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0].float().numpy()
@@ -80,9 +80,9 @@ def compare(llm, model, tokenizer) -> dict:
 
 def _export(kind: str, embedded: Path, tmp: Path) -> tuple[Path, object | None]:
     """(GGUF path, the torchao model for 8da4w else None)."""
-    from components.models import load_model
-    from components.quantization import quantize_model
-    from components.quantization.export_gguf import export_gguf
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.quantization import quantize_model
+    from llm_recipe.components.quantization.export_gguf import export_gguf
 
     model, args = load_model(embedded)
     model.eval()
@@ -93,8 +93,8 @@ def _export(kind: str, embedded: Path, tmp: Path) -> tuple[Path, object | None]:
 
 
 def _file_model(path: Path, tmp: Path):
-    from components.models import load_model
-    from components.models.gguf_import import convert_gguf_to_hf
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.gguf_import import convert_gguf_to_hf
 
     model, _ = load_model(convert_gguf_to_hf(path, tmp / f"{path.stem}-hf"))
     return model.eval()
@@ -125,9 +125,9 @@ def _same_as_llama_cpp_quantizer(ours: Path, f32: Path, qtype: str, tmp: Path) -
 
 
 def measure(kind: str, embedded: Path, tmp: Path) -> dict[str, dict]:
-    from components.models import load_model
-    from components.models.tokenizer import Tokenizer
-    from components.quantization.export_gguf import export_gguf
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
+    from llm_recipe.components.quantization.export_gguf import export_gguf
 
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_dir(embedded)
@@ -149,7 +149,7 @@ def measure(kind: str, embedded: Path, tmp: Path) -> dict[str, dict]:
 
 
 def _load(embedded: Path):
-    from components.models import load_model
+    from llm_recipe.components.models import load_model
 
     model, args = load_model(embedded)
     return model.eval(), args
@@ -174,7 +174,7 @@ def test_llama_cpp_runs_our_gguf_like_our_model(kind, embedded_model_dir, tmp_pa
 if __name__ == "__main__":  # print the numbers for docs/quantization.md
     import tempfile
 
-    from components.assets import ensure_assets
+    from llm_recipe.components.assets import ensure_assets
 
     with tempfile.TemporaryDirectory() as d:
         for k in sys.argv[1:] or TOLERANCE:

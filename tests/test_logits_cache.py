@@ -48,11 +48,11 @@ def cache(tmp_path_factory, teacher) -> Path:
 
 
 def test_cache_holds_the_teachers_top_k_within_200_bytes_per_token(cache, teacher):
-    from components.data.dataset import build_dataset
-    from components.logits_cache.manifest import unpack_ids
-    from components.losses.topk import teacher_topk
-    from components.models import load_model
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.logits_cache.manifest import unpack_ids
+    from llm_recipe.components.losses.topk import teacher_topk
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     m = json.loads((cache / "manifest.json").read_text())
     assert m["complete"] and m["num_shards"] == 12 and m["top_k"] == 32
@@ -76,7 +76,7 @@ def test_kill_9_while_writing_then_rerun_gives_identical_shards(tmp_path, cache,
     args = ["run", "kd_logits", "--config", "kd_logits/smollm2_demo", *CACHE, f"teacher.checkpoint_dir={teacher}",
             f"output_dir={out}"]
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (closed below; the child writes to it)
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=tmp_path, env=rc.cli_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", *args], cwd=tmp_path, env=rc.cli_env(),
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     try:
@@ -183,9 +183,9 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
                                                                           tiny_model_dir):
     """SmolLM2-135M teaches the tiny student for 12 steps, online and from its top-32 cache: the students end
     within a few percent of each other on the full-vocabulary objective (CE + forward KL)."""
-    from components.data.dataset import build_dataset
-    from components.models import load_model
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     data = ["dataset.max_seq_len=48", "dataset.limit=24"]
     cache = tmp_path / "cache"

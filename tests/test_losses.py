@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from components.errors import RecipeError
-from components.losses import (
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses import (
     KD_LOSSES,
     build_kd_loss,
     chunked_cross_entropy,

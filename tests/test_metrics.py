@@ -11,8 +11,8 @@ import torch
 from matplotlib import colors
 from matplotlib.image import imread
 
-from components.errors import RecipeError
-from components.metrics import MetricLogger, NonFiniteLossError, check_finite, read_metrics, redact
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.metrics import MetricLogger, NonFiniteLossError, check_finite, read_metrics, redact
 
 
 def _lines(path):

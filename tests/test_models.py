@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from components.errors import RecipeError
-from components.models import (
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import (
     LoRASettings,
     keep_every,
     load_hf_state_dict,
@@ -69,9 +69,9 @@ def test_sharded_save_and_load(tmp_path):
     _, path = _hf_model("llama_tied", tmp_path)
     ours, args = load_model(path)
     out = tmp_path / "sharded"
-    from components.models.convert import tune_to_hf_names
-    from components.models.hf_io import write_hf_folder
-    from components.models.loader import merged_state_dict
+    from llm_recipe.components.models.convert import tune_to_hf_names
+    from llm_recipe.components.models.hf_io import write_hf_folder
+    from llm_recipe.components.models.loader import merged_state_dict
     write_hf_folder(out, tune_to_hf_names(merged_state_dict(ours)), args.to_hf_config("float32"),
                     max_shard_bytes=100_000)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
@@ -126,7 +126,7 @@ def test_torchtune_imports_through_nf4_alias_and_qlora_trains(tmp_path):
     import importlib
     import sys
 
-    import components.models  # noqa: F401  (installs the alias before torchtune)
+    import llm_recipe.components.models  # noqa: F401  (installs the alias before torchtune)
 
     # `torchao.quantization.quantize_` is also a function name, so import the module by its string path.
     new_nf4 = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
@@ -154,7 +154,7 @@ def test_torchtune_imports_through_nf4_alias_and_qlora_trains(tmp_path):
 @pytest.mark.parametrize("dora", [False, True])
 def test_peft_adapter_loads_in_peft_with_same_logits(dora, tmp_path):
     peft = pytest.importorskip("peft")
-    from components.models.peft_adapter import save_peft_adapter
+    from llm_recipe.components.models.peft_adapter import save_peft_adapter
 
     hf, path = _hf_model("qwen2", tmp_path)
     lora = LoRASettings(rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "up_proj"), use_dora=dora)

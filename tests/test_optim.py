@@ -10,9 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from components.checkpoint.state import capture_rng, load_recipe_state, restore_rng, save_checkpoint
-from components.errors import RecipeError
-from components.optim import build_optimizer, build_scheduler, load_optimizer_state
+from llm_recipe.components.checkpoint.state import (
+    capture_rng,
+    load_recipe_state,
+    restore_rng,
+    save_checkpoint,
+)
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.optim import build_optimizer, build_scheduler, load_optimizer_state
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 STEPS = 3  # steps before and after the checkpoint
@@ -151,7 +156,7 @@ def test_build_optimizer_defaults_and_errors():
 
 
 def test_low_bit_adamw_under_fsdp_falls_back_loudly(caplog):
-    """torchao's low-bit AdamWs fail on FSDP2 shards (see components.optim._low_bit_fallback): several
+    """torchao's low-bit AdamWs fail on FSDP2 shards (see llm_recipe.components.optim._low_bit_fallback): several
     processes get torchao's full-precision _AdamW with the same hyperparameters and a warning naming why."""
     from torchao.optim import _AdamW
 
@@ -215,7 +220,7 @@ def test_cpu_offload_optimizer_resume_on_cuda(tmp_path: Path):
 
 
 def test_bf16_rounded_away_fraction_follows_bf16_resolution():
-    from components.optim import bf16_rounded_away_fraction
+    from llm_recipe.components.optim import bf16_rounded_away_fraction
 
     ones = torch.ones(1000, dtype=torch.bfloat16)  # ulp(1.0) = 2**-7: lr 2e-5 cannot move it, 1e-2 can
     small = torch.full((1000,), 1e-3, dtype=torch.bfloat16)  # ulp ~ 7.6e-6: lr 2e-5 moves it
@@ -227,12 +232,12 @@ def test_bf16_rounded_away_fraction_follows_bf16_resolution():
 
 
 def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
-    from components.optim import warn_if_bf16_updates_round_away
+    from llm_recipe.components.optim import warn_if_bf16_updates_round_away
 
     model = nn.Linear(64, 64).to(torch.bfloat16)
     with torch.no_grad():
         model.weight.fill_(0.5)  # ulp/2 = 2**-10 ~ 1e-3: an lr of 2e-5 is lost, 1e-2 is kept
-    with caplog.at_level("WARNING", logger="components.optim"):
+    with caplog.at_level("WARNING", logger="llm_recipe.components.optim"):
         opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 2e-5}, model.parameters(), CPU)
         assert warn_if_bf16_updates_round_away(opt) > 0.9
     assert "lr=2.0e-05 rounds away" in caplog.text and "bf16_stochastic_round=true" in caplog.text
@@ -243,7 +248,7 @@ def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
     assert torch.equal(model.weight, before)
 
     caplog.clear()
-    with caplog.at_level("WARNING", logger="components.optim"):
+    with caplog.at_level("WARNING", logger="llm_recipe.components.optim"):
         sr = build_optimizer({"_component_": "torchao.optim._AdamW", "lr": 2e-5, "bf16_stochastic_round": True},
                              model.parameters(), CPU)
         assert warn_if_bf16_updates_round_away(sr) == 0.0

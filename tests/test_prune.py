@@ -1,4 +1,4 @@
-"""Depth pruning by measured importance (components.models.prune and `student.prune` in the kd recipe): the scores
+"""Depth pruning by measured importance (llm_recipe.components.models.prune and `student.prune` in the kd recipe): the scores
 are what they claim to be, a layer that does nothing is the first to go, and the KD recipe keeps the best N."""
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.data.dataset import build_dataset
-from components.errors import RecipeError
-from components.models import load_model
-from components.models.prune import calibration_batches, keep_by_importance, score_layers, student_layers
-from components.models.tokenizer import Tokenizer
+from llm_recipe.components.data.dataset import build_dataset
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import load_model
+from llm_recipe.components.models.prune import (
+    calibration_batches,
+    keep_by_importance,
+    score_layers,
+    student_layers,
+)
+from llm_recipe.components.models.tokenizer import Tokenizer
 
 _spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
 rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
@@ -48,8 +53,8 @@ def _batches(model_dir: Path, tokens: int = 256):
 
 
 def _mean_loss(model, batches) -> float:
-    from components.losses import chunked_cross_entropy
-    from components.training import hidden_states
+    from llm_recipe.components.losses import chunked_cross_entropy
+    from llm_recipe.components.training import hidden_states
 
     total, n = 0.0, 0
     with torch.no_grad():

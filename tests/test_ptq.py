@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from components.errors import RecipeError
-from components.models import LoRASettings, ModelArgs, build_model
-from components.quantization import SCHEMES, quantize_model, size_on_disk, summarize_sizes
-from components.quantization.schemes import check_device
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
+from llm_recipe.components.quantization import SCHEMES, quantize_model, size_on_disk, summarize_sizes
+from llm_recipe.components.quantization.schemes import check_device
 
 
 def tiny_model(**kw):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.errors import RecipeError
-from components.models import LoRASettings, ModelArgs, build_model, lora_modules, merged_state_dict
-from components.quantization import (
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import LoRASettings, ModelArgs, build_model, lora_modules, merged_state_dict
+from llm_recipe.components.quantization import (
     QAT_METADATA_FILE,
     convert_qat,
     fake_quant_enabled_at,

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "cli.main", "run", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -3,8 +3,8 @@ SmolLM2's tokenizer: the files a run writes, what other tools (transformers, pef
 the logged losses against independent references, every optimizer, every KD divergence, QAT's delay and
 convert, and config errors.
 
-One run per recipe goes through a fresh `python -m cli.main run ...` subprocess (exit codes, one-line errors,
-nothing shared with pytest); the variants call the same `cli.main.main` in-process to save ~5 s of imports each.
+One run per recipe goes through a fresh `python -m llm_recipe.cli.main run ...` subprocess (exit codes, one-line errors,
+nothing shared with pytest); the variants call the same `llm_recipe.cli.main.main` in-process to save ~5 s of imports each.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def first_window(config: str, overrides: list[str], accum: int) -> list[dict]:
     """The micro-batches of optimizer step 1, rebuilt from the run's own dataset settings and seed."""
     from omegaconf import OmegaConf
 
-    from components.config import load_config
-    from components.data.dataset import build_dataset, build_loader
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.config import load_config
+    from llm_recipe.components.data.dataset import build_dataset, build_loader
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     cfg = load_config(config, overrides)
     model_dir = cfg.model.checkpoint_dir if "model" in cfg else (cfg.student.checkpoint_dir or cfg.teacher.checkpoint_dir)
@@ -55,7 +55,7 @@ def hf_model(folder: Path):
 
 
 def assert_loads_like_hf(folder: Path) -> None:
-    """`folder` loads with components.models.load_model and transformers, with the same logits."""
+    """`folder` loads with llm_recipe.components.models.load_model and transformers, with the same logits."""
     tokens = rc.sample_tokens()
     torch.testing.assert_close(rc.hf_logits(folder, tokens), rc.our_logits(folder, tokens), rtol=0, atol=1e-4)
 
@@ -409,9 +409,9 @@ def qat_overrides(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 def assert_quantized_export(out: Path) -> None:
     """output_dir/quantized holds the PTQ of the trained float model: load_hf_torchao and transformers agree."""
-    from components.models import load_model
-    from components.quantization import quantize_model
-    from components.quantization.export_hf import load_hf_torchao
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.quantization import quantize_model
+    from llm_recipe.components.quantization.export_hf import load_hf_torchao
 
     meta = json.loads((out / "model" / "quantization.json").read_text())
     assert "8da4w" in json.dumps(meta)

@@ -44,7 +44,7 @@ FILES = {
 def busy_dir(tmp_path):
     """A folder whose lock a live process holds (a stand-in for another run writing there)."""
     out = tmp_path / "busy"
-    code = ("import sys, time\nfrom components.folders import lock_output_dir\n"
+    code = ("import sys, time\nfrom llm_recipe.components.folders import lock_output_dir\n"
             "with lock_output_dir(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(300)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, env=env)
@@ -96,7 +96,7 @@ def _substitute(arg: str, values: dict[str, object]) -> str:
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     """`recipe ARGS` in this process (one thread, like the subprocess tests); returns (exit status, stderr)."""
-    from cli.main import main
+    from llm_recipe.cli.main import main
 
     det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.set_num_threads(1)
@@ -163,7 +163,7 @@ def test_hf_token_is_never_written_to_disk_or_logs(tmp_path, tiny_model_dir):
     logs = []
     try:
         def cli(*args: str) -> subprocess.CompletedProcess:
-            p = subprocess.run([sys.executable, "-m", "cli.main", "--debug", *args], cwd=tmp_path, env=env,
+            p = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "--debug", *args], cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=600)
             logs.append(p.stdout + p.stderr)
             return p

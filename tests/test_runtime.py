@@ -15,8 +15,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from components.errors import RecipeError
-from components.runtime import setup_runtime
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.runtime import setup_runtime
 
 
 class Layer(nn.Module):

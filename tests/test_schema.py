@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.recipes import discover_recipes, load_recipe
-from components.config import COMPONENT, load_config, validate_config
-from components.errors import RecipeError
-from components.schema import Choice, ListOf, ModelDir, OutputDir, Pattern, Range, spec_problem
+from llm_recipe.cli.recipes import discover_recipes, load_recipe
+from llm_recipe.components.config import COMPONENT, load_config, validate_config
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.schema import Choice, ListOf, ModelDir, OutputDir, Pattern, Range, spec_problem
 
 
 @pytest.mark.parametrize("spec, value, problem", [

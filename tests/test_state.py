@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.checkpoint.state import (
+from llm_recipe.components.checkpoint.state import (
     capture_rng,
     latest_checkpoint,
     list_checkpoints,
@@ -20,7 +20,7 @@ from components.checkpoint.state import (
     save_checkpoint,
     write_recipe_state,
 )
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 
 def _write_model(d: Path) -> None:

@@ -1,4 +1,4 @@
-"""components.models.tokenizer vs transformers.AutoTokenizer (the oracle) on the same folders."""
+"""llm_recipe.components.models.tokenizer vs transformers.AutoTokenizer (the oracle) on the same folders."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from components.errors import RecipeError
-from components.models.tokenizer import Tokenizer
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

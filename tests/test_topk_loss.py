@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from components.losses import build_kd_loss, chunked_kd_and_ce
-from components.losses.topk import cached_kd_and_ce, teacher_topk
+from llm_recipe.components.losses import build_kd_loss, chunked_kd_and_ce
+from llm_recipe.components.losses.topk import cached_kd_and_ce, teacher_topk
 
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("symmetric_kl", {"ratio": 0.3}), ("jsd", {"beta": 0.3}),
          ("skew_kl", {"alpha": 0.2}), ("skew_reverse_kl", {"alpha": 0.2})]

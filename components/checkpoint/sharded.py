@@ -9,7 +9,7 @@ the full model per save. Layout of `output_dir/checkpoints/step_000100/`:
 - `recipe_state/` (rank 0: marks the checkpoint complete, as for one-process checkpoints): step, scheduler,
   data position, RNG, and the optimizer's non-tensor entries (lr, betas, ...);
 - `manifest.json` (rank 0, last, once every rank's shards are written): checksums of every file above, verified
-  by every rank before a resume (components.checkpoint.manifest).
+  by every rank before a resume (llm_recipe.components.checkpoint.manifest).
 
 Non-tensor optimizer entries go to recipe_state (JSON) rather than DCP because DCP reads non-tensor items back
 with `torch.load(weights_only=False)`. DCP's own `.metadata` is a pickle: resume or convert only checkpoints
@@ -17,7 +17,7 @@ you wrote. Frozen NF4 (QLoRA) base weights are not saved: resume rebuilds them f
 the first run did, and `to_hf` reads them from `--base`.
 
 Turn a sharded checkpoint into a HF folder (one process, CPU):
-    python -m components.checkpoint.sharded outputs/run/checkpoints/step_000100 outputs/run/step100_hf
+    python -m llm_recipe.components.checkpoint.sharded outputs/run/checkpoints/step_000100 outputs/run/step100_hf
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from components.checkpoint.atomic import atomic_directory
-from components.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
-from components.checkpoint.state import (
+from llm_recipe.components.checkpoint.atomic import atomic_directory
+from llm_recipe.components.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
+from llm_recipe.components.checkpoint.state import (
     STATE_DIR,
     _remove,
     checkpoint_dir,
@@ -45,7 +45,7 @@ from components.checkpoint.state import (
     load_recipe_state,
     write_recipe_state,
 )
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 SHARDED_DIR = "sharded"
 META_FILE = "sharded.json"
@@ -152,8 +152,8 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from components.models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
-    from components.models.loader import merge_lora_state_dict
+    from llm_recipe.components.models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
+    from llm_recipe.components.models.loader import merge_lora_state_dict
 
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):
@@ -189,7 +189,7 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m components.checkpoint.sharded",
+        prog="python -m llm_recipe.components.checkpoint.sharded",
         description="Turn a sharded checkpoint (written by a run on several processes) into a HF folder.")
     parser.add_argument("checkpoint", help="output_dir/checkpoints/step_N of a multi-process run")
     parser.add_argument("out_dir", help="the HF folder to write (adapters merged)")

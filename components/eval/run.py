@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +21,14 @@ def task_manager() -> Any:
     process (indexing lm-eval's thousands of stock YAMLs takes seconds)."""
     from lm_eval.tasks import TaskManager
 
-    from components.eval import TASKS_DIR
+    from llm_recipe.components.eval import TASKS_DIR
 
     return TaskManager(include_path=str(TASKS_DIR))
 
 
 def offline_task_names() -> list[str]:
     """Names of the tasks in the offline pack (usable with no network)."""
-    from components.eval import TASKS_DIR
+    from llm_recipe.components.eval import TASKS_DIR
 
     return sorted(p.stem for p in TASKS_DIR.glob("recipe_*.yaml"))
 
@@ -37,7 +37,7 @@ def _as_lm(model_or_checkpoint: Any, batch_size: int, device: str | None, dtype:
            max_length: int | None) -> Any:
     from lm_eval.api.model import LM
 
-    from components.eval.lm import RecipeLM
+    from llm_recipe.components.eval.lm import RecipeLM
 
     if isinstance(model_or_checkpoint, LM):
         return model_or_checkpoint
@@ -72,7 +72,7 @@ def evaluate(
 ) -> dict:
     """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
     `output_dir/results.json`. Returns lm-eval's results dict. `bootstrap_iters=0` skips lm-eval's standard
-    errors (its perplexity SE bootstraps 100000 resamples; `components.eval.stats` computes them from samples)."""
+    errors (its perplexity SE bootstraps 100000 resamples; `llm_recipe.components.eval.stats` computes them from samples)."""
     import lm_eval
     from lm_eval.utils import handle_non_serializable, make_table
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from components.data.collate import collate
-from components.data.dataset import TokenizedDataset
-from components.errors import RecipeError
-from components.logits_cache.manifest import (
+from llm_recipe.components.data.collate import collate
+from llm_recipe.components.data.dataset import TokenizedDataset
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.logits_cache.manifest import (
     MANIFEST,
     RUN_FIELDS,
     data_fingerprint,
@@ -30,7 +30,7 @@ from components.logits_cache.manifest import (
     teacher_fingerprint,
     unpack_ids,
 )
-from components.models import ModelArgs
+from llm_recipe.components.models import ModelArgs
 
 IGNORE_INDEX = -100
 _CONFIG_KEY = {"temperature": "kd.temperature", "tokenizer": "tokenizer (tokenizer.json + chat template)",

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from components.checkpoint.atomic import atomic_write_bytes
-from components.errors import RecipeError
-from components.logits_cache.manifest import (
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.logits_cache.manifest import (
     FORMAT,
     MANIFEST,
     bytes_per_token,
@@ -32,7 +32,7 @@ from components.logits_cache.manifest import (
     shard_problem,
     write_manifest,
 )
-from components.losses.topk import teacher_topk
+from llm_recipe.components.losses.topk import teacher_topk
 
 _RECORDS = ("shards", "complete", "tokens", "bytes_per_token")  # what changes as shards are written
 

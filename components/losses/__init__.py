@@ -1,8 +1,8 @@
 """Losses: fused linear CE/KD, chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
 
-from components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
-from components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
-from components.losses.kd import (
+from llm_recipe.components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
+from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
+from llm_recipe.components.losses.kd import (
     IGNORE_INDEX,
     JSD,
     KD_LOSSES,

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from components.errors import RecipeError
-from components.losses.chunked import Projection, _ce_sum, chunked_cross_entropy, chunked_kd_and_ce
-from components.losses.kd import IGNORE_INDEX, KDLoss
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses.chunked import Projection, _ce_sum, chunked_cross_entropy, chunked_kd_and_ce
+from llm_recipe.components.losses.kd import IGNORE_INDEX, KDLoss
 
 __all__ = ["fusable_head_weight", "fused_linear_kd_and_ce", "fused_linear_loss", "kd_and_ce"]
 

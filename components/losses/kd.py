@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
-# Same value as components.data.IGNORE_INDEX (the contract's home for it); repeated here so that the losses do not
+# Same value as llm_recipe.components.data.IGNORE_INDEX (the contract's home for it); repeated here so that the losses do not
 # depend on the data package.
 IGNORE_INDEX = -100
 

@@ -22,10 +22,10 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from components.errors import RecipeError
-from components.losses.chunked import Projection, _ce_sum, _chunks, _run
-from components.losses.fused import fusable_head_weight, fused_linear_loss
-from components.losses.kd import IGNORE_INDEX, KDLoss
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses.chunked import Projection, _ce_sum, _chunks, _run
+from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_loss
+from llm_recipe.components.losses.kd import IGNORE_INDEX, KDLoss
 
 __all__ = ["cached_kd_and_ce", "student_buckets", "teacher_buckets", "teacher_topk"]
 
@@ -141,7 +141,7 @@ def cached_kd_and_ce(student_hidden: Tensor, student_head: nn.Module, labels: Te
                      vocab_size: int | None = None, compile: bool | None = None,
                      ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
     """``{"loss", "ce", "kd", "n"}`` like ``kd_and_ce``, against cached teacher targets (``teacher_logp
-    [b, s, k + 1]``, ``teacher_ids [b, s, k]``, as ``components.logits_cache`` collates them) instead of a
+    [b, s, k + 1]``, ``teacher_ids [b, s, k]``, as ``llm_recipe.components.logits_cache`` collates them) instead of a
     teacher's hidden states. ``vocab_size`` slices the student's logits to the cache's vocabulary."""
     if not 0.0 <= kd_ratio <= 1.0:
         raise RecipeError(f"kd_ratio must be in [0, 1], got {kd_ratio!r}")

@@ -3,12 +3,18 @@
 The only package that imports torchtune (through `_compat`, which aliases torchao's moved NF4 module first).
 """
 
-from components.models import _compat  # noqa: F401  (must run before any torchtune import)
-from components.models.args import ModelArgs, read_model_args
-from components.models.builder import LORA_TARGETS, Decoder, LoRASettings, build_model, output_weight
-from components.models.convert import hf_to_tune_names, tune_to_hf_names
-from components.models.hf_io import load_hf_state_dict, write_hf_folder
-from components.models.loader import (
+from llm_recipe.components.models import _compat  # noqa: F401  (must run before any torchtune import)
+from llm_recipe.components.models.args import ModelArgs, read_model_args
+from llm_recipe.components.models.builder import (
+    LORA_TARGETS,
+    Decoder,
+    LoRASettings,
+    build_model,
+    output_weight,
+)
+from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
+from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
+from llm_recipe.components.models.loader import (
     keep_every,
     load_model,
     lora_modules,
@@ -17,7 +23,7 @@ from components.models.loader import (
     resolve_dtype,
     save_model,
 )
-from components.models.peft_adapter import adapter_state_dict, save_peft_adapter
+from llm_recipe.components.models.peft_adapter import adapter_state_dict, save_peft_adapter
 
 __all__ = [
     "LORA_TARGETS",

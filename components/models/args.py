@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 # model_type -> family. All are Llama-style decoders; they differ in biases and RoPE details.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -21,10 +21,10 @@ from torchtune.modules import (
 from torchtune.modules import RMSNorm as TuneRMSNorm
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
-import components.models._compat  # noqa: F401
-from components.errors import RecipeError
-from components.models.args import ModelArgs
-from components.models.rope import RotaryEmbedding
+import llm_recipe.components.models._compat  # noqa: F401
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.args import ModelArgs
+from llm_recipe.components.models.rope import RotaryEmbedding
 
 # LoRA targets use PEFT/HF module names, so adapter configs read the same in both tools.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")

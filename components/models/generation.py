@@ -9,7 +9,7 @@ import torch
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.transformer import TransformerDecoder
 
-import components.models._compat  # noqa: F401
+import llm_recipe.components.models._compat  # noqa: F401
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

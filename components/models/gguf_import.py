@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from components.checkpoint import atomic_directory
-from components.errors import RecipeError
+from llm_recipe.components.checkpoint import atomic_directory
+from llm_recipe.components.errors import RecipeError
 
 # llama.cpp tensor names -> Hugging Face Llama names. `{}` is the layer index.
 _LAYER_NAMES = {
@@ -267,6 +267,6 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
         (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-        # Written last: a folder with this marker was converted completely (used by components.assets).
+        # Written last: a folder with this marker was converted completely (used by llm_recipe.components.assets).
         (tmp / MARKER).write_text(json.dumps({"source": str(gguf_path), "size": gguf_path.stat().st_size}) + "\n")
     return out_dir

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torchtune.modules.peft import DoRALinear, LoRALinear, get_merged_lora_ckpt
 
-import components.models._compat  # noqa: F401
-from components.errors import RecipeError
-from components.models.args import ModelArgs, read_model_args
-from components.models.builder import Decoder, LoRASettings, build_model
-from components.models.convert import hf_to_tune_names, tune_to_hf_names
-from components.models.hf_io import load_hf_state_dict, write_hf_folder
+import llm_recipe.components.models._compat  # noqa: F401
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.args import ModelArgs, read_model_args
+from llm_recipe.components.models.builder import Decoder, LoRASettings, build_model
+from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
+from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Two scores per layer, both measured on the same calibration batches (higher = mo
   last layers).
 
 `keep_by_importance` keeps the N best layers in their original order. The every-k rule
-(`components.models.keep_every`) stays the alternative that needs no calibration.
+(`llm_recipe.components.models.keep_every`) stays the alternative that needs no calibration.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from components.checkpoint.atomic import atomic_write_bytes
-from components.data.collate import collate
-from components.errors import RecipeError
-from components.losses import chunked_cross_entropy
-from components.schema import Choice, ListOf, ModelDir, Range
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.data.collate import collate
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses import chunked_cross_entropy
+from llm_recipe.components.schema import Choice, ListOf, ModelDir, Range
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
@@ -169,10 +169,10 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
     With `out_dir`, writes `out_dir/layer_importance.json` (scores + kept layers) and `.txt` (the table) and
     prints the table through `log`.
     """
-    from components.data.dataset import build_dataset
-    from components.models.args import read_model_args
-    from components.models.loader import load_model
-    from components.models.tokenizer import Tokenizer
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.args import read_model_args
+    from llm_recipe.components.models.loader import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
 
     method, keep, tokens = prune_settings(prune)
     layers = read_model_args(model_dir).num_layers
@@ -200,8 +200,8 @@ def student_layers(student, model_dir: str | Path, dataset: dict, batch_size: in
     that matter most, measured on the first tokens of `dataset`; skipped with `score=False`, e.g. when a full
     student resumes its own weights), or all of them (None). Cheap checks come first, before any model loads;
     `where` names the config line of `keep_layers` in errors."""
-    from components.models.args import read_model_args
-    from components.models.loader import keep_every
+    from llm_recipe.components.models.args import read_model_args
+    from llm_recipe.components.models.loader import keep_every
 
     keep_layers = student.get("keep_layers")
     if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):

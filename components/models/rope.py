@@ -12,7 +12,7 @@ import math
 import torch
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 
-import components.models._compat  # noqa: F401
+import llm_recipe.components.models._compat  # noqa: F401
 
 
 class RotaryEmbedding(Qwen2RotaryPositionalEmbeddings):

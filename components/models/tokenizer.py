@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 # End-of-turn markers of the common chat formats (ChatML, Llama 3, Phi-3, Gemma). Generation stops on any
 # of them that exists in the vocabulary, besides the eos ids the checkpoint declares.

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from components.errors import RecipeError
-from components.quantization.ptq import quantize_model
-from components.quantization.schemes import _is_torchao_tensor
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.quantization.ptq import quantize_model
+from llm_recipe.components.quantization.schemes import _is_torchao_tensor
 
 
 def _require_executorch() -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 # name -> (needs, qat): needs is "any" (CPU or GPU), "cuda" or "cuda_sm89" (float8 kernels: Ada/Hopper+).
 _SCHEMES: dict[str, tuple[str, bool]] = {
@@ -142,7 +142,7 @@ def _in_features(module: nn.Module) -> int | None:
 
 
 def _is_lora(module: nn.Module) -> bool:
-    """torchtune LoRALinear/DoRALinear, recognised by shape (torchtune is only imported in components.models)."""
+    """torchtune LoRALinear/DoRALinear, recognised by shape (torchtune is only imported in llm_recipe.components.models)."""
     return hasattr(module, "lora_a") and hasattr(module, "lora_b") and isinstance(
         getattr(module, "weight", None), torch.Tensor)
 

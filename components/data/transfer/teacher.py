@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from components.data.transfer import transfer_set_path
-from components.data.transfer.build_transfer_set import ngrams
-from components.errors import RecipeError
+from llm_recipe.components.data.transfer import transfer_set_path
+from llm_recipe.components.data.transfer.build_transfer_set import ngrams
+from llm_recipe.components.errors import RecipeError
 
 KINDS = ("passages", "chat")
 
@@ -142,7 +142,7 @@ def write_teacher_rows(
 ) -> dict:
     """Generate the prompts not yet in `out_path`, batch by batch, appending rows (and dropped ids to
     `out_path.dropped`). Returns counts: rows written now, dropped (eval-pack overlap, empty), skipped (done)."""
-    from components.models.generation import generate_batch
+    from llm_recipe.components.models.generation import generate_batch
 
     if sampling.batch_size < 1:
         raise RecipeError(f"generation.batch_size must be >= 1, got {sampling.batch_size}")
