@@ -35,12 +35,14 @@ $(DEV): $(RUN)
 assets: $(RUN)
 	$(BIN)/recipe assets
 
+# One pytest worker per core (`-n auto`); a file's tests stay on one worker (`--dist loadfile`), so its
+# module-scoped fixtures are built once per worker.
 test: $(DEV) assets
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile
 
 # Everything, including the long tests marked `slow`.
 test-all: $(DEV) assets
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m ''
 
 lint: $(DEV)
 	$(BIN)/ruff check .

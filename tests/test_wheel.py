@@ -102,7 +102,7 @@ def test_installed_recipe_lists_validates_copies_and_runs(venv, tiny_model_dir, 
     assert f"from {PKG}.components" in (elsewhere / "my_kd.py").read_text()
     _run([recipe, "run", "my_kd.py", "--config", "my_kd.yaml", f"teacher.checkpoint_dir={tiny_model_dir}",
           "output_dir=out", "max_steps=2", "device=cpu", "dtype=fp32", "batch_size=2", "dataset.max_seq_len=32",
-          "dataset.limit=8", "student.every=null", "save_every_n_steps=null", "lr_scheduler.warmup_steps=0"],
+          "dataset.limit=8", "student.every=null", "student.prune=null", "save_every_n_steps=null", "lr_scheduler.warmup_steps=0"],
          cwd=elsewhere)
     steps = [json.loads(line) for line in (elsewhere / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2]
