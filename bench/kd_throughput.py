@@ -109,7 +109,7 @@ def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
         models = [f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"student.checkpoint_dir={a.out / 'student_1b'}"]
         config = "kd/llama3_1_8b_to_llama3_2_1b"
     else:  # SmolLM2 teacher (embedded) and a 10-layer student pruned from it
-        models = ["student.every=null", "student.keep_layers=[0,3,6,9,12,15,18,21,24,29]"]
+        models = ["student.prune=null", "student.every=null", "student.keep_layers=[0,3,6,9,12,15,18,21,24,29]"]
         config = "kd/smollm2_demo"
     lora = [f"lora={LORA}"] if student == "lora" and a.shapes == "llama" else ["lora=null"]
     return [sys.executable, "-m", "llm_recipe.cli.main", "run", *launch, "kd", "--config", config, *models, *lora,
