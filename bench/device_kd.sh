@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's GPU measurements on the lent device machine, staged into its 10-minute calls (see bench/README.md).
 #
-#   bash bench/device_kd.sh start [ROWS]   # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF folders,
+#   bash bench/device_kd.sh start [ROWS [MORE]] # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF folders,
 #                                          # then (in the background) loss path, KD rows, QAT row; waits ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
@@ -32,7 +32,7 @@ start)
     cp .carry/g1/gguf.00 /tmp/gguf.00
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
-    cd /tmp/repo && setsid nohup bash bench/device_kd.sh runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
+    cd /tmp/repo && setsid nohup bash bench/device_kd.sh runner "${2:-}" "${3:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 420
     ;;
@@ -41,8 +41,6 @@ runner)  # the measurements, one after another (the GPU is never shared between 
     rows=${2:-tt_lora_compile,ours_lora_compile,ours_lora_compile_fp8,tt_full_eager,ours_full_eager,ours_lora_cache}
     ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt --timeout 420
     ours python3 bench/loss_path.py
-    ours python3 bench/kd_throughput.py run --out $B --rows tt_lora_eager,ours_lora_eager,ours_full_compile_fp8 \
-        --tt-path /tmp/tt --timeout 420
     # QAT cost: steps 1-10 plain, 11-30 with 8da4w fake quantization (compiled fake quantizers), same run.
     ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
         dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
@@ -55,6 +53,8 @@ plain = statistics.median(r["tokens_per_s"] for r in rows if 3 <= r["step"] <= 1
 fq = statistics.median(r["tokens_per_s"] for r in rows if r["step"] >= 14)
 print(json.dumps({"qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s": fq, "cost": plain / fq}))
 EOF
+    ours python3 bench/kd_throughput.py run --out $B --rows "${3:-tt_lora_eager,ours_lora_eager,ours_full_compile_fp8}" \
+        --tt-path /tmp/tt --timeout 420
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
