@@ -10,7 +10,7 @@ weights). Implementations:
 - fused: llm_recipe.components.losses.fused_linear_kd_and_ce (ours, default path);
 - chunked: llm_recipe.components.losses.chunked_kd_and_ce (ours before: checkpointed chunks, heads projected twice);
 - torchtune: torchtune 0.6.1's CEWithChunkedOutputLoss + ForwardKLWithChunkedOutputLoss on 8 logit chunks;
-- liger: Liger-Kernel's LigerFusedLinearJSDLoss(jsd_beta=0) (forward KL only) plus its fused linear CE
+- liger: Liger-Kernel's LigerFusedLinearJSD(jsd_beta=0) (forward KL only) plus its fused linear CE
   (skipped when liger_kernel is not installed).
 On CPU (`--device cpu`, fp32) times are wall-clock medians and memory is not measured; `--shapes smollm2` uses
 the embedded model's widths (576 / 576, vocab 49152).
@@ -68,10 +68,10 @@ def impl_torchtune(h, th, w, tw, y):
 
 
 def impl_liger(h, th, w, tw, y):
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, LigerFusedLinearJSDLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, LigerFusedLinearJSD
 
     flat, tflat, yf = h.flatten(0, 1), th.flatten(0, 1), y.flatten()
-    kd = LigerFusedLinearJSDLoss(jsd_beta=0.0, temperature=1.0)(flat, w, tflat, tw, yf)
+    kd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=1.0)(flat, w, tflat, tw, yf)
     return 0.5 * LigerFusedLinearCrossEntropyLoss()(w, flat, yf) + 0.5 * kd
 
 

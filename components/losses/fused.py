@@ -6,7 +6,7 @@ into gradients of the student's hidden states and head weight right there. Backw
 stored. Compared with ``chunked_kd_and_ce`` (checkpointed chunks) this drops the second projection of both
 heads in backward and never keeps logits: one chunk of student and teacher logits is alive at a time.
 
-Why ours and not Liger-Kernel's ``LigerFusedLinearJSDLoss``: it covers forward KL (beta 0) and JSD only (no
+Why ours and not Liger-Kernel's ``LigerFusedLinearJSD``: it covers forward KL (beta 0) and JSD only (no
 reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
 crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. The
 forward-KL + CE chunk (the default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
