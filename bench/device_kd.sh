@@ -4,6 +4,7 @@
 #   bash bench/device_kd.sh start [ROWS [MORE]] # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF folders,
 #                                          # then (in the background) loss path, KD rows, QAT row; waits ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
+#   bash bench/device_kd.sh profile [ROW] # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
@@ -55,6 +56,12 @@ print(json.dumps({"qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s"
 EOF
     ours python3 bench/kd_throughput.py run --out $B --rows "${3:-tt_lora_eager,ours_lora_eager,ours_full_compile_fp8}" \
         --tt-path /tmp/tt --timeout 420
+    ;;
+profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
+    ours python3 bench/profile_kd.py --out $B --row "${2:-ours_lora_compile}" 2>&1 | grep -v "^train" | tee /tmp/profile.txt
+    [[ -n ${OUT:-} ]] && cp /tmp/profile.txt "$OUT/"
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"

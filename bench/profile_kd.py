@@ -1,0 +1,70 @@
+"""Where a KD step's GPU time goes: one `bench/kd_throughput.py` row of ours, run in-process under torch.profiler.
+
+    python bench/profile_kd.py --out /tmp/kdb --row ours_lora_compile [--skip 8] [--active 4] [--top 40]
+
+Runs the real `recipe run kd` (the row's exact arguments) and profiles `--active` optimizer steps after `--skip`
+(compilation and warm-up excluded; steps are counted with torch.optim's global step hook). Prints the top CUDA
+kernels by total device time and the share of each kernel family (matmul, attention, triton-fused, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kd_throughput  # noqa: E402  (the row definitions)
+
+FAMILIES = [("matmul", r"gemm|matmul|cutlass|xmma|nvjet|scaled_mm|f8f8|aten::(addmm|mm|bmm)\b"), ("attention", r"flash|fmha|attention"),
+            ("triton (compiled)", r"^triton_"), ("copy/convert", r"copy|elementwise|cast|fill"),
+            ("reduce/norm", r"reduce|norm|softmax")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("/tmp/kdb"))
+    p.add_argument("--row", default="ours_lora_compile", choices=[k for k, v in kd_throughput.ROWS.items()
+                                                                  if v[0] == "ours" and "CACHE" not in v[2]])
+    p.add_argument("--skip", type=int, default=8)
+    p.add_argument("--active", type=int, default=4)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: SmolLM2 shapes, CPU op times")
+    a = p.parse_args()
+    _, student, extra = kd_throughput.ROWS[a.row]
+    gpu = a.device == "cuda"
+    row_args = argparse.Namespace(nproc=1, shapes="llama" if gpu else "smollm2", out=a.out, device=a.device,
+                                  dtype="bf16" if gpu else "fp32", batch_size=4 if gpu else 2,
+                                  seq_len=1024 if gpu else 128, data_limit=None if gpu else 64,
+                                  steps=a.active + 1, warmup=a.skip)
+    cmd = kd_throughput._ours_cmd(row_args, student, extra, a.out / "runs" / f"profile_{a.row}")
+    argv = cmd[cmd.index("llm_recipe.cli.main") + 1:]
+
+    from llm_recipe.cli.main import main as recipe_main
+
+    sched = torch.profiler.schedule(wait=a.skip, warmup=1, active=a.active, repeat=1)
+    activity = torch.profiler.ProfilerActivity.CUDA if gpu else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity], schedule=sched) as prof:
+        register_optimizer_step_post_hook(lambda *_: prof.step())
+        rc = recipe_main(argv)
+    key = "device_time_total" if gpu else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    share: dict[str, float] = {}
+    for e in events:
+        fam = next((f for f, pat in FAMILIES if re.search(pat, e.key, re.I)), "other")
+        share[fam] = share.get(fam, 0.0) + getattr(e, key) / total
+    print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=90))
+    print(json.dumps({"row": a.row, "rc": rc, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                      "profiled_steps": a.active,
+                      "ms_per_step": total / 1000 / a.active,
+                      "share": {k: round(v, 3) for k, v in sorted(share.items(), key=lambda kv: -kv[1])}}))
+
+
+if __name__ == "__main__":
+    main()
