@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Issue 9's GPU measurements on the lent device machine, staged into its 10-minute calls (see bench/README.md).
 #
-#   bash bench/device_kd.sh start [ROWS [MORE]] # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF folders,
-#                                          # then (in the background) loss path, KD rows, QAT row; waits ~8 min
+#   bash bench/device_kd.sh start [ROWS [MORE]]  # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF
+#                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
+#                                          # prints what is done after ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
-#   bash bench/device_kd.sh profile [ROW] # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
+#   bash bench/device_kd.sh profile [ROW]  # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
-stage=${1:?stage: start [ROWS] | wait [SECS] | kl}
+stage=${1:?stage: start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site:$PWD "$@"; }
+
+install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `ours` puts first on PYTHONPATH
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
 
 wait_for() {  # seconds: poll until the background runner exits, then print what it measured
     local deadline=$((SECONDS + $1))
@@ -28,7 +33,7 @@ wait_for() {  # seconds: poll until the background runner exits, then print what
 
 case $stage in
 start)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    install_ours
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
     cp .carry/g1/gguf.00 /tmp/gguf.00
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
@@ -58,7 +63,7 @@ EOF
         --tt-path /tmp/tt --timeout 420
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    install_ours
     python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
     ours python3 bench/profile_kd.py --out $B --row "${2:-ours_lora_compile}" 2>&1 | grep -v "^train" | tee /tmp/profile.txt
     [[ -n ${OUT:-} ]] && cp /tmp/profile.txt "$OUT/"

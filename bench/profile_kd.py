@@ -21,9 +21,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kd_throughput  # noqa: E402  (the row definitions)
 
-FAMILIES = [("matmul", r"gemm|matmul|cutlass|xmma|nvjet|scaled_mm|f8f8|aten::(addmm|mm|bmm)\b"), ("attention", r"flash|fmha|attention"),
-            ("triton (compiled)", r"^triton_"), ("copy/convert", r"copy|elementwise|cast|fill"),
-            ("reduce/norm", r"reduce|norm|softmax")]
+FAMILIES = [("matmul", r"gemm|matmul|cutlass|xmma|nvjet|scaled_mm|f8f8|aten::(addmm|mm|bmm)\b"),
+            ("attention", r"flash|fmha|attention"), ("triton (compiled)", r"^triton_"),
+            ("copy/convert", r"copy|elementwise|cast|fill"), ("reduce/norm", r"reduce|norm|softmax")]
 
 
 def main() -> None:
