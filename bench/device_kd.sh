@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 9's GPU measurements on the lent device machine, staged into its 10-minute calls (see bench/README.md).
 #
+#   bash bench/device_kd.sh shipped [ROWS]  # carry .whl .carry/tt .carry/tok: the shipped-config rows (issue 19)
+#                                          # beside torchtune's, in the background; then `wait`
 #   bash bench/device_kd.sh start [ROWS [MORE]]  # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF
 #                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
 #                                          # prints what is done after ~8 min
@@ -10,7 +12,7 @@
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
-stage=${1:?stage: start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl}
+stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site:$PWD "$@"; }
@@ -21,7 +23,7 @@ install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `o
 
 wait_for() {  # seconds: poll until the background runner exits, then print what it measured
     local deadline=$((SECONDS + $1))
-    while pgrep -f "^bash bench/device_k[d].sh runner" >/dev/null && ((SECONDS < deadline)); do sleep 10; done
+    while pgrep -f "^bash bench/device_k[d].sh (shipped_)?runner" >/dev/null && ((SECONDS < deadline)); do sleep 10; done
     grep -v '^\s*$' /tmp/runner.log | tail -60
     grep -c "Mismatch dtype" $B/runs/*/log.txt 2>/dev/null  # RMSNorm's slow-path warning: 0 expected for ours
     if [[ -n ${OUT:-} ]]; then
@@ -31,16 +33,31 @@ wait_for() {  # seconds: poll until the background runner exits, then print what
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 }
 
-case $stage in
-start)
+prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, random-weight 1B/8B HF folders
     install_ours
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
-    cp .carry/g1/gguf.00 /tmp/gguf.00
+    [[ -f .carry/g1/gguf.00 ]] && cp .carry/g1/gguf.00 /tmp/gguf.00
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+}
+
+case $stage in
+start)
+    prepare
     cd /tmp/repo && setsid nohup bash bench/device_kd.sh runner "${2:-}" "${3:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 420
+    ;;
+shipped)  # issue 19: the shipped 8B -> 1B config as users run it (only paths changed), torchtune in the same call
+    prepare
+    cd /tmp/repo && setsid nohup bash bench/device_kd.sh shipped_runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
+    sleep 5
+    cd /tmp/repo && wait_for 480
+    ;;
+shipped_runner)  # the shipped rows twice for a warm compile cache; TORCH_LOGS shows why Dynamo recompiles
+    rows=${2:-tt_lora_compile,tt_lora_compile_teacher,shipped_lora,shipped_lora,shipped_lora_bf16_teacher,tt_full_eager,tt_full_compile_teacher,shipped_full,shipped_lora_torchao_sr,shipped_full_torchao_sr}
+    TORCH_LOGS=recompiles ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt \
+        --timeout 420 --steps 12 --warmup 3
     ;;
 runner)  # the measurements, one after another (the GPU is never shared between two of them); the rows that the
          # issues' "Done when" name come first, so a short lease still measures them

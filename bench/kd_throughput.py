@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,6 +44,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "tt_lora_eager": ("torchtune", "lora", []),
     "tt_lora_compile": ("torchtune", "lora", ["--compile"]),
     "tt_full_eager": ("torchtune", "full", []),
+    # torchtune's strongest row: its recipe's compile plus the teacher's layers compiled (one line a user can add)
+    "tt_lora_compile_teacher": ("torchtune", "lora", ["--compile", "--compile-teacher"]),
+    "tt_full_compile_teacher": ("torchtune", "full", ["--compile", "--compile-teacher"]),
     "ours_lora_eager": ("ours", "lora", ["compile=false", "teacher.quantize=null"]),
     "ours_lora_compile": ("ours", "lora", ["compile=true", "teacher.quantize=null"]),
     "ours_lora_compile_fp8": ("ours", "lora", ["compile=true", "teacher.quantize=fp8"]),
@@ -52,6 +56,17 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # Offline teacher: the student trains from the teacher's top-32 cache (built first by `recipe run kd_logits`
     # over the same packed transfer set, reused when complete); the teacher is never loaded.
     "ours_lora_cache": ("ours", "lora", ["compile=true", "teacher.quantize=null", "CACHE"]),
+    # What a user runs: the shipped kd/llama3_1_8b_to_llama3_2_1b with only paths changed (models, the local
+    # transfer set instead of the Hub's Alpaca, output_dir), a run length, and for LoRA the LoRA section.
+    "shipped_lora": ("shipped", "lora", []),
+    "shipped_lora_bf16_teacher": ("shipped", "lora", ["teacher.quantize=null"]),
+    "shipped_full": ("shipped", "full", []),
+    # diagnoses: one shipped setting changed
+    "shipped_lora_torchao_sr": ("shipped", "lora", ["optimizer={_component_: torchao.optim._AdamW, lr: 1.0e-4, "
+                                                    "weight_decay: 0.0, bf16_stochastic_round: true}"]),
+    "shipped_full_torchao_sr": ("shipped", "full", ["optimizer={_component_: torchao.optim._AdamW, lr: 1.0e-4, "
+                                                    "weight_decay: 0.0, bf16_stochastic_round: true}"]),
+    "shipped_lora_no_compile": ("shipped", "lora", ["compile=false"]),
 }
 
 
@@ -120,6 +135,17 @@ def _ours_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
             "lr_scheduler.warmup_steps=0", *extra]
 
 
+def _shipped_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
+    """The shipped 8B -> 1B config as a user runs it: paths, a run length (`--steps + --warmup` optimizer steps of
+    the shipped batch 2 x 2048 x 8 accumulation), the LoRA section for LoRA rows, nothing else."""
+    paths = [f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"student.checkpoint_dir={a.out / 'student_1b'}",
+             "dataset.source=transfer:passages", "dataset.format=text", "dataset.use_chat_template=false",
+             f"output_dir={out_dir}"]
+    lora = [f"lora={LORA}"] if student == "lora" else []
+    return [sys.executable, "-m", "llm_recipe.cli.main", "run", "kd", "--config", "kd/llama3_1_8b_to_llama3_2_1b",
+            *paths, *lora, f"max_steps={a.steps + a.warmup}", *extra]
+
+
 def _tt_cmd(a, student: str, extra: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "bench" / "torchtune_kd_step.py"), "--shapes", a.shapes, "--student", student,
             "--device", a.device, "--dtype", a.dtype, "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
@@ -143,7 +169,7 @@ def run_row(a, name: str) -> dict:
                 return {"name": name, "side": side, "student": student, "rc": cache_info["cache_rc"], **cache_info,
                         "error": (a.out / f"{cache.name}.log").read_text()[-1500:]}
             extra = [e for e in extra if e != "CACHE"] + [f"teacher.logits_dir={cache}"]
-        cmd = _ours_cmd(a, student, extra, out_dir)
+        cmd = (_shipped_cmd if side == "shipped" else _ours_cmd)(a, student, extra, out_dir)
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -155,8 +181,10 @@ def run_row(a, name: str) -> dict:
         return row
     if side == "torchtune":
         res = json.loads([ln for ln in (out_dir / "log.txt").read_text().splitlines() if ln.startswith("{")][-1])
-        row.update(tokens_per_s=res["tokens_per_s"], peak_gib=res["peak_gib"])
+        row.update(tokens_per_s=res["tokens_per_s"], peak_gib=res["peak_gib"], first_step_s=res.get("first_step_s"))
     else:
+        first = re.search(r"first optimizer step done ([0-9.]+) s after launch", (out_dir / "log.txt").read_text())
+        row["first_step_s"] = float(first.group(1)) if first else None
         steps = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         timed = [s for s in steps if s.get("step", 0) > a.warmup]
         row.update(tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),
@@ -176,17 +204,23 @@ def table(out: Path) -> str:
                         "peak_gib": max(r.get("peak_gib") or 0 for r in ok), "repeats": len(ok)}
     ref = {k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile", "tt_lora_eager", "tt_full_eager")
            if k in latest and latest[k].get("rc") == 0}
-    lines = ["| row | tokens/s | peak GiB | vs tt LoRA compiled | vs tt eager (same student) |", "|---|---|---|---|---|"]
+    ref.update({k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile_teacher", "tt_full_compile_teacher")
+                if k in latest and latest[k].get("rc") == 0})
+    lines = ["| row | tokens/s | peak GiB | vs tt LoRA compiled | vs tt eager (same student) | vs tt teacher compiled "
+             "(same student) | first step s | wall s |", "|---|---|---|---|---|---|---|---|"]
     for r in latest.values():
         if r.get("rc") != 0:
-            lines.append(f"| {r['name']} | failed (rc {r['rc']}) | | | |")
+            lines.append(f"| {r['name']} | failed (rc {r['rc']}) | | | | | | |")
             continue
         tps = r["tokens_per_s"]
         same = ref.get(f"tt_{r['student']}_eager")
         vs_c = f"{tps / ref['tt_lora_compile']:.2f}x" if "tt_lora_compile" in ref else "-"
         vs_e = f"{tps / same:.2f}x" if same else "-"
+        strong = ref.get(f"tt_{r['student']}_compile_teacher")
+        vs_t = f"{tps / strong:.2f}x" if strong else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        lines.append(f"| {r['name']} | {tps:,.0f} | {peak} | {vs_c} | {vs_e} |")
+        first = f"{r['first_step_s']:.0f}" if r.get("first_step_s") else "-"
+        lines.append(f"| {r['name']} | {tps:,.0f} | {peak} | {vs_c} | {vs_e} | {vs_t} | {first} | {r.get('wall_s', '-')} |")
     return "\n".join(lines)
 
 

@@ -53,14 +53,17 @@ class Runtime:
     def prepare_model(
         self,
         model: nn.Module,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         compile: bool = False,
         fsdp: bool | None = None,
         cast: bool = True,
+        micro_batch_tokens: int | None = None,
     ) -> nn.Module:
         """Cast to the run dtype, move to the device, checkpoint/compile each of `model.layers`, shard with FSDP2.
 
-        `fsdp=None` shards exactly when world_size > 1. Returns the same module object (modified in place).
+        `activation_checkpointing="auto"` checkpoints only when the estimated activations of `micro_batch_tokens`
+        tokens and the training state would not fit in free GPU memory (llm_recipe.components.memory), and says
+        which it chose. `fsdp=None` shards exactly when world_size > 1. Returns the same module object.
         """
         use_fsdp = self.world_size > 1 if fsdp is None else fsdp
         if use_fsdp and not self.distributed:
@@ -77,6 +80,14 @@ class Runtime:
             # FSDP2 moves (sharded) parameters to the mesh device itself; moving the full model first would
             # cost a full copy per GPU.
             model.to(self.device)
+        if activation_checkpointing == "auto":
+            from llm_recipe.components.memory import needs_checkpointing
+
+            shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
+            activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
+                                                                self.device, shard)
+            if self.is_main:
+                print(f"activation_checkpointing=auto: {why}", flush=True)
         if activation_checkpointing:
             for layer in layers:
                 _checkpoint_forward(layer)

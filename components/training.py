@@ -50,6 +50,7 @@ from llm_recipe.components.optim import (
 )
 from llm_recipe.components.runtime import DTYPES, Runtime
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
+from llm_recipe.components.setup_log import SetupLog
 
 IGNORE_INDEX = -100
 OPT_INT = (int, type(None))
@@ -81,7 +82,7 @@ LORA_SCHEMA = {
 }
 # A torch/torchao optimizer class (nothing else is imported for a config); the arguments of AdamW-style
 # optimizers whose range is known are checked, others bind to the signature only.
-OPTIMIZER = COMPONENT(allow=("torch.optim.", "torchao.optim."), lr=Range(float, gt=0),
+OPTIMIZER = COMPONENT(allow=("torch.optim.", "torchao.optim.", "llm_recipe.components.optim."), lr=Range(float, gt=0),
                       weight_decay=Range(float, ge=0), eps=Range(float, gt=0),
                       betas=ListOf(Range(float, ge=0, lt=1), min_len=2, max_len=2))
 # Keys every training recipe reads; recipes add their model/loss sections.
@@ -100,7 +101,7 @@ TRAIN_SCHEMA: dict[str, Any] = {
                      "min_lr_ratio": Range(float, ge=0, le=1)},
     "dataset": DATASET_SCHEMA,
     "num_output_chunks": Range(int, ge=1),
-    "activation_checkpointing": bool,
+    "activation_checkpointing": Choice(True, False, "auto"),
     "compile": bool,
     "save_every_n_steps": Range(int, ge=1, optional=True),
     "keep_last_n": Range(int, ge=1, optional=True),
@@ -138,6 +139,11 @@ def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime, wrap_
     static = bool(cfg.get("compile")) and dataset.packed and len(dataset) >= batch_size * rt.world_size
     return build_loader(dataset, batch_size, seed=cfg.get("seed", 0), rank=rt.rank, world_size=rt.world_size,
                         drop_last=static)
+
+
+def micro_batch_tokens(cfg: DictConfig) -> int:
+    """Tokens in one micro-batch at most (`batch_size` rows of `dataset.max_seq_len`): what activations scale with."""
+    return int(cfg.get("batch_size", 4)) * int(cfg.dataset.max_seq_len)
 
 
 def total_steps(cfg: DictConfig, loader) -> int:
@@ -369,13 +375,15 @@ LossFn = Callable[[dict], dict[str, torch.Tensor]]
 
 def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path, loader,
           optimizer, scheduler, steps: int, loss_fn: LossFn, start_step: int = 0, last_checkpoint: Path | None = None,
-          adapters: bool = False, before_step: Callable[[int], None] | None = None) -> int:
+          adapters: bool = False, before_step: Callable[[int], None] | None = None,
+          setup_log: SetupLog | None = None) -> int:
     """The optimizer loop every training recipe shares: accumulate, clip, step, log, checkpoint.
 
     `loss_fn(batch)` returns summed (not averaged) losses over the batch's target tokens: key "loss" is
     back-propagated, the others are logged as `<key>_loss`. Sums are divided by the target count of the whole
     accumulation window on all ranks, so the result does not depend on how tokens fall into micro-batches.
     `before_step(step)` runs before each optimizer step's forward passes (e.g. QAT's fake-quant switch).
+    `setup_log` reports when the first optimizer step of this process is done, and what came before it.
     """
     accum = cfg.get("gradient_accumulation_steps", 1)
     save_every = cfg.get("save_every_n_steps")
@@ -404,6 +412,8 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
             check_finite(values["loss"], step + 1, last_checkpoint)
             optimizer_step(optimizer, scheduler)
             step += 1
+            if setup_log is not None and step == start_step + 1:
+                setup_log.first_step(time.perf_counter() - clock.start, compiled=bool(cfg.get("compile")))
             grad_norm = values.pop("grad_norm")
             logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
                        lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),

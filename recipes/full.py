@@ -12,11 +12,13 @@ from llm_recipe.components.config import run_recipe_script
 from llm_recipe.components.models import load_model
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import ModelDir
+from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     TRAIN_SCHEMA,
     find_resume_checkpoint,
     lm_loss_sum,
     load_tokenizer,
+    micro_batch_tokens,
     resume_weights,
     setup_training,
     train,
@@ -33,12 +35,15 @@ def main(cfg: DictConfig) -> None:
 
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
     resume_from = find_resume_checkpoint(cfg)
-    model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
-    rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                     compile=cfg.get("compile", False))
+    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("weights"):
+        model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
+        rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
-    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
-                                                                 adapters=False)
+    with setup.phase("data and optimizer"):
+        loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                     adapters=False)
 
     # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
     chunks = cfg.get("num_output_chunks", 8)
@@ -46,7 +51,7 @@ def main(cfg: DictConfig) -> None:
     def loss_fn(batch: dict) -> dict:
         return {"loss": lm_loss_sum(model, batch, chunks)}
 
-    train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from)
+    train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from, setup_log=setup)
     final = write_final_model(cfg, rt, model, args, base_dir)
     if rt.is_main:
         print(f"model: {final}\nmetrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")

@@ -18,6 +18,7 @@ from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
 from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.teacher import TEACHER_SCHEMA, load_teacher, loss_vocab
 from llm_recipe.components.training import (
     LORA_SCHEMA,
@@ -27,6 +28,7 @@ from llm_recipe.components.training import (
     hidden_states,
     load_tokenizer,
     lora_settings,
+    micro_batch_tokens,
     resume_weights,
     setup_training,
     train,
@@ -61,33 +63,38 @@ def main(cfg: DictConfig) -> None:
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = find_resume_checkpoint(cfg)
-    keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
-                          cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None,
-                          score=resume_weights(resume_from) is None or lora is not None,
-                          where=config_source(cfg).where("student.keep_layers"))
+    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("student layers"):
+        keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
+                              cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None,
+                              score=resume_weights(resume_from) is None or lora is not None,
+                              where=config_source(cfg).where("student.keep_layers"))
 
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
     # top-k, verified and checked against this run before anything is loaded.
-    teacher, targs, cache = load_teacher(cfg, rt, student_dir, kd_loss.temperature, max_len)
+    with setup.phase("teacher cache check" if cfg.teacher.get("logits_dir") else "teacher weights"):
+        teacher, targs, cache = load_teacher(cfg, rt, student_dir, kd_loss.temperature, max_len)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
-    if resume_weights(resume_from) is not None and lora is None:
-        student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
-    else:
-        student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
-        if keep is not None and rt.is_main:
-            print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
-    if lora is not None:
-        freeze_all_but_adapters(student)
-    qat_files = prepare_qat_student(student, cfg.get("qat"), rt.device)  # KD-QAT (null: none)
-    vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
-    rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                     compile=cfg.get("compile", False))
+    with setup.phase("student weights"):
+        if resume_weights(resume_from) is not None and lora is None:
+            student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
+        else:
+            student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
+            if keep is not None and rt.is_main:
+                print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
+        if lora is not None:
+            freeze_all_but_adapters(student)
+        qat_files = prepare_qat_student(student, cfg.get("qat"), rt.device)  # KD-QAT (null: none)
+        vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
+        rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
-    loader, steps, optimizer, scheduler, start = setup_training(
-        cfg, rt, student, tokenizer, resume_from, adapters=lora is not None,
-        wrap_dataset=cache.dataset if cache is not None else None)
+    with setup.phase("data and optimizer"):
+        loader, steps, optimizer, scheduler, start = setup_training(
+            cfg, rt, student, tokenizer, resume_from, adapters=lora is not None,
+            wrap_dataset=cache.dataset if cache is not None else None)
 
     # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
     # student's gradients are computed in the same pass: components/losses/fused.py).
@@ -105,7 +112,7 @@ def main(cfg: DictConfig) -> None:
         return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
-          adapters=lora is not None)
+          adapters=lora is not None, setup_log=setup)
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None

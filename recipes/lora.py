@@ -13,6 +13,7 @@ from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models import load_model
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import ModelDir
+from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
@@ -21,6 +22,7 @@ from llm_recipe.components.training import (
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
+    micro_batch_tokens,
     setup_training,
     train,
     write_final_model,
@@ -39,13 +41,16 @@ def main(cfg: DictConfig) -> None:
 
     # The base always comes from model.checkpoint_dir; a resumed run restores only the adapters.
     resume_from = find_resume_checkpoint(cfg)
-    model, args = load_model(base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
-    freeze_all_but_adapters(model)
-    rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                     compile=cfg.get("compile", False))
+    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("weights"):
+        model, args = load_model(base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
+        freeze_all_but_adapters(model)
+        rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
-    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
-                                                                 adapters=True)
+    with setup.phase("data and optimizer"):
+        loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                     adapters=True)
 
     # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
     chunks = cfg.get("num_output_chunks", 8)
@@ -54,7 +59,7 @@ def main(cfg: DictConfig) -> None:
         return {"loss": lm_loss_sum(model, batch, chunks)}
 
     train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
-          adapters=True)
+          adapters=True, setup_log=setup)
     final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir))
     if rt.is_main:
         print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter\n"

@@ -26,6 +26,7 @@ from llm_recipe.components.quantization import (
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
+from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
@@ -34,6 +35,7 @@ from llm_recipe.components.training import (
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
+    micro_batch_tokens,
     resume_weights,
     setup_training,
     train,
@@ -59,18 +61,21 @@ def main(cfg: DictConfig) -> None:
 
     # Full QAT resumes from the checkpoint's weights; QAT+LoRA keeps its base and restores adapters from state.
     resume_from = find_resume_checkpoint(cfg)
-    source = resume_weights(resume_from) if lora is None else None
-    model, args = load_model(source or base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
-    if lora is not None:
-        freeze_all_but_adapters(model)
-    prepare_qat(model, scheme, group_size, include_output)
-    if rt.device.type == "cuda":  # fused fake quantization (eager costs 4.2x a plain step)
-        compile_fake_quantizers(model)
-    rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                     compile=cfg.get("compile", False))
+    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("weights"):
+        source = resume_weights(resume_from) if lora is None else None
+        model, args = load_model(source or base_dir, dtype=rt.dtype, lora=lora, max_seq_len=cfg.dataset.max_seq_len)
+        if lora is not None:
+            freeze_all_but_adapters(model)
+        prepare_qat(model, scheme, group_size, include_output)
+        if rt.device.type == "cuda":  # fused fake quantization (eager costs 4.2x a plain step)
+            compile_fake_quantizers(model)
+        rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
+                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
-    loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
-                                                                 adapters=lora is not None)
+    with setup.phase("data and optimizer"):
+        loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
+                                                                     adapters=lora is not None)
 
     # Fake quantization switches on at optimizer step `fake_quant_after_n_steps` (a local flag: every rank
     # flips it at the same step, so it is safe under torchrun).
@@ -86,7 +91,7 @@ def main(cfg: DictConfig) -> None:
         return {"loss": lm_loss_sum(model, batch, chunks)}
 
     train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
-          adapters=lora is not None, before_step=before_step)
+          adapters=lora is not None, before_step=before_step, setup_log=setup)
     meta = json.dumps(qat_metadata(scheme, group_size, include_output), indent=2) + "\n"
     final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir),
                               extra_files={"quantization.json": meta})

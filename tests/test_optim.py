@@ -51,6 +51,7 @@ OPTIMIZERS = [
     {"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2, "weight_decay": 0.1},
     {"_component_": "torchao.optim.AdamW4bit", "lr": 1e-2, "weight_decay": 0.1},
     {"_component_": "torchao.optim.AdamWFp8", "lr": 1e-2, "weight_decay": 0.1},
+    {"_component_": "llm_recipe.components.optim.MasterWeightAdamW", "lr": 1e-2, "weight_decay": 0.1},
 ]
 
 
@@ -259,3 +260,52 @@ def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
         big = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 1e-2}, model.parameters(), CPU)
         assert warn_if_bf16_updates_round_away(big) == 0.0
     assert caplog.text == ""
+
+
+def _bf16_steps(model, opt, grads):
+    for g in grads:
+        for p, gp in zip(model.parameters(), g):
+            p.grad = gp.to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_master_weight_adamw_keeps_small_updates_of_bf16_weights(tmp_path):
+    """bf16 weights under MasterWeightAdamW follow an fp32 AdamW exactly (its master is that run's weight), where
+    plain bf16 AdamW would not move them at this lr; its fp32 state survives a checkpoint, so resume is exact."""
+    torch.manual_seed(0)
+    # bf16-representable gradients, so the bf16 model and the fp32 reference see the same numbers
+    grads = [[torch.randn(64, 64).bfloat16().float(), torch.randn(64).bfloat16().float()] for _ in range(6)]
+    node = {"_component_": "llm_recipe.components.optim.MasterWeightAdamW", "lr": 2e-5, "weight_decay": 0.1}
+
+    def fresh():
+        torch.manual_seed(0)
+        return nn.Linear(64, 64).to(torch.bfloat16)
+
+    ref32 = fresh().float()  # the fp32 run the master must reproduce (same kernels: foreach on CPU)
+    ref_opt = torch.optim.AdamW(ref32.parameters(), lr=2e-5, weight_decay=0.1, foreach=True)
+    _bf16_steps(ref32, ref_opt, grads)
+    model = fresh()
+    start = model.weight.detach().clone()
+    opt = build_optimizer(node, model.parameters(), CPU)
+    _bf16_steps(model, opt, grads)
+    master = opt.state[model.weight]["master"]
+    assert master.dtype == torch.float32 and torch.equal(master, ref32.weight), (master - ref32.weight).abs().max()
+    assert torch.equal(model.weight, master.to(torch.bfloat16))
+    # Every master moved by 6 x ~2e-5; a bf16 AdamW step of 2e-5 is below half an ulp here and would move none.
+    assert bool((master != start.float()).all()) and bool((model.weight != start).any())
+
+    # Interrupted after 3 steps: the checkpointed state keeps fp32 masters and moments.
+    model = fresh()
+    opt = build_optimizer(node, model.parameters(), CPU)
+    _bf16_steps(model, opt, grads[:3])
+    ckpt = save_checkpoint(tmp_path, 3, lambda d: None, {"optimizer": opt.state_dict()})
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    model = fresh()
+    model.load_state_dict(weights)
+    opt = build_optimizer(node, model.parameters(), CPU)
+    opt.load_state_dict(load_recipe_state(ckpt)["optimizer"])
+    assert {v.dtype for k, v in opt.state[model.weight].items() if k != "step"} == {torch.float32}
+    _bf16_steps(model, opt, grads[3:])
+    assert torch.equal(opt.state[model.weight]["master"], ref32.weight)
+    assert torch.equal(model.weight, ref32.weight.to(torch.bfloat16))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import math
 import shutil
 import sys
@@ -83,6 +84,10 @@ def full_run(tmp_path_factory, tiny_model_dir):
 def test_full_recipe_writes_a_model_transformers_loads(full_run, tiny_model_dir):
     out, _, proc = full_run
     assert f"model: {out}/model" in proc.stdout
+    # setup says what it does and how long each part took, then when the first step ended (counted from launch)
+    assert re.search(r"setup: weights: [0-9.]+ s", proc.stdout) and "setup: data and optimizer ..." in proc.stdout
+    assert re.search(r"setup: first optimizer step done [0-9.]+ s after launch: weights [0-9.]+ s, data and "
+                     r"optimizer [0-9.]+ s, step 1 [0-9.]+ s\n", proc.stdout)
     assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000002", "step_000003"]
     for ckpt in rc.complete_checkpoints(out):
         assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
@@ -312,7 +317,9 @@ def test_kd_layer_pruned_student(tmp_path, tiny_model_dir, capsys):
     code = rc.run_in_process("kd", "kd/smollm2_demo", kd_overrides(out, tiny_model_dir, None, "student.keep_layers=[0,3]",
                                                                   "optimizer.lr=1e-30"))
     assert code == 0
-    assert "student: 2 of 4 teacher layers kept: [0, 3]" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "student: 2 of 4 teacher layers kept: [0, 3]" in printed
+    assert "setup: teacher weights ..." in printed and "setup: first optimizer step done" in printed
     cfg = json.loads((out / "model" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2
     teacher, student = rc.weights(tiny_model_dir), rc.weights(out / "model")

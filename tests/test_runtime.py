@@ -251,3 +251,24 @@ def test_two_process_gloo_fsdp2():
     assert len(r0["opt_keys"]) == len(list(_tiny().parameters()))
     for k, v in r0["sd"].items():
         assert torch.equal(r0["reloaded"][k], v), k
+
+
+def test_activation_checkpointing_auto_follows_free_memory(monkeypatch, tiny_model_dir):
+    """`activation_checkpointing: auto` checkpoints only when the estimated activations + training state do not fit
+    in the GPU's free memory, and says why; on CPU it stays off."""
+    from llm_recipe.components import memory
+    from llm_recipe.components.models import load_model
+
+    model, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    assert memory.needs_checkpointing(model, 4096, torch.bfloat16, torch.device("cpu")) == (False, "off on CPU")
+    acts = memory.activation_bytes(model, 4096, torch.bfloat16)
+    need = acts + memory.training_state_bytes(model) + memory.RESERVE_BYTES
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(need / memory.USABLE_FRACTION) + 2**20, 0))
+    on, why = memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda)
+    assert not on and why.startswith("off: about") and "4096 tokens per micro-batch" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(need / memory.USABLE_FRACTION) - 2**20, 0))
+    on, why = memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda)
+    assert on and why.startswith("on: about")
+    # twice the tokens, twice the activations
+    assert memory.activation_bytes(model, 8192, torch.bfloat16) == 2 * acts

@@ -1,0 +1,59 @@
+"""Says what a run's setup is doing and how long each part took: weights, data, compile and the first step.
+
+A GPU run can spend minutes before its first optimizer step (loading an 8B teacher, quantizing it, compiling);
+without a word the bar sits at 0/N. Rank 0 prints one line as each part starts and one as it ends, then a summary
+when the first optimizer step is done, counted from the launch of the process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tqdm.auto import tqdm
+
+
+def process_start_time() -> float:
+    """Wall-clock time (time.time()) this process started, from /proc on Linux; now where /proc is missing."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime since boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + start_ticks / ticks
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+class SetupLog:
+    """`with log.phase("teacher weights"):` prints `setup: teacher weights ...` and `setup: teacher weights: 12.3 s`;
+    `log.first_step(seconds)` prints when step 1 ended and the parts before it. Silent off rank 0."""
+
+    def __init__(self, is_main: bool = True) -> None:
+        self.is_main = is_main
+        self.launched = process_start_time()
+        self.parts: list[tuple[str, float]] = []
+
+    def say(self, text: str) -> None:
+        if self.is_main:  # through tqdm, so a progress bar on screen is redrawn below the line
+            tqdm.write(f"setup: {text}")
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        self.say(f"{what} ...")
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        self.parts.append((what, seconds))
+        self.say(f"{what}: {seconds:.1f} s")
+
+    def first_step(self, step_seconds: float, compiled: bool) -> None:
+        """After optimizer step 1: its time (compilation included when `compiled`) and the whole breakdown."""
+        since = time.time() - self.launched
+        parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.parts)
+        note = " (includes torch.compile of what runs in it)" if compiled else ""
+        self.say(f"first optimizer step done {since:.1f} s after launch: {parts}{', ' if parts else ''}"
+                 f"step 1 {step_seconds:.1f} s{note}")
