@@ -14,8 +14,6 @@ import argparse
 import json
 import time
 
-import torch
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -52,7 +52,7 @@ shipped)  # issue 19: the shipped 8B -> 1B config as users run it (only paths ch
     prepare
     cd /tmp/repo && setsid nohup bash bench/device_kd.sh shipped_runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
-    cd /tmp/repo && wait_for 480
+    cd /tmp/repo && wait_for 300
     ;;
 shipped_runner)  # the shipped rows twice for a warm compile cache; TORCH_LOGS shows why Dynamo recompiles
     rows=${2:-tt_lora_compile,tt_lora_compile_teacher,shipped_lora,shipped_lora,shipped_lora_bf16_teacher,tt_full_eager,tt_full_compile_teacher,shipped_full,shipped_lora_torchao_sr,shipped_full_torchao_sr}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
