@@ -34,7 +34,7 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = a.recompile_limit
     rt = setup_runtime("cuda", "bf16", 0)
     t0 = time.perf_counter()
-    teacher, args = load_model(a.model, dtype=rt.dtype, max_seq_len=a.tokens)
+    teacher, args = load_model(a.model, dtype=rt.dtype, device=rt.build_device, max_seq_len=a.tokens)
     prepare_teacher(rt, teacher, "auto", compile=not a.no_compile)
     quantize_teacher(teacher, a.quantize, rt.device)
     torch.cuda.synchronize()
@@ -56,6 +56,10 @@ def main() -> None:
                       "unique_graphs": counters["stats"]["unique_graphs"],
                       "recompiles": {k: v for k, v in counters["recompiles"].items()} if "recompiles" in counters
                       else None}), flush=True)
+    if not a.no_compile:  # where compilation spent its time (Dynamo, AOTAutograd, Inductor), per phase
+        from torch._dynamo.utils import compile_times
+
+        print(compile_times(repr="str"), flush=True)
 
 
 if __name__ == "__main__":

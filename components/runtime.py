@@ -49,6 +49,13 @@ class Runtime:
         """True on rank 0: the one process that logs and writes files."""
         return self.rank == 0
 
+    @property
+    def build_device(self) -> torch.device:
+        """Where to build a model before its weights load: this GPU in a one-process GPU run (random init of
+        an 8B model on the CPU took most of a minute of setup; on the GPU it is instant and no host copy of the
+        model is made), the CPU otherwise (FSDP shards from there; CPU runs stay as they were)."""
+        return self.device if self.device.type == "cuda" and self.world_size == 1 else torch.device("cpu")
+
     # ------------------------------------------------------------------ model
     def prepare_model(
         self,

@@ -32,7 +32,7 @@ def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperat
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
-    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, max_seq_len=max_seq_len)
+    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_seq_len)
     prepare_teacher(rt, teacher, t.get("placement", "auto"), cfg.get("compile", False))
     quantize_teacher(teacher, t.get("quantize"), rt.device)
     return teacher, targs, None

@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
     resume_from = find_resume_checkpoint(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
-        model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, max_seq_len=cfg.dataset.max_seq_len)
+        model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=cfg.dataset.max_seq_len)
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 

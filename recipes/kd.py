@@ -78,9 +78,9 @@ def main(cfg: DictConfig) -> None:
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):
         if resume_weights(resume_from) is not None and lora is None:
-            student, sargs = load_model(resume_from, dtype=rt.dtype, max_seq_len=max_len)
+            student, sargs = load_model(resume_from, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_len)
         else:
-            student, sargs = load_model(student_dir, dtype=rt.dtype, lora=lora, keep_layers=keep, max_seq_len=max_len)
+            student, sargs = load_model(student_dir, dtype=rt.dtype, device=rt.build_device, lora=lora, keep_layers=keep, max_seq_len=max_len)
             if keep is not None and rt.is_main:
                 print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
         if lora is not None:

@@ -74,7 +74,7 @@ def main(cfg: DictConfig) -> None:
     # The teacher: frozen, under inference mode, optionally fp8/int8 and compiled; a full copy on every rank
     # (each rank runs its own shards, so a sharded teacher's collectives would not line up).
     if todo:
-        teacher, _ = load_model(teacher_dir, dtype=rt.dtype, max_seq_len=dataset.max_seq_len)
+        teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=dataset.max_seq_len)
         prepare_teacher(rt, teacher, "replicate", cfg.get("compile", False))
         quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
     if rt.is_main and writer.records:

@@ -65,16 +65,20 @@ def base_config(scheme: str, group_size: int = 32, for_qat_prepare: bool = False
     info = scheme_info(scheme)
     if info.grouped and (not isinstance(group_size, int) or group_size <= 0):
         raise RecipeError(f"group_size must be a positive integer, got {group_size!r}")
-    if scheme == "8da4w":
+    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for every later
+    # torch.compile in the process (student included). Measured on an H200 (issue 19): 34 s of tuning for one
+    # fp8 teacher forward and 187-269 s to the first KD step; the process's compile settings stay ours.
+    keep_inductor = {"set_inductor_config": False}
+    if scheme == "8da4w":  # (this config has no such switch and changes no Inductor setting)
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
     if scheme == "int8_weight_only":
-        return Int8WeightOnlyConfig()
+        return Int8WeightOnlyConfig(**keep_inductor)
     if scheme == "int4_weight_only":
         fmt = Int4PackingFormat.PLAIN if for_qat_prepare else Int4PackingFormat.TILE_PACKED_TO_4D
-        return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=fmt)
+        return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=fmt, **keep_inductor)
     if scheme == "float8_weight_only":
-        return Float8WeightOnlyConfig()
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        return Float8WeightOnlyConfig(**keep_inductor)
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), **keep_inductor)
 
 
 def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
