@@ -48,6 +48,7 @@ from llm_recipe.components.optim import (
     build_scheduler,
     warn_if_bf16_updates_round_away,
 )
+from llm_recipe.components.runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
 from llm_recipe.components.runtime import DTYPES, Runtime
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 
@@ -105,6 +106,7 @@ TRAIN_SCHEMA: dict[str, Any] = {
     "save_every_n_steps": Range(int, ge=1, optional=True),
     "keep_last_n": Range(int, ge=1, optional=True),
     "resume": bool,
+    "overwrite": bool,
     "tensorboard": bool,
     "wandb": (dict, type(None)),
 }
@@ -267,15 +269,20 @@ def resume_weights(ckpt: Path | None) -> Path | None:
 
 
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
-    """The latest complete checkpoint when `resume: true` (an error when there is none), its file checksums
-    verified (an error naming the first corrupt file)."""
+    """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
+    folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
+    With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
+    (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
     if not cfg.get("resume", False):
+        start_run(cfg)
         return None
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
+        fresh = "overwrite=true" if previous_run(cfg.output_dir) else "without resume"
         raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
-                          "run without resume to start fresh")
+                          f"run {fresh} to start fresh")
     verify_manifest(ckpt)
+    check_resume(cfg, ckpt)
     if os.environ.get("RANK", "0") == "0":
         print(f"resuming from {ckpt} (file checksums verified)", flush=True)
     return ckpt
@@ -330,7 +337,8 @@ def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.
     """
     from llm_recipe.components.checkpoint.state import capture_rng
 
-    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}
+    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng(),
+             RUN_ID_KEY: current_run_id(cfg.output_dir)}  # resume continues only checkpoints of this run
     if rt.world_size > 1:
         def write_meta(d: Path) -> None:
             (d / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype_name(rt.dtype)), indent=2))
