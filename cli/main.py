@@ -10,6 +10,7 @@ import argparse
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file
@@ -432,6 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         return VERBS[args.verb](args)
     except RecipeError as e:
         print_error(e, debug or lead > 0)
+        return 1
+    except (RuntimeError, MemoryError) as e:  # `recipe demo` runs a recipe in this process: the same line
+        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
+
+        if not is_out_of_memory(e):
+            raise
+        if debug or lead > 0:
+            traceback.print_exception(e)
+        print_error(RecipeError(out_of_memory_message(e)), False)
         return 1
     except KeyboardInterrupt:
         print("recipe: interrupted", file=sys.stderr)

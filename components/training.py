@@ -42,6 +42,7 @@ from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, 
 from llm_recipe.components.models.hf_io import copy_tokenizer_files
 from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.oom import is_out_of_memory, note_step
 from llm_recipe.components.optim import (
     SCHEDULERS,
     build_optimizer,
@@ -361,13 +362,18 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
                       lora: LoRASettings | None = None, base_model: str | None = None,
                       extra_files: dict[str, str] | None = None) -> Path:
     """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format)."""
-    full = rt.full_state_dict(model)
     out = Path(cfg.output_dir)
-    if rt.is_main:
-        save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
-                   extra_files=extra_files)
-        if lora is not None:
-            save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
+    try:
+        full = rt.full_state_dict(model)
+        if rt.is_main:
+            save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
+                       extra_files=extra_files)
+            if lora is not None:
+                save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            note_step(e, f"writing {out / 'model'}", None, rt.device)
+        raise
     rt.barrier()
     return out / "model"
 
@@ -394,16 +400,20 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
     model.train()
     stop = StopRequest.install(enabled=rt.world_size == 1)  # Ctrl-C: checkpoint at the next step boundary
     # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
+    # Where the loop is, for an out-of-memory message (components/oom.py): the step and micro-batch shape.
+    where, shape = f"at step {step + 1}", None
     try:
         for window in windows(loader, accum):
             if step >= steps:
                 break
+            where = f"at step {step + 1}"
             if before_step is not None:
                 before_step(step)
             clock.begin()
             n = count_targets(window, rt)
             totals: dict[str, torch.Tensor] = {}
             for batch in window:
+                shape = list(batch["tokens"].shape)
                 sums = loss_fn(to_device(batch, rt.device))
                 (sums["loss"] / n * rt.world_size).backward()
                 for k, v in sums.items():
@@ -416,13 +426,19 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
             logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
                        lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
                        peak_memory_gib=rt.peak_memory_gib())
+            where, shape = f"writing the checkpoint of step {step}", None
             if save_every and step % save_every == 0 and step < steps:
                 last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
                                                            scheduler, loader, adapters)
             if stop.requested:
                 raise stop.interrupted(step, save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir,
                                                                       optimizer, scheduler, loader, adapters))
+        where, shape = f"writing the checkpoint of step {step}", None
         save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            note_step(e, where, shape, rt.device)
+        raise
     finally:
         stop.restore()
         logger.close()
