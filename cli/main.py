@@ -347,9 +347,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
     # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    with prepared_run(load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name), module.SCHEMA,
-                      lock=False):
-        pass
+    cfg = load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    with prepared_run(cfg, module.SCHEMA, lock=False):
+        if "overwrite" in module.SCHEMA and "output_dir" in cfg:  # a training recipe: one run per output_dir
+            from llm_recipe.components.runs import check_new_run
+
+            check_new_run(cfg)
     return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 

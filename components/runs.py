@@ -41,7 +41,7 @@ RUN_ID_KEY = "run_id"
 RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", RUN_FILE, "loss.png", "tensorboard",
                "layer_importance.json", "layer_importance.txt")
 
-__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_resume", "current_run_id", "previous_run", "read_run",
+__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "current_run_id", "previous_run", "read_run",
            "start_run"]
 
 
@@ -139,15 +139,23 @@ def _checkpoint_run_id(ckpt: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def start_run(cfg: DictConfig) -> None:
-    """Apply the output-folder rule before anything loads (see the module docstring); rank 0 writes run.json."""
-    out = Path(cfg.output_dir)
-    if cfg.get("resume", False) or not _is_rank0():
+def check_new_run(cfg: DictConfig) -> None:
+    """RecipeError when a new run (`resume: false`, no `overwrite: true`) would write into a folder holding an
+    earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun."""
+    if cfg.get("resume", False) or cfg.get("overwrite", False):
         return
-    held = previous_run(out)
-    if held and not cfg.get("overwrite", False):
+    held = previous_run(cfg.output_dir)
+    if held:
         raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): resume=true continues it; "
                           "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
+
+
+def start_run(cfg: DictConfig) -> None:
+    """Apply the output-folder rule before anything loads (see the module docstring); rank 0 writes run.json."""
+    if cfg.get("resume", False) or not _is_rank0():
+        return
+    check_new_run(cfg)
+    out = Path(cfg.output_dir)
     _delete_outputs(out)
     _write_run(out, cfg)
 

@@ -212,3 +212,18 @@ def test_out_of_memory_advice_for_kd_names_the_teacher_settings():
     assert "teacher.quantize=fp8 (GPU)" in msg and "teacher.logits_dir=<a kd_logits cache>" in msg
     cached = load_config("kd/smollm2_demo", ["teacher.logits_dir=/some/cache"])
     assert "teacher." not in out_of_memory_message(MemoryError(), cached)
+
+
+def test_torchrun_launch_is_refused_once_before_any_worker_starts(tmp_path, tiny_model_dir, capsys):
+    from llm_recipe.cli.main import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
+    capsys.readouterr()
+    code = main(["run", "--nproc-per-node", "2", "--standalone", "full", "--config", CONFIG,
+                 *args(tiny_model_dir, out, "max_steps=2")])
+    err = capsys.readouterr().err
+    assert code == 1
+    doc.expect("output-holds-run", one_error(err), out=out)
+    assert "worker" not in err and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
