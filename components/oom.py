@@ -60,7 +60,8 @@ def _tried(err: BaseException) -> str:
     """`; it tried to allocate 2.00 GiB` from torch's message (CUDA says GiB, the CPU allocator bytes)."""
     m = re.search(r"[Tt]ried to allocate (\d+) bytes", str(err))
     if m:
-        return f"; it tried to allocate {int(m.group(1)) / 2**30:.2f} GiB"
+        n = int(m.group(1))
+        return f"; it tried to allocate {n / 2**30:.2f} GiB" if n >= 2**30 else f"; it tried to allocate {n / 2**20:.0f} MiB"
     m = re.search(r"[Tt]ried to allocate ([0-9.]+ ?[KMGT]i?B)", str(err))
     return f"; it tried to allocate {m.group(1)}" if m else ""
 
