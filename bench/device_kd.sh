@@ -68,7 +68,7 @@ runner)  # the measurements, one after another (the GPU is never shared between 
     ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
         dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
         batch_size=4 gradient_accumulation_steps=1 max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
-        save_every_n_steps=null >$B/qat.log 2>&1
+        save_every_n_steps=null overwrite=true >$B/qat.log 2>&1
     python3 - <<'EOF'
 import json, statistics
 rows = [json.loads(l) for l in open("/tmp/kdb/qat/metrics.jsonl") if l.strip()]

@@ -107,7 +107,8 @@ def training_jobs(s: Scale, out: Path) -> list[Job]:
                  ["teacher_ft"], "kd"))
     jobs = []
     for name, recipe, config, extra, deps, group in rows:
-        overrides = [f"output_dir={out / 'train' / name}", *common, *extra]
+        # a job that did not finish is run again from scratch: overwrite=true replaces its partial outputs
+        overrides = [f"output_dir={out / 'train' / name}", "overwrite=true", *common, *extra]
         argv = [sys.executable, "-m", "llm_recipe.cli.main", "run", recipe, "--config", config, *overrides]
         jobs.append(Job(name, "train", argv, deps, group,
                         shlex.join(["recipe", "run", recipe, "--config", config, *overrides])))

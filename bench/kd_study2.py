@@ -101,7 +101,8 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
     t = _teacher(s)
     data = [f"dataset.source={out / 'transfer' / 'passages.jsonl'}", "dataset.format=text"]
     common = [f"teacher.checkpoint_dir={t}", f"max_steps={s.steps}", f"batch_size={s.batch_size}",
-              f"dataset.max_seq_len={s.seq_len}", f"device={s.device}", "save_every_n_steps=null", *data]
+              f"dataset.max_seq_len={s.seq_len}", f"device={s.device}", "save_every_n_steps=null", *data,
+              "overwrite=true"]  # a job that did not finish is run again from scratch
     student = [f"student.keep_layers=[{','.join(map(str, keep))}]", "student.every=null",
                f"optimizer.lr={_f(s.lr_student)}", "kd.loss=forward_kl"]
     quant = [f"optimizer.lr={_f(s.lr_quant)}"]

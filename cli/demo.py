@@ -147,7 +147,8 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     teacher_dir = ensure_assets()
     tokenizer = Tokenizer.from_dir(teacher_dir)
     name, recipe = load_recipe("kd")
-    overrides = [f"output_dir={out / 'kd'}"] + ([f"max_steps={steps}"] if steps is not None else [])
+    # The demo is one job from scratch: running it again replaces the KD run of the last time (overwrite=true).
+    overrides = [f"output_dir={out / 'kd'}", "overwrite=true"] + ([f"max_steps={steps}"] if steps is not None else [])
     cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides))
     validate_config(cfg, recipe.SCHEMA, recipe=name)
     rows = []

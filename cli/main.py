@@ -10,6 +10,7 @@ import argparse
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file
@@ -346,9 +347,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
     # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    with prepared_run(load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name), module.SCHEMA,
-                      lock=False):
-        pass
+    cfg = load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    with prepared_run(cfg, module.SCHEMA, lock=False):
+        if "overwrite" in module.SCHEMA and "output_dir" in cfg:  # a training recipe: one run per output_dir
+            from llm_recipe.components.runs import check_new_run
+
+            check_new_run(cfg)
     return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
 
 
@@ -432,6 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         return VERBS[args.verb](args)
     except RecipeError as e:
         print_error(e, debug or lead > 0)
+        return 1
+    except (RuntimeError, MemoryError) as e:  # `recipe demo` runs a recipe in this process: the same line
+        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
+
+        if not is_out_of_memory(e):
+            raise
+        if debug or lead > 0:
+            traceback.print_exception(e)
+        print_error(RecipeError(out_of_memory_message(e)), False)
         return 1
     except KeyboardInterrupt:
         print("recipe: interrupted", file=sys.stderr)

@@ -571,14 +571,15 @@ def run_recipe_script(
     """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
 
     The folders the config names are checked and the output folder locked first (folders.prepared_run).
-    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug);
-    Ctrl-C prints `recipe: interrupted...` and exits 130.
+    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug), as
+    does running out of memory (`recipe: error: out of memory ...`: llm_recipe.components.oom); Ctrl-C prints `recipe: interrupted...` and exits 130.
     """
     if name is None:
         module = getattr(main, "__module__", "") or ""
         name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
     configure_logging(args.debug)
+    cfg = None
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
         from llm_recipe.components.folders import prepared_run  # imports this module
@@ -587,6 +588,15 @@ def run_recipe_script(
             main(cfg)
     except RecipeError as e:
         print_error(e, args.debug)
+        raise SystemExit(1) from None
+    except (RuntimeError, MemoryError) as e:  # out of memory: where, and what to change (components/oom.py)
+        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
+
+        if not is_out_of_memory(e):
+            raise
+        if args.debug:
+            traceback.print_exception(e)
+        print_error(RecipeError(out_of_memory_message(e, cfg)), False)
         raise SystemExit(1) from None
     except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
         if args.debug:

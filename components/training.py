@@ -42,12 +42,14 @@ from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, 
 from llm_recipe.components.models.hf_io import copy_tokenizer_files
 from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.oom import is_out_of_memory, note_step
 from llm_recipe.components.optim import (
     SCHEDULERS,
     build_optimizer,
     build_scheduler,
     warn_if_bf16_updates_round_away,
 )
+from llm_recipe.components.runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
 from llm_recipe.components.runtime import DTYPES, Runtime
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 from llm_recipe.components.setup_log import SetupLog
@@ -106,6 +108,7 @@ TRAIN_SCHEMA: dict[str, Any] = {
     "save_every_n_steps": Range(int, ge=1, optional=True),
     "keep_last_n": Range(int, ge=1, optional=True),
     "resume": bool,
+    "overwrite": bool,
     "tensorboard": bool,
     "wandb": (dict, type(None)),
 }
@@ -273,15 +276,20 @@ def resume_weights(ckpt: Path | None) -> Path | None:
 
 
 def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
-    """The latest complete checkpoint when `resume: true` (an error when there is none), its file checksums
-    verified (an error naming the first corrupt file)."""
+    """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
+    folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
+    With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
+    (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
     if not cfg.get("resume", False):
+        start_run(cfg)
         return None
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
+        fresh = "overwrite=true" if previous_run(cfg.output_dir) else "without resume"
         raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
-                          "run without resume to start fresh")
+                          f"run {fresh} to start fresh")
     verify_manifest(ckpt)
+    check_resume(cfg, ckpt)
     if os.environ.get("RANK", "0") == "0":
         print(f"resuming from {ckpt} (file checksums verified)", flush=True)
     return ckpt
@@ -336,7 +344,8 @@ def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.
     """
     from llm_recipe.components.checkpoint.state import capture_rng
 
-    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng()}
+    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng(),
+             RUN_ID_KEY: current_run_id(cfg.output_dir)}  # resume continues only checkpoints of this run
     if rt.world_size > 1:
         def write_meta(d: Path) -> None:
             (d / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype_name(rt.dtype)), indent=2))
@@ -359,13 +368,18 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
                       lora: LoRASettings | None = None, base_model: str | None = None,
                       extra_files: dict[str, str] | None = None) -> Path:
     """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format)."""
-    full = rt.full_state_dict(model)
     out = Path(cfg.output_dir)
-    if rt.is_main:
-        save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
-                   extra_files=extra_files)
-        if lora is not None:
-            save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
+    try:
+        full = rt.full_state_dict(model)
+        if rt.is_main:
+            save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
+                       extra_files=extra_files)
+            if lora is not None:
+                save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            note_step(e, f"writing {out / 'model'}", None, rt.device)
+        raise
     rt.barrier()
     return out / "model"
 
@@ -394,16 +408,20 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
     model.train()
     stop = StopRequest.install(enabled=rt.world_size == 1)  # Ctrl-C: checkpoint at the next step boundary
     # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
+    # Where the loop is, for an out-of-memory message (components/oom.py): the step and micro-batch shape.
+    where, shape = f"at step {step + 1}", None
     try:
         for window in windows(loader, accum):
             if step >= steps:
                 break
+            where = f"at step {step + 1}"
             if before_step is not None:
                 before_step(step)
             clock.begin()
             n = count_targets(window, rt)
             totals: dict[str, torch.Tensor] = {}
             for batch in window:
+                shape = list(batch["tokens"].shape)
                 sums = loss_fn(to_device(batch, rt.device))
                 (sums["loss"] / n * rt.world_size).backward()
                 for k, v in sums.items():
@@ -418,13 +436,19 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
             logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
                        lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
                        peak_memory_gib=rt.peak_memory_gib())
+            where, shape = f"writing the checkpoint of step {step}", None
             if save_every and step % save_every == 0 and step < steps:
                 last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
                                                            scheduler, loader, adapters)
             if stop.requested:
                 raise stop.interrupted(step, save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir,
                                                                       optimizer, scheduler, loader, adapters))
+        where, shape = f"writing the checkpoint of step {step}", None
         save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            note_step(e, where, shape, rt.device)
+        raise
     finally:
         stop.restore()
         logger.close()

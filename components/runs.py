@@ -1,0 +1,174 @@
+"""One run per output folder: a training run never mixes with an earlier run in the same `output_dir`.
+
+A training recipe (full, lora, kd, qat) starts with `start_run(cfg)`:
+- `resume: false` (a new run) into a folder that already holds a run's trained outputs (complete checkpoints,
+  `model/`, `adapter/`, `quantized/`, a `metrics.jsonl` with steps) is refused with one line that names the folder,
+  what it holds and the two ways on: `resume=true` continues that run, `overwrite=true` deletes its outputs
+  (`RUN_OUTPUTS`) before anything trains. Files of our own that hold no trained state (`run.json` of a run that
+  stopped during setup, the lock, an empty `metrics.jsonl`) do not count; files we do not write are never touched.
+- A new run writes `output_dir/run.json`: a fresh run id, the config (file and sha256 of the resolved
+  values) and the start time. Every checkpoint's recipe state records that run id (`RUN_ID_KEY`).
+- `resume: true` continues only a checkpoint whose run id is the one in `run.json` (a mismatch is one line naming
+  both); the run keeps its id, and metrics.jsonl is cut back to the resumed step (MetricLogger), so it never holds
+  steps of two runs or the same step twice. A checkpoint written before run ids existed resumes (and a folder
+  without `run.json` adopts the checkpoint's id).
+
+Under torchrun only rank 0 checks, deletes and writes; the other ranks read `run.json` when they resume.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.checkpoint.state import STATE_DIR, list_checkpoints
+from llm_recipe.components.errors import RecipeError
+
+RUN_FILE = "run.json"
+RUN_ID_KEY = "run_id"
+# What a training run writes into output_dir, all deleted by overwrite=true (the lock and files we do not
+# write stay). The first five are trained state: a new run into a folder holding one of them is refused.
+RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", RUN_FILE, "loss.png", "tensorboard",
+               "layer_importance.json", "layer_importance.txt")
+
+__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "current_run_id", "previous_run", "read_run",
+           "start_run"]
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def read_run(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """`output_dir/run.json` as a dict, or None when there is none (or it is unreadable)."""
+    try:
+        data = json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get(RUN_ID_KEY), str) else None
+
+
+def current_run_id(output_dir: str | os.PathLike) -> str | None:
+    """The run id in `output_dir/run.json` (recorded in every checkpoint of the run), or None."""
+    run = read_run(output_dir)
+    return run[RUN_ID_KEY] if run else None
+
+
+def _metric_steps(path: Path) -> list[int]:
+    steps = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps
+
+
+def previous_run(output_dir: str | os.PathLike) -> list[str]:
+    """What of an earlier run's trained outputs `output_dir` holds, in words (empty: nothing that a new run could
+    mix with)."""
+    out = Path(output_dir)
+    found = []
+    ckpts = list_checkpoints(out)
+    if ckpts:
+        found.append(f"{len(ckpts)} checkpoint{'s' if len(ckpts) > 1 else ''} up to checkpoints/{ckpts[-1][1].name}")
+    found += [f"{name}/" for name in ("model", "adapter", "quantized") if (out / name).is_dir()]
+    steps = _metric_steps(out / "metrics.jsonl")
+    if steps:
+        found.append(f"metrics.jsonl with steps {min(steps)}-{max(steps)}")
+    if found:
+        run = read_run(out)
+        if run is not None:
+            found.insert(0, f"run {run[RUN_ID_KEY]} started {run.get('started', '?')}")
+    return found
+
+
+def _delete_outputs(out: Path) -> None:
+    """Delete what a training run writes into `out` (renamed away first, so a crash mid-delete leaves no half
+    folder under a name a run reads)."""
+    victims = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    victims += [p for name in ("model", "adapter", "quantized", "metrics.jsonl", "loss.png", RUN_FILE)
+                for p in out.glob(f".{name}.*-*")]  # leftovers of killed atomic writes
+    if not victims:
+        return
+    trash = Path(tempfile.mkdtemp(prefix=".overwritten.del-", dir=out))
+    for i, p in enumerate(victims):
+        os.rename(p, trash / f"{i}_{p.name}")
+    shutil.rmtree(trash)
+
+
+def _config_sha256(cfg: DictConfig) -> str:
+    values = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("resume", "overwrite", "max_steps"):  # a resumed run may extend max_steps: the same run
+        values.pop(key, None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _write_run(out: Path, cfg: DictConfig, run_id: str | None = None) -> str:
+    from llm_recipe.components.config import config_source
+
+    run_id = run_id or uuid.uuid4().hex
+    record = {RUN_ID_KEY: run_id, "config": config_source(cfg).display,
+              "config_sha256": _config_sha256(cfg),
+              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    atomic_write_bytes(out / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
+    return run_id
+
+
+def _checkpoint_run_id(ckpt: Path) -> str | None:
+    """The run id a checkpoint's recipe state records (read from its JSON part only), or None."""
+    try:
+        state = json.loads((ckpt / STATE_DIR / "state.json").read_text())["state"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    value = state.get(RUN_ID_KEY) if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def check_new_run(cfg: DictConfig) -> None:
+    """RecipeError when a new run (`resume: false`, no `overwrite: true`) would write into a folder holding an
+    earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun."""
+    if cfg.get("resume", False) or cfg.get("overwrite", False):
+        return
+    held = previous_run(cfg.output_dir)
+    if held:
+        raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): resume=true continues it; "
+                          "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
+
+
+def start_run(cfg: DictConfig) -> None:
+    """Apply the output-folder rule before anything loads (see the module docstring); rank 0 writes run.json."""
+    if cfg.get("resume", False) or not _is_rank0():
+        return
+    check_new_run(cfg)
+    out = Path(cfg.output_dir)
+    _delete_outputs(out)
+    _write_run(out, cfg)
+
+
+def check_resume(cfg: DictConfig, ckpt: Path) -> None:
+    """RecipeError unless `ckpt` belongs to the run `output_dir/run.json` names. A folder without run.json adopts
+    the checkpoint's run (rank 0 writes it); a checkpoint without a run id (written before run ids) resumes."""
+    out = Path(cfg.output_dir)
+    ckpt_id = _checkpoint_run_id(ckpt)
+    run_id = current_run_id(out)
+    if ckpt_id is not None and run_id is not None and ckpt_id != run_id:
+        raise RecipeError(f"{ckpt} belongs to run {ckpt_id}, but {out / RUN_FILE} names run {run_id}: resume=true "
+                          "only continues the run of its output_dir; move that checkpoint away, or start a new run "
+                          "with overwrite=true")
+    if run_id is None and _is_rank0():
+        _write_run(out, cfg, ckpt_id)  # adopt the checkpoint's run (a new id for a checkpoint without one)

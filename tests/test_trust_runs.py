@@ -1,0 +1,229 @@
+"""Trust: a new run never mixes with an earlier run in the same output_dir, and running out of memory is one line.
+
+Runs and output folders: a new run (resume=false) into a folder holding another run's trained outputs is refused
+(one line naming the folder and what it holds, and the ways on); `overwrite=true` deletes them first; every run
+has an id (output_dir/run.json) recorded in its checkpoints, and resume=true continues only that run.
+
+Out of memory: an allocation failure in a training step or during setup is `recipe: error: out of memory ...`
+(where, the micro-batch shape, peak memory, what to change), exit 1, with the last good checkpoint kept and
+metrics.jsonl holding only completed steps. The failure is injected in this process by monkeypatching the loss
+(or the model loader) to raise what torch raises; the product code has no test hooks.
+The expected messages come from docs/reliability.md (tests/fixtures/reliability_doc.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+rc = _load("recipes_common")
+doc = _load("reliability_doc")
+
+CONFIG = "full/smollm2"
+
+
+def args(model: Path, out: Path, *extra: str) -> list[str]:
+    return [*rc.COMMON, f"model.checkpoint_dir={model}", f"output_dir={out}", "save_every_n_steps=1", *extra]
+
+
+def run(capsys, overrides: list[str], recipe: str = "full", config: str = CONFIG) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = rc.run_in_process(recipe, config, overrides)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
+    return line
+
+
+def run_id(out: Path) -> str:
+    return json.loads((out / "run.json").read_text())["run_id"]
+
+
+def checkpoint_run_ids(out: Path) -> list[str]:
+    return [json.loads((p / "recipe_state" / "state.json").read_text())["state"]["run_id"]
+            for p in rc.complete_checkpoints(out)]
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------ runs and output folders
+
+
+def test_a_new_run_never_mixes_with_an_earlier_run(tmp_path, tiny_model_dir, capsys):
+    """The issue's sequence: 3 steps, then a new 2-step run into the same folder, then resume=true to step 4."""
+    out = tmp_path / "out"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=3"))[0] == 0
+    first = run_id(out)
+    assert checkpoint_run_ids(out) == [first] * 3
+    before = snapshot(out)
+
+    # a new run without resume is refused before anything loads or changes
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=2"))
+    assert code == 1
+    line = doc.expect("output-holds-run", one_error(err), out=out)
+    for what in (first, "checkpoints/step_000003", "model/", "metrics.jsonl with steps 1-3"):
+        assert what in line, line
+    assert snapshot(out) == before
+
+    # overwrite=true deletes the earlier run's outputs first: nothing of it can be resumed into or mixed
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true"))
+    assert code == 0, err
+    second = run_id(out)
+    assert second != first
+    assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000001", "step_000002"]
+    assert checkpoint_run_ids(out) == [second] * 2
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2]
+
+    # resume continues the second run (its newest checkpoint, not the first run's higher step 3), same run id
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true"))
+    assert code == 0, err
+    assert f"resuming from {out}/checkpoints/step_000002" in stdout
+    assert run_id(out) == second and set(checkpoint_run_ids(out)) == {second}
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3, 4]  # one run, no step twice
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        assert run(capsys, args(tiny_model_dir, out, "max_steps=2"))[0] == 0
+    # a checkpoint of run a copied into b, under a higher step than b's own: resume must not pick it up
+    foreign = b / "checkpoints" / "step_000009"
+    shutil.copytree(a / "checkpoints" / "step_000002", foreign)
+    code, stdout, err = run(capsys, args(tiny_model_dir, b, "max_steps=12", "resume=true"))
+    assert code == 1
+    doc.expect("run-id-mismatch", one_error(err), ckpt=foreign, a=run_id(a), b=run_id(b), out=b)
+    assert "resuming from" not in stdout
+    assert [r["step"] for r in rc.read_metrics(b)] == [1, 2]
+
+
+def test_what_counts_as_an_earlier_run(tmp_path, tiny_model_dir, capsys):
+    from llm_recipe.components.runs import previous_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # a run that stopped during setup leaves run.json, an empty metrics.jsonl and the lock: nothing to mix with
+    (out / "run.json").write_text(json.dumps({"run_id": "0" * 32, "started": "earlier"}))
+    (out / "metrics.jsonl").write_text("")
+    (out / ".recipe.lock").write_text("")
+    (out / "notes.txt").write_text("mine\n")  # a file we do not write is never touched
+    assert previous_run(out) == []
+    # a run killed after logging steps but before its first checkpoint: resume has nothing to continue, and says
+    # how to start over
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert previous_run(out) == [f"run {'0' * 32} started earlier", "metrics.jsonl with steps 1-1"]
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "resume=true"))
+    assert code == 1 and "run overwrite=true to start fresh" in one_error(err)
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true"))
+    assert code == 0, err
+    assert run_id(out) != "0" * 32 and (out / "notes.txt").read_text() == "mine\n"
+    assert not [p for p in out.iterdir() if ".del-" in p.name]
+
+
+# ----------------------------------------------------------------------------------------------- out of memory
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB"
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError(CUDA_OOM), RuntimeError(CPU_OOM), MemoryError()],
+                         ids=["cuda", "cpu-allocator", "memory-error"])
+def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_model_dir, capsys,
+                                                                          monkeypatch, error):
+    import llm_recipe.components.training as training
+
+    real, calls = training.kd_and_ce, []
+
+    def loss_running_out_at_step_3(*a, **kw):  # gradient_accumulation_steps=1: call n is step n
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return real(*a, **kw)
+
+    monkeypatch.setattr(training, "kd_and_ce", loss_running_out_at_step_3)
+    out = tmp_path / "out"
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=4"))
+    assert code == 1
+    line = one_error(err)
+    if isinstance(error, MemoryError):  # says nothing of the size it wanted
+        line = line.replace(" resident on the CPU)", " resident on the CPU; it tried to allocate 2.00 GiB)")
+    doc.expect("oom-step", line, out=out)
+    # the last good checkpoint is kept, metrics hold the completed steps only (whole lines), the lock is released
+    assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000001", "step_000002"]
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [r["step"] for r in rc.read_metrics(out)] == [1, 2]
+    assert not (out / "model").exists() and not (out / ".recipe.lock").exists()
+
+    # with the memory back, resume=true finishes the run from there
+    monkeypatch.setattr(training, "kd_and_ce", real)
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true"))
+    assert code == 0, err
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_out_of_memory_during_setup_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    import llm_recipe.components.models as models
+
+    def load_model_out_of_memory(*a, **kw):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(models, "load_model", load_model_out_of_memory)
+    out = tmp_path / "out"
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "batch_size=4",
+                                    "gradient_accumulation_steps=2"))
+    assert code == 1
+    doc.expect("oom-setup", one_error(err), out=out)
+    assert not rc.complete_checkpoints(out) and not (out / ".recipe.lock").exists()
+    # it stopped before training: the same command runs again once memory allows (no overwrite needed)
+    monkeypatch.undo()
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=1"))
+    assert code == 0, err
+
+
+def test_out_of_memory_advice_for_kd_names_the_teacher_settings():
+    from llm_recipe.components.config import load_config
+    from llm_recipe.components.oom import out_of_memory_message
+
+    cfg = load_config("kd/smollm2_demo", ["batch_size=8", "activation_checkpointing=false"])
+    msg = out_of_memory_message(torch.OutOfMemoryError(CUDA_OOM), cfg)
+    assert msg.startswith("out of memory while setting up, before step 1 (peak ")
+    assert "batch_size=4 gradient_accumulation_steps=" in msg and "activation_checkpointing=true" in msg
+    assert "teacher.quantize=fp8 (GPU)" in msg and "teacher.logits_dir=<a kd_logits cache>" in msg
+    cached = load_config("kd/smollm2_demo", ["teacher.logits_dir=/some/cache"])
+    assert "teacher." not in out_of_memory_message(MemoryError(), cached)
+
+
+def test_torchrun_launch_is_refused_once_before_any_worker_starts(tmp_path, tiny_model_dir, capsys):
+    from llm_recipe.cli.main import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
+    capsys.readouterr()
+    code = main(["run", "--nproc-per-node", "2", "--standalone", "full", "--config", CONFIG,
+                 *args(tiny_model_dir, out, "max_steps=2")])
+    err = capsys.readouterr().err
+    assert code == 1
+    doc.expect("output-holds-run", one_error(err), out=out)
+    assert "worker" not in err and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
