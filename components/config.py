@@ -579,6 +579,9 @@ def run_recipe_script(
         name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
     configure_logging(args.debug)
+    from llm_recipe.components.interrupt import reset
+
+    reset()
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
         from llm_recipe.components.folders import prepared_run  # imports this module
@@ -591,5 +594,7 @@ def run_recipe_script(
     except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
         if args.debug:
             traceback.print_exception(e)
-        print(f"recipe: {e or 'interrupted'}", file=sys.stderr)
+        from llm_recipe.components.interrupt import interrupted_message
+
+        print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
         raise SystemExit(130) from None

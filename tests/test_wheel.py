@@ -44,7 +44,7 @@ def wheel(tmp_path_factory) -> Path:
         ".git", ".venv", "outputs", "out", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", str(tmp / "dist"), str(src)], cwd=tmp)
-    (whl,) = (tmp / "dist").glob("recipe-*.whl")
+    (whl,) = (tmp / "dist").glob("llm_recipe-*.whl")
     return whl
 
 
