@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 from llm_recipe.components.schema import spec_problem, value_desc
 
 __all__ = [
@@ -263,7 +263,7 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
     path = resolve_config_path(name_or_path).resolve()
     display = _display_path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_utf8(path, display)
     except OSError as e:
         raise RecipeError(f"cannot read config '{display}': {e.strerror}") from e
     try:

@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 
 # End-of-turn markers of the common chat formats (ChatML, Llama 3, Phi-3, Gemma). Generation stops on any
 # of them that exists in the vocabulary, besides the eos ids the checkpoint declares.
@@ -37,8 +37,7 @@ def _token_content(value: Any) -> str | None:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise RecipeError(f"{path}: not valid JSON ({e}); re-export the tokenizer files") from e
 
@@ -135,7 +134,7 @@ class Tokenizer:
         template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            template = read_utf8(jinja_file)
         else:
             template = config.get("chat_template")
             if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
