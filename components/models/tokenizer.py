@@ -210,3 +210,16 @@ class Tokenizer:
         variables.update(kwargs)
         return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                           **variables)
+
+
+def check_tokenizer_fits(model_dir: str | os.PathLike, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
+    """A model whose embedding has fewer rows (config.json `vocab_size`) than its tokenizer has ids cannot read the
+    tokens it is given: say so before any forward pass (it would end in an IndexError deep in the model)."""
+    if vocab_size is None:
+        from llm_recipe.components.models.args import read_model_args
+
+        vocab_size = read_model_args(model_dir).vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise RecipeError(f"{model_dir}/config.json: vocab_size={vocab_size} is smaller than its tokenizer's "
+                          f"vocabulary ({tokenizer.vocab_size} in tokenizer.json): the model cannot read the tokens "
+                          "its tokenizer makes")
