@@ -47,14 +47,20 @@ def honour_umask(path: str | os.PathLike | int, folder: bool = False) -> None:
         os.chmod(path, mode)
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_tree(root: Path, umask: int | None = None) -> None:
+    """fsync every file and folder under `root`; with `umask`, also give them the modes `open`/`mkdir` would
+    (some writers, safetensors among them, create their files 0600)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
+                if umask is not None:
+                    os.fchmod(fd, 0o666 & ~umask)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if umask is not None:
+            os.chmod(dirpath, 0o777 & ~umask)
         _fsync_dir(Path(dirpath))
 
 
@@ -85,7 +91,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
     honour_umask(tmp, folder=True)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        _fsync_tree(tmp, umask=current_umask())
         if target.exists():
             if not overwrite:
                 raise FileExistsError(target)
