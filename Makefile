@@ -50,7 +50,7 @@ lint: $(DEV)
 demo: assets
 	$(BIN)/recipe demo
 
-# dist/recipe-<version>-py3-none-any.whl; build/ is removed first so no deleted module leaks into the wheel.
+# dist/llm_recipe-<version>-py3-none-any.whl; build/ is removed first so no deleted module leaks into the wheel.
 wheel: $(RUN)
 	rm -rf build
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .

@@ -53,6 +53,11 @@ def main(argv: list[str]) -> int:
     if argv == ["--tasks-path"]:
         print(tasks_dir())
         return 0
+    from llm_recipe.components.eval import quiet
+
+    tasks = _task_names(argv)
+    # before lm-eval imports datasets / huggingface_hub: they read the offline switches once, at import
+    quiet.offline_if_hub_unreachable(tasks)
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
@@ -71,5 +76,26 @@ def main(argv: list[str]) -> int:
         sys.argv = saved
     if hasattr(args, "include_path"):  # run, ls and validate: our pack first, then the user's folder if any
         args.include_path = [str(tasks_dir()), *([args.include_path] if args.include_path else [])]
-    cli.execute(args)
+    try:
+        with quiet.no_git_noise():
+            cli.execute(args)
+    except (ValueError, OSError) as e:
+        err = quiet.unknown_tasks_error(e) or quiet.hub_error(e, tasks)
+        if err is None:
+            raise
+        raise err from e
     return 0
+
+
+def _task_names(argv: list[str]) -> list[str]:
+    """The names given to --tasks (`--tasks a,b`, `--tasks a b`, `--tasks=a,b`), as lm-eval will read them."""
+    names: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith("--tasks="):
+            names += a.split("=", 1)[1].split(",")
+        elif a in ("--tasks", "-t"):
+            for b in argv[i + 1 :]:
+                if b.startswith("-"):
+                    break
+                names += b.split(",")
+    return [n.strip() for n in names if n.strip()]

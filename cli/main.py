@@ -66,6 +66,39 @@ examples:
 """
 
 
+DIST = "llm-recipe"  # the distribution (pip) name; the import name is llm_recipe, the command `recipe`
+
+
+def version() -> str:
+    """This checkout's version when run from one (pyproject.toml beside the package folders), else the installed
+    distribution's; "unknown" when neither says."""
+    import importlib.metadata
+    import re
+
+    root = _checkout_on_path()
+    pyproject = root / "pyproject.toml" if root is not None else None
+    if pyproject is not None and pyproject.is_file():
+        m = re.search(r'^\[project\][^\[]*?^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"),
+                      re.MULTILINE | re.DOTALL)
+        if m:
+            return m.group(1)
+    try:
+        return importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    """`recipe --version`: computed only when asked (it may read pyproject.toml)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{DIST} {version()}")
+        parser.exit()
+
+
 def _add_debug(p: argparse.ArgumentParser) -> None:
     # SUPPRESS keeps a verb's parser from resetting a --debug given before the verb
     p.add_argument(
@@ -82,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_FORMATTER,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action=_VersionAction, help="print the version (llm-recipe X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
 
     p = sub.add_parser(
@@ -375,7 +409,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
         from llm_recipe.components.assets import ensure_assets
     except ModuleNotFoundError as e:
         if e.name == "llm_recipe.components.assets":
-            raise RecipeError("llm_recipe.components.assets is missing from this install: reinstall recipe") from e
+            raise RecipeError("llm_recipe.components.assets is missing from this install: reinstall llm-recipe") from e
         raise
     path = ensure_assets()
     print(path)

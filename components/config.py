@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 from llm_recipe.components.schema import spec_problem, value_desc
 
 __all__ = [
@@ -263,7 +263,7 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
     path = resolve_config_path(name_or_path).resolve()
     display = _display_path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_utf8(path, display)
     except OSError as e:
         raise RecipeError(f"cannot read config '{display}': {e.strerror}") from e
     try:
@@ -579,6 +579,9 @@ def run_recipe_script(
         name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
     configure_logging(args.debug)
+    from llm_recipe.components.interrupt import reset
+
+    reset()
     cfg = None
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
@@ -601,5 +604,7 @@ def run_recipe_script(
     except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
         if args.debug:
             traceback.print_exception(e)
-        print(f"recipe: {e or 'interrupted'}", file=sys.stderr)
+        from llm_recipe.components.interrupt import interrupted_message
+
+        print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
         raise SystemExit(130) from None

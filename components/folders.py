@@ -186,6 +186,20 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
 # ----------------------------------------------------------------------------------------------- a run
 
 
+def _check_logger_packages(cfg: DictConfig, schema: Mapping[str, Any]) -> None:
+    """`tensorboard: true` / a `wandb:` section need their packages: say so now, not after the models load."""
+    from llm_recipe.components.metrics import check_logger_packages
+
+    for key in ("tensorboard", "wandb"):
+        if key not in schema:
+            continue
+        value = cfg.get(key)
+        try:
+            check_logger_packages(bool(value) if key == "tensorboard" else False, value if key == "wandb" else None)
+        except RecipeError as e:
+            raise RecipeError(f"{config_source(cfg).where(key)}: key '{key}': {e}") from e
+
+
 @contextlib.contextmanager
 def prepared_run(cfg: DictConfig, schema: Mapping[str, Any], lock: bool = True) -> Iterator[None]:
     """Check the folders a validated config names, before any model loads, then hold the output lock.
@@ -197,6 +211,7 @@ def prepared_run(cfg: DictConfig, schema: Mapping[str, Any], lock: bool = True) 
     src = config_source(cfg)
     folders = [(k, spec, v) for k, spec, v in walk_specs(cfg, dict(schema), (ModelDir, OutputDir)) if v is not None]
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks neither lock nor see rank 0's lock
+    _check_logger_packages(cfg, schema)
     with contextlib.ExitStack() as stack:
         for locking in (False, True):  # every check first, so a bad folder creates nothing
             for key, spec, value in folders:

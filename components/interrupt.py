@@ -18,7 +18,38 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StopRequest", "TrainingInterrupted"]
+__all__ = ["StopRequest", "TrainingInterrupted", "interrupted_message", "note_training", "note_written", "reset"]
+
+# What this run has done so far, for the line a Ctrl-C prints (`interrupted_message`).
+_state: dict[str, Any] = {"training": False, "written": None}
+
+
+def reset() -> None:
+    """A new run starts: nothing written, not training (`run_recipe_script` calls it)."""
+    _state.update(training=False, written=None)
+
+
+def note_written(path: str | Path) -> None:
+    """An output file or folder is complete under its final name (the atomic writers call it)."""
+    _state["written"] = Path(path)
+
+
+def note_training() -> None:
+    """The training loop has started (its first Ctrl-C checkpoints; a second one stops without)."""
+    _state["training"] = True
+
+
+def interrupted_message(err: BaseException) -> str:
+    """The one line (after `recipe: `) for a Ctrl-C that reached the top of a run."""
+    if str(err):  # TrainingInterrupted: the step and its checkpoint
+        return str(err)
+    if _state["training"]:
+        return ("interrupted during training (second Ctrl-C): the current step was not saved; resume=true "
+                "continues from the latest checkpoint")
+    if _state["written"] is None:
+        return "interrupted during setup (nothing was written)"
+    return (f"interrupted (Ctrl-C); outputs completed before it are kept (the last: {_state['written']}), "
+            "nothing half-written is left")
 
 
 class TrainingInterrupted(KeyboardInterrupt):

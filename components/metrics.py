@@ -157,7 +157,6 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._bar is not None:
-            self._bar.update(max(0, step - self._bar.n))
             post = {}
             for k, v in numeric.items():
                 if "loss" in k:
@@ -168,7 +167,9 @@ class MetricLogger:
                 post["tok/s"] = f"{numeric['tokens_per_s']:.0f}"
             if "peak_memory_gib" in numeric:
                 post["mem"] = f"{numeric['peak_memory_gib']:.1f}GiB"
+            # the postfix first: update() draws the bar, which must show this step's values, not the last one's
             self._bar.set_postfix(post, refresh=False)
+            self._bar.update(max(0, step - self._bar.n))
 
     def close(self) -> None:
         """Close files/bars/writers and draw `loss.png` from everything in metrics.jsonl."""
@@ -230,14 +231,28 @@ def plot_losses(output_dir: str | os.PathLike) -> Path | None:
     return out
 
 
+def check_logger_packages(tensorboard: bool, wandb: Any) -> None:
+    """The packages `tensorboard: true` and a `wandb:` section need, checked before anything loads (finding a
+    module does not import it); the same one-line errors as when the logger is created."""
+    import importlib.util
+
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise RecipeError(_NO_TENSORBOARD)
+    if wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise RecipeError(_NO_WANDB)
+
+
+_NO_TENSORBOARD = ("tensorboard=true but the `tensorboard` package is not installed: pip install tensorboard "
+                   "(or set tensorboard: false)")
+_NO_WANDB = ("wandb is configured but the `wandb` package is not installed: pip install wandb "
+             "(or remove the wandb section)")
+
+
 def _import_tensorboard() -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise RecipeError(
-            "tensorboard=true but the `tensorboard` package is not installed: pip install tensorboard "
-            "(or set tensorboard: false)"
-        ) from e
+        raise RecipeError(_NO_TENSORBOARD) from e
     return SummaryWriter
 
 
@@ -245,8 +260,5 @@ def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError as e:
-        raise RecipeError(
-            "wandb is configured but the `wandb` package is not installed: pip install wandb "
-            "(or remove the wandb section)"
-        ) from e
+        raise RecipeError(_NO_WANDB) from e
     return wandb

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
+from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import LogitsCache
 from llm_recipe.components.losses import same_tokenizer, shared_vocab
 from llm_recipe.components.models import ModelArgs, load_model
@@ -19,6 +20,36 @@ from llm_recipe.components.schema import Choice, ModelDir
 # kd's `teacher:` section
 TEACHER_SCHEMA = {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
                   "quantize": Choice(*TEACHER_QUANT, optional=True), "logits_dir": (str, type(None))}
+
+
+def check_teacher_and_student(cfg: DictConfig, student_dir: str | Path, tokenizer_vocab: int) -> None:
+    """Teacher and student speak the same tokens, and each config.json describes its weights: checked from
+    config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
+    (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
+    vocabulary errors are the ones `loss_vocab` would raise later."""
+    from llm_recipe.components.logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
+    from llm_recipe.components.models import read_model_args
+    from llm_recipe.components.models.args import check_weight_shapes
+
+    t = cfg.teacher
+    sargs = read_model_args(student_dir)
+    check_weight_shapes(student_dir, sargs)
+    student_vocab = sargs.vocab_size
+    if t.get("logits_dir") is not None:
+        manifest = Path(t.logits_dir) / MANIFEST
+        if manifest.is_file():  # a missing or unfinished cache is reported by LogitsCache with its own words
+            cached = read_manifest(manifest).get("run", {}).get("tokenizer")
+            if cached is not None and cached != tokenizer_fingerprint(student_dir):
+                raise RecipeError(f"teacher.logits_dir={t.logits_dir}: tokenizer (tokenizer.json + chat template) "
+                                  f"differs: the cache was built with another tokenizer than {student_dir}'s; "
+                                  "build a cache for this run with `recipe run kd_logits`")
+        shared_vocab(student_vocab, student_vocab, tokenizer_vocab)
+        return
+    teacher_dir = t.get("checkpoint_dir") or student_dir
+    targs = read_model_args(teacher_dir)
+    check_weight_shapes(teacher_dir, targs)
+    shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,
+                 Path(teacher_dir) == Path(student_dir) or same_tokenizer(student_dir, teacher_dir))
 
 
 def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperature: float,

@@ -35,7 +35,7 @@ from llm_recipe.components.config import COMPONENT
 from llm_recipe.components.data.dataset import build_dataset, build_loader
 from llm_recipe.components.data.formats import FORMATS
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.interrupt import StopRequest
+from llm_recipe.components.interrupt import StopRequest, note_training
 from llm_recipe.components.losses import kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
@@ -407,6 +407,7 @@ def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, token
     step = start_step
     model.train()
     stop = StopRequest.install(enabled=rt.world_size == 1)  # Ctrl-C: checkpoint at the next step boundary
+    note_training()
     # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
     # Where the loop is, for an out-of-memory message (components/oom.py): the step and micro-batch shape.
     where, shape = f"at step {step + 1}", None

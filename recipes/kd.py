@@ -19,7 +19,7 @@ from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import Choice, Range
 from llm_recipe.components.setup_log import SetupLog
-from llm_recipe.components.teacher import TEACHER_SCHEMA, load_teacher, loss_vocab
+from llm_recipe.components.teacher import TEACHER_SCHEMA, check_teacher_and_student, load_teacher, loss_vocab
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
@@ -63,6 +63,7 @@ def main(cfg: DictConfig) -> None:
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = find_resume_checkpoint(cfg)
+    check_teacher_and_student(cfg, student_dir, tokenizer.vocab_size)  # same tokens? before scoring and loading weights
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("student layers"):
         keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from llm_recipe.components.config import run_recipe_script
-from llm_recipe.components.data.dataset import build_dataset
+from llm_recipe.components.data.dataset import build_dataset, loss_tokens
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
 from llm_recipe.components.models import load_model, read_model_args
@@ -82,13 +83,23 @@ def main(cfg: DictConfig) -> None:
               flush=True)
 
     bs, chunks = cfg.get("batch_size", 4), cfg.get("num_output_chunks", 8)
+    # What is left to do, up front, and a bar over target tokens whose rate gives the ETA after the first batches
+    # (on one rank the demo cache takes minutes on a CPU).
+    total = sum(loss_tokens(dataset[i]) for shard in todo for i in writer.items(shard))
+    if todo and rt.is_main:
+        print(f"teacher: {total:,} target tokens to go in {len(todo)} shard(s)"
+              f"{f' on each of {rt.world_size} ranks' if rt.world_size > 1 else ''}; ETA on the bar below",
+              flush=True)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="teacher top-k", dynamic_ncols=True,
+               disable=not (todo and rt.is_main))
     for shard in todo:
         start, parts, counts = time.perf_counter(), [], []
         items = writer.items(shard)
         for first in range(items.start, items.stop, bs):
             batch = to_device(dataset.collate([dataset[i] for i in range(first, min(first + bs, items.stop))]),
                               rt.device)
-            counts += (batch["labels"] != -100).sum(1).tolist()
+            counts += (n := (batch["labels"] != -100).sum(1).tolist())
+            bar.update(sum(n))
             with torch.inference_mode():
                 hidden = hidden_states(teacher, batch)
                 parts += [tuple(x.cpu() for x in rows) for rows in
@@ -96,8 +107,13 @@ def main(cfg: DictConfig) -> None:
                                        chunks)]
         values, ids, tails = (torch.cat([p[j] for p in parts]) for j in range(3))
         writer.write(shard, values, ids, tails, counts)
-        print(f"rank {rt.rank}: shard {shard + 1}/{header['num_shards']}: {sum(counts)} tokens, "
-              f"{sum(counts) / (time.perf_counter() - start):,.0f} tokens/s", flush=True)
+        line = (f"rank {rt.rank}: shard {shard + 1}/{header['num_shards']}: {sum(counts)} tokens, "
+                f"{sum(counts) / (time.perf_counter() - start):,.0f} tokens/s")
+        if bar.disable:
+            print(line, flush=True)
+        else:
+            bar.write(line)  # above the bar, which stays at the bottom
+    bar.close()
 
     manifest = writer.finish()
     if rt.is_main:

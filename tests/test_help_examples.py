@@ -210,6 +210,11 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
     while args and args[0] == "--debug":
         args = args[1:]
     verb, rest = args[0], args[1:]
+    if verb == "--version" and not rest:  # an option, not a verb: prints the version and exits 0
+        with pytest.raises(SystemExit) as e:
+            cli_main.main(["--version"])
+        assert e.value.code == 0 and capsys.readouterr().out.startswith("llm-recipe ")
+        return
     verbs = next(a for a in cli_main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     if not rest and verb not in ("ls", "assets", "demo"):  # prose naming a verb
         assert verb in verbs, f"`recipe {verb}`: no such verb"

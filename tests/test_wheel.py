@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def wheel(tmp_path_factory) -> Path:
         ".git", ".venv", "outputs", "out", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", str(tmp / "dist"), str(src)], cwd=tmp)
-    (whl,) = (tmp / "dist").glob("recipe-*.whl")
+    (whl,) = (tmp / "dist").glob("llm_recipe-*.whl")
     return whl
 
 
@@ -71,6 +72,8 @@ def test_wheel_ships_every_module_and_data_file(wheel):
             if "__pycache__" not in p.parts}
     assert want and not want - names, sorted(want - names)
     assert not [n for n in names if n.split("/")[0] in ("cli", "components", "configs", "recipes")]
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "\nName: llm-recipe\n" in zipfile.ZipFile(wheel).read(meta).decode()  # ours, not PyPI's `recipe`
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert f"recipe = {PKG}.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
@@ -82,6 +85,11 @@ def test_installed_recipe_lists_validates_copies_and_runs(venv, tiny_model_dir, 
     where = _run([str(venv / "python"), "-c", f"import {PKG}.cli.main as m, {PKG}.configs as c; "
                   "print(m.__file__); print(c.__file__)"], cwd=elsewhere).stdout.split()
     assert all(Path(p).is_relative_to(venv.parent) for p in where), where  # the wheel's copy, not the checkout
+
+    # pip knows it as llm-recipe, and the installed command reports that distribution's version
+    shown = _run([sys.executable, "-m", "pip", "--python", str(venv / "python"), "show", "llm-recipe"], cwd=elsewhere)
+    version = re.search(r"^Version: (\S+)", shown.stdout, re.MULTILINE).group(1)
+    assert _run([recipe, "--version"], cwd=elsewhere).stdout.strip() == f"llm-recipe {version}"
 
     listing = _run([recipe, "ls"], cwd=elsewhere).stdout
     configs = sorted(f"{p.parent.name}/{p.stem}" for p in (ROOT / "configs").glob("*/*.yaml"))

@@ -18,16 +18,49 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.interrupt import note_written
 
 
-def _fsync_tree(root: Path) -> None:
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status), else by setting it
+    back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | os.PathLike | int, folder: bool = False) -> None:
+    """Give a file (path or open fd) made by tempfile.mkstemp / mkdtemp (always 0600 / 0700, private to us) the
+    mode a plain `open()` / `mkdir()` would have: 0666 / 0777 less the umask. Outputs (weights, GGUF, metrics,
+    plots, the model cache) are then as readable as any other file the user creates."""
+    mode = (0o777 if folder else 0o666) & ~current_umask()
+    if isinstance(path, int):
+        os.fchmod(path, mode)
+    else:
+        os.chmod(path, mode)
+
+
+def _fsync_tree(root: Path, umask: int | None = None) -> None:
+    """fsync every file and folder under `root`; with `umask`, also give them the modes `open`/`mkdir` would
+    (some writers, safetensors among them, create their files 0600)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
+                if umask is not None:
+                    os.fchmod(fd, 0o666 & ~umask)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if umask is not None:
+            os.chmod(dirpath, 0o777 & ~umask)
         _fsync_dir(Path(dirpath))
 
 
@@ -55,9 +88,10 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
             os.rename(stale / "x", target)
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    honour_umask(tmp, folder=True)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        _fsync_tree(tmp, umask=current_umask())
         if target.exists():
             if not overwrite:
                 raise FileExistsError(target)
@@ -69,6 +103,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
         else:
             os.rename(tmp, target)
         _fsync_dir(target.parent)
+        note_written(target)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = write_failure(e)
@@ -94,11 +129,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        honour_umask(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        note_written(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

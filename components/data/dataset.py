@@ -45,20 +45,22 @@ class TokenizedDataset(Sequence):
 
     def num_loss_tokens(self) -> int:
         """Positions that carry a target after shifting (for logging / sanity checks)."""
-        total = 0
-        for x in self.items:
-            if "seq_lens" in x:
-                start = 0
-                for n in x["seq_lens"]:
-                    total += sum(lab != IGNORE_INDEX for lab in x["labels"][start + 1 : start + n])
-                    start += n
-            else:
-                total += sum(lab != IGNORE_INDEX for lab in x["labels"][1:])
-        return total
+        return sum(loss_tokens(x) for x in self.items)
 
     def collate(self, batch: list[dict]) -> dict:
         """Collate with this dataset's pad id (see `llm_recipe.components.data.collate.collate`)."""
         return collate(batch, self.pad_id)
+
+
+def loss_tokens(item: dict) -> int:
+    """Positions of one item that carry a target after shifting (each packed document on its own)."""
+    if "seq_lens" in item:
+        total, start = 0, 0
+        for n in item["seq_lens"]:
+            total += sum(lab != IGNORE_INDEX for lab in item["labels"][start + 1 : start + n])
+            start += n
+        return total
+    return sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
 
 
 def build_dataset(

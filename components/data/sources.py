@@ -7,13 +7,14 @@ otherwise) so that a bad row is reported precisely.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8, utf8_error
 
 TRANSFER_PREFIX = "transfer:"
 _SPLIT_RE = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*([^:\]]*)\s*:\s*([^\]]*)\s*\])?\s*$")
@@ -87,8 +88,12 @@ def slice_rows(rows: Rows, split: str) -> Rows:
 
 def _read_jsonl(path: Path) -> Rows:
     rows, locs = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise utf8_error(str(path), raw, e, first_line=lineno) from None
             if not line.strip():
                 continue
             try:
@@ -103,7 +108,7 @@ def _read_jsonl(path: Path) -> Rows:
 
 
 def _read_json(path: Path) -> Rows:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -128,7 +133,7 @@ def _read_json(path: Path) -> Rows:
 
 
 def _read_csv(path: Path) -> Rows:
-    with open(path, encoding="utf-8", newline="") as f:
+    with io.StringIO(read_utf8(path), newline="") as f:
         reader = csv.DictReader(f)
         rows, locs = [], []
         for row in reader:

@@ -75,11 +75,15 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     from llm_recipe.components.models import (
         load_model,  # lazy: keeps `import llm_recipe.components.eval` light
     )
-    from llm_recipe.components.models.tokenizer import Tokenizer
+    from llm_recipe.components.models.args import check_weight_shapes
+    from llm_recipe.components.models.tokenizer import Tokenizer, check_tokenizer_fits
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
         raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
+    check_weight_shapes(ckpt_dir)  # config.json against the safetensors headers, then against the tokenizer
+    tokenizer = Tokenizer.from_dir(ckpt_dir)
+    check_tokenizer_fits(ckpt_dir, tokenizer)  # before the weights load
     qcfg = saved_quantization(ckpt_dir)
     if qcfg is not None and qcfg.get("quant_method") == "torchao":
         from llm_recipe.components.quantization.export_hf import load_hf_torchao
@@ -98,7 +102,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
             model = quantize_model(model, meta["scheme"], meta.get("group_size") or 32,
                                    bool(meta.get("include_output", False)))
     model.eval()
-    return model, Tokenizer.from_dir(ckpt_dir)
+    return model, tokenizer
 
 
 @register_model("recipe")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.eval import quiet
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,22 @@ def _as_lm(model_or_checkpoint: Any, batch_size: int, device: str | None, dtype:
     )
 
 
+def _simple_evaluate(lm: Any, tasks: Sequence[str], tm: Any, num_fewshot: int | None, limit: int | float | None,
+                     apply_chat_template: bool, log_samples: bool, bootstrap_iters: int, seed: int) -> dict | None:
+    import lm_eval
+
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=tm,
+            apply_chat_template=apply_chat_template, log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    except OSError as e:  # a stock task's data neither cached nor reachable
+        err = quiet.hub_error(e, tasks)
+        if err is None:
+            raise
+        raise err from e
+
+
 def evaluate(
     model_or_checkpoint: Any,
     tasks: Sequence[str],
@@ -73,11 +90,11 @@ def evaluate(
     """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
     `output_dir/results.json`. Returns lm-eval's results dict. `bootstrap_iters=0` skips lm-eval's standard
     errors (its perplexity SE bootstraps 100000 resamples; `llm_recipe.components.eval.stats` computes them from samples)."""
-    import lm_eval
-    from lm_eval.utils import handle_non_serializable, make_table
-
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t]
+    quiet.offline_if_hub_unreachable(tasks)  # before lm-eval imports datasets (no 30 s of retries offline)
+    from lm_eval.utils import handle_non_serializable, make_table
+
     if not tasks:
         raise RecipeError("eval tasks: empty list; name at least one, e.g. recipe_hellaswag")
     tm = task_manager()
@@ -88,20 +105,9 @@ def evaluate(
             "(any stock lm-eval task name also works when its dataset is in the HF cache)"
         )
     lm = _as_lm(model_or_checkpoint, batch_size, device, dtype, max_length)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=tm,
-        apply_chat_template=apply_chat_template,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    with quiet.no_git_noise():  # lm-eval's `git describe` outside a repository (components/eval/quiet.py)
+        results = _simple_evaluate(lm, tasks, tm, num_fewshot, limit, apply_chat_template, log_samples,
+                                   bootstrap_iters, seed)
     if results is None:  # non-zero ranks under torchrun
         return {}
     print(make_table(results))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 
 # Same value as llm_recipe.components.data.IGNORE_INDEX (the contract's home for it); repeated here so that the losses do not
 # depend on the data package.
@@ -400,7 +400,7 @@ def same_tokenizer(student_dir: str | Path, teacher_dir: str | Path) -> bool:
     def fingerprint(d: str | Path) -> tuple[object, object]:
         path = Path(d) / "tokenizer.json"
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_utf8(path))
         except FileNotFoundError:
             raise RecipeError(f"kd: {path} not found; both models need a tokenizer.json") from None
         except json.JSONDecodeError as e:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 
 # model_type -> family. All are Llama-style decoders; they differ in biases and RoPE details.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -127,7 +127,58 @@ def read_model_args(ckpt_dir: str | Path) -> ModelArgs:
     if not path.is_file():
         raise RecipeError(f"{ckpt_dir}: no config.json (expected a Hugging Face model folder)")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     return ModelArgs.from_hf_config(cfg, source=str(path))
+
+
+def expected_shapes(args: ModelArgs, hf_name: str) -> list[tuple[str, int]] | None:
+    """What config.json says the shape of the HF tensor `hf_name` is, one `(config key(s), size)` per dimension,
+    or None for a tensor it says nothing about."""
+    hidden, heads = ("hidden_size", args.hidden_size), ("num_attention_heads x head_dim", args.num_heads * args.head_dim)
+    kv, inter = ("num_key_value_heads x head_dim", args.num_kv_heads * args.head_dim), \
+        ("intermediate_size", args.intermediate_size)
+    vocab = ("vocab_size", args.vocab_size)
+    top = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden],
+           "model.norm.weight": [hidden]}
+    if hf_name in top:
+        return top[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        return None
+    per_layer = {"self_attn.q_proj.weight": [heads, hidden], "self_attn.k_proj.weight": [kv, hidden],
+                 "self_attn.v_proj.weight": [kv, hidden], "self_attn.o_proj.weight": [hidden, heads],
+                 "self_attn.q_proj.bias": [heads], "self_attn.k_proj.bias": [kv], "self_attn.v_proj.bias": [kv],
+                 "self_attn.o_proj.bias": [hidden], "mlp.gate_proj.weight": [inter, hidden],
+                 "mlp.up_proj.weight": [inter, hidden], "mlp.down_proj.weight": [hidden, inter],
+                 "input_layernorm.weight": [hidden], "post_attention_layernorm.weight": [hidden]}
+    return per_layer.get(".".join(parts[3:]))
+
+
+def check_weight_shapes(ckpt_dir: str | Path, args: ModelArgs | None = None) -> None:
+    """Compare every tensor's shape in the safetensors headers with what `config.json` says, before anything is
+    built or read: a RecipeError names the tensor, the config key and both shapes (a config.json copied from
+    another model size, a vocab_size edited by hand). Layers past num_hidden_layers are errors too."""
+    from llm_recipe.components.models.hf_io import safetensors_shapes
+
+    args = args or read_model_args(ckpt_dir)
+    shapes = safetensors_shapes(ckpt_dir)
+    if not shapes or args.hf_config.get("quantization_config"):
+        return  # no headers to read (loading reports it), or quantized tensors laid out by their scheme
+    config = Path(ckpt_dir) / "config.json"
+    for name, (file, shape) in shapes.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() \
+                and int(parts[2]) >= args.num_layers:
+            raise RecipeError(f"{file}: tensor '{name}' is in layer {parts[2]}, but {config} has num_hidden_layers="
+                              f"{args.num_layers}: the config does not describe these weights")
+        want = expected_shapes(args, name)
+        if want is None:
+            continue
+        sizes = [n for _, n in want]
+        if list(shape) != sizes:
+            differ = [(k, n) for (k, n), got in zip(want, shape) if got != n] if len(shape) == len(want) else want
+            keys = [f"{k}={n}" for k, n in differ]
+            raise RecipeError(f"{file}: tensor '{name}' has shape {list(shape)} but {config} gives {sizes} "
+                              f"({', '.join(keys)}): the config does not describe these weights")

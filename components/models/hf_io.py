@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -43,6 +44,35 @@ def load_hf_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     if (d / "pytorch_model.bin").is_file():
         return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise RecipeError(f"{d}: no model.safetensors, {INDEX_FILE} or pytorch_model.bin")
+
+
+def safetensors_shapes(ckpt_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
+    """`{tensor name: (file, shape)}` from the safetensors headers of a HF folder (no tensor data is read), or None
+    when the folder has no safetensors or a header cannot be read (loading then reports it)."""
+    d = Path(ckpt_dir)
+    if (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    elif (d / INDEX_FILE).is_file():
+        try:
+            files = [d / s for s in sorted(set(json.loads((d / INDEX_FILE).read_bytes())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+    else:
+        return None
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                if n > 100 * 1024**2:
+                    return None
+                header = json.loads(fh.read(n))
+        except (OSError, struct.error, ValueError):
+            return None
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("shape"), list):
+                shapes[name] = (str(f), info["shape"])
+    return shapes
 
 
 def copy_tokenizer_files(tokenizer_dir: str | Path | None, out_dir: Path) -> None:

@@ -13,7 +13,7 @@ from torchtune.modules.peft import DoRALinear, LoRALinear, get_merged_lora_ckpt
 
 import llm_recipe.components.models._compat  # noqa: F401
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models.args import ModelArgs, read_model_args
+from llm_recipe.components.models.args import ModelArgs, check_weight_shapes, read_model_args
 from llm_recipe.components.models.builder import Decoder, LoRASettings, build_model
 from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
 from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
@@ -83,6 +83,7 @@ def load_model(
 ) -> tuple[Decoder, ModelArgs]:
     """Build the decoder for a HF folder and load its weights; LoRA params are freshly initialised."""
     args = read_model_args(ckpt_dir)
+    check_weight_shapes(ckpt_dir, args)  # from the headers, before GBs are read and the model is built
     sd = hf_to_tune_names(load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
     if keep_layers is not None:
         sd = prune_layers(sd, keep_layers, args.num_layers)

@@ -172,13 +172,14 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
     from llm_recipe.components.data.dataset import build_dataset
     from llm_recipe.components.models.args import read_model_args
     from llm_recipe.components.models.loader import load_model
-    from llm_recipe.components.models.tokenizer import Tokenizer
+    from llm_recipe.components.models.tokenizer import Tokenizer, check_tokenizer_fits
 
     method, keep, tokens = prune_settings(prune)
     layers = read_model_args(model_dir).num_layers
     if keep > layers:
         raise RecipeError(f"student.prune.keep={keep} but {model_dir} has only {layers} layers")
     tokenizer = Tokenizer.from_dir(model_dir)
+    check_tokenizer_fits(model_dir, tokenizer)
     ds = build_dataset(tokenizer, **dataset)
     model, _ = load_model(model_dir, dtype=dtype, device=device, max_seq_len=dataset.get("max_seq_len"))
     scores = score_layers(model, calibration_batches(ds, tokens, batch_size, tokenizer.pad_id, device))

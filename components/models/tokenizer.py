@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.errors import RecipeError, read_utf8
 
 # End-of-turn markers of the common chat formats (ChatML, Llama 3, Phi-3, Gemma). Generation stops on any
 # of them that exists in the vocabulary, besides the eos ids the checkpoint declares.
@@ -37,8 +37,7 @@ def _token_content(value: Any) -> str | None:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise RecipeError(f"{path}: not valid JSON ({e}); re-export the tokenizer files") from e
 
@@ -135,7 +134,7 @@ class Tokenizer:
         template = None
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            template = read_utf8(jinja_file)
         else:
             template = config.get("chat_template")
             if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -211,3 +210,16 @@ class Tokenizer:
         variables.update(kwargs)
         return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                           **variables)
+
+
+def check_tokenizer_fits(model_dir: str | os.PathLike, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
+    """A model whose embedding has fewer rows (config.json `vocab_size`) than its tokenizer has ids cannot read the
+    tokens it is given: say so before any forward pass (it would end in an IndexError deep in the model)."""
+    if vocab_size is None:
+        from llm_recipe.components.models.args import read_model_args
+
+        vocab_size = read_model_args(model_dir).vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise RecipeError(f"{model_dir}/config.json: vocab_size={vocab_size} is smaller than its tokenizer's "
+                          f"vocabulary ({tokenizer.vocab_size} in tokenizer.json): the model cannot read the tokens "
+                          "its tokenizer makes")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import write_failure
+from llm_recipe.components.checkpoint.atomic import honour_umask, write_failure
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
 from llm_recipe.components.quantization.schemes import _is_torchao_tensor
@@ -290,6 +290,7 @@ def export_gguf(
     for stale in out_path.parent.glob(f".{glob.escape(out_path.name)}.*.tmp"):  # a killed export's leftover
         stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    honour_umask(fd)
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp_name, arch)

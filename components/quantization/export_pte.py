@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llm_recipe.components.checkpoint.atomic import honour_umask
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.quantization.ptq import quantize_model
 from llm_recipe.components.quantization.schemes import _is_torchao_tensor
@@ -31,7 +32,7 @@ def _require_executorch() -> None:
     try:
         import executorch.exir  # noqa: F401
     except ImportError as e:
-        raise RecipeError("exporting a .pte needs ExecuTorch: pip install 'recipe[executorch]' "
+        raise RecipeError("exporting a .pte needs ExecuTorch: pip install 'llm-recipe[executorch]' "
                           f"(executorch==1.5.1; import failed: {e})") from None
 
 
@@ -154,6 +155,7 @@ def export_pte(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     try:
+        honour_umask(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(et.buffer)
             f.flush()

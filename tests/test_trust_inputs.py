@@ -1,0 +1,239 @@
+"""Issue 24, items 3 and 4: every file we read is checked before it is used (one line naming the file and the line
+or tensor), and `recipe lm_eval` turns unknown or unreachable tasks into one line, with no 30 s of retries.
+
+Each test names the docs/reliability.md row it pins (section "Input files, lm_eval and install") and reads the
+message from there."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
+doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
+if "reliability_doc" not in sys.modules:
+    sys.modules["reliability_doc"] = doc
+    _spec.loader.exec_module(doc)
+
+REPO = doc.REPO
+SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.limit=8", "dataset.max_seq_len=32",
+         "save_every_n_steps=null", "tensorboard=false"]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`recipe ARGS` in this process; returns (exit status, stderr)."""
+    from llm_recipe.cli.main import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    return int(code or 0), capsys.readouterr().err
+
+
+def one_error(code: int, err: str) -> str:
+    errors = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
+    assert code == 1 and "Traceback" not in err and len(errors) == 1, err
+    return errors[0]
+
+
+def _small_vocab_model(path: Path, embedded: Path, vocab: int = 1000) -> Path:
+    """A tiny random Llama whose config.json and weights agree on `vocab` rows, with SmolLM2's 49152-id tokenizer."""
+    from llm_recipe.components.models import ModelArgs, build_model, save_model
+
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    save_model(build_model(args), args, path, tokenizer_dir=embedded)
+    return path
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ----------------------------------------------------------------------------------------------- encodings
+
+
+@pytest.mark.parametrize("row_id,name,data", [
+    ("data-utf8", "latin1.jsonl", b'{"text": "a first passage"}\n{"text": "caf\xe9 au lait"}\n'),
+    ("data-utf8-csv", "latin1.csv", b"text\na first passage\ncaf\xe9 au lait\n"),
+])
+def test_data_file_that_is_not_utf8_names_file_line_and_column(row_id, name, data, tmp_path, monkeypatch, capsys,
+                                                               tiny_model_dir):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_bytes(data)
+    code, err = run_cli(["run", "full", "--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
+                         f"output_dir={tmp_path}/out", f"dataset.source={tmp_path}/{name}", "dataset.format=text",
+                         *SMALL], capsys)
+    doc.expect(row_id, one_error(code, err), tmp=tmp_path)
+
+
+def test_config_file_that_is_not_utf8_names_its_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes(b"# a kd config\nkd:\n  loss: forward_kl  # r\xe9sum\xe9\n")
+    code, err = run_cli(["validate", "latin1.yaml", "--recipe", "kd"], capsys)
+    doc.expect("config-utf8", one_error(code, err), tmp=tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- config.json vs weights
+
+
+def test_config_vocab_size_that_disagrees_with_the_weights_names_tensor_key_and_shapes(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch, capsys):
+    bad = _edit_config(tiny_model_dir, tmp_path / "bad", vocab_size=1000)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["run", "generate", "--config", "generate/smollm2", f"model.checkpoint_dir={bad}",
+                         "device=cpu", "prompt=hi", "max_new_tokens=2"], capsys)
+    line = one_error(code, err)
+    assert "size mismatch" not in err
+    doc.expect("config-vocab-weights", line, dir=bad)
+
+
+def test_config_with_fewer_layers_than_the_weights_is_refused_before_building(tiny_model_dir, tmp_path):
+    from llm_recipe.components.errors import RecipeError
+    from llm_recipe.components.models import load_model
+
+    bad = _edit_config(tiny_model_dir, tmp_path / "bad", num_hidden_layers=3)
+    with pytest.raises(RecipeError) as e:
+        load_model(bad)
+    doc.expect("config-layers-weights", f"recipe: error: {e.value}", dir=bad)
+
+
+def test_a_checkpoint_that_matches_its_config_passes(tiny_model_dir):
+    from llm_recipe.components.models.args import check_weight_shapes
+
+    check_weight_shapes(tiny_model_dir)
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers, kd
+
+
+def test_pruned_student_with_another_vocabulary_is_refused_before_layer_scoring(embedded_model_dir, tmp_path,
+                                                                               monkeypatch, capsys):
+    """kd/smollm2_demo scores layers (student.prune): the vocabulary check comes first, on every config path."""
+    import llm_recipe.components.models.prune as prune
+
+    student = _small_vocab_model(tmp_path / "student", embedded_model_dir)
+
+    def no_scoring(*a, **k):
+        raise AssertionError("layer scoring ran before the vocabulary check")
+
+    monkeypatch.setattr(prune, "score_layers", no_scoring)
+    monkeypatch.chdir(tmp_path)
+    for extra in ([], ["student.prune=null"]):  # the same line with and without importance scoring
+        code, err = run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"student.checkpoint_dir={student}",
+                             f"output_dir={tmp_path}/out", *SMALL, *extra], capsys)
+        doc.expect("kd-student-vocab", one_error(code, err))
+    assert not (tmp_path / "out" / "layer_importance.json").exists()
+
+
+def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, embedded_model_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    import llm_recipe.components.models.prune as prune
+
+    student = tmp_path / "student"
+    shutil.copytree(tiny_model_dir, student)
+    tok = json.loads((student / "tokenizer.json").read_text())
+    tok["added_tokens"].append({**tok["added_tokens"][-1], "id": 49152, "content": "<|other|>"})
+    (student / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**cfg, "vocab_size": 49152}))
+    monkeypatch.setattr(prune, "score_layers", lambda *a, **k: pytest.fail("layer scoring ran first"))
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
+                         f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", *SMALL], capsys)
+    doc.expect("kd-tokenizers-differ", one_error(code, err))
+
+
+def test_eval_of_a_model_smaller_than_its_tokenizer_is_one_line(embedded_model_dir, tmp_path):
+    from llm_recipe.components.errors import RecipeError
+    from llm_recipe.components.eval import load_checkpoint
+
+    small = _small_vocab_model(tmp_path / "small", embedded_model_dir)
+    with pytest.raises(RecipeError) as e:
+        load_checkpoint(small)
+    doc.expect("model-vocab-tokenizer", f"recipe: error: {e.value}", dir=small)
+
+
+# ----------------------------------------------------------------------------------------------- lm_eval
+
+
+def _lm_eval(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
+    base.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HOME=str(cwd / "hf_home"), **env)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "lm_eval", *args], cwd=cwd, env=base,
+                          capture_output=True, text=True, timeout=300)
+    return proc, time.monotonic() - start
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lm_eval_unknown_task_is_one_line(tiny_model_dir, tmp_path):
+    proc, _ = _lm_eval(["--model", "recipe", "--model_args", f"checkpoint={tiny_model_dir}", "--tasks", "nope_task",
+                        "--limit", "1", "--device", "cpu"], tmp_path, HF_HUB_OFFLINE="1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    doc.expect("lm-eval-unknown-task", proc.stderr)
+
+
+def test_lm_eval_stock_task_with_the_hub_unreachable_fails_at_once(tiny_model_dir, tmp_path):
+    """A stock task whose data is not cached, the Hub not answering: no 30 s of retries, one line."""
+    proc, took = _lm_eval(["--model", "recipe", "--model_args", f"checkpoint={tiny_model_dir}", "--tasks",
+                           "hellaswag", "--limit", "1", "--device", "cpu"], tmp_path,
+                          HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "note: the Hugging Face Hub does not answer: running offline" in proc.stderr
+    doc.expect("lm-eval-offline-task", proc.stderr)
+    assert took < 25, f"{took:.0f} s: retried the Hub"
+
+
+def test_lm_eval_outside_a_git_repository_prints_no_git_error(tiny_model_dir, tmp_path):
+    from llm_recipe.components.eval.quiet import in_git_work_tree
+
+    if in_git_work_tree(tmp_path):
+        pytest.skip("the temp folder is inside a git work tree")
+    proc, _ = _lm_eval(["--model", "recipe", "--model_args", f"checkpoint={tiny_model_dir}", "--tasks", "recipe_copa",
+                        "--limit", "2", "--device", "cpu", "--batch_size", "2"], tmp_path, HF_HUB_OFFLINE="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recipe_copa" in proc.stdout and "Running loglikelihood" in proc.stderr  # the rest of stderr still shows
+    assert doc.row("lm-eval-git").id == "lm-eval-git"
+    assert "not a git repository" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_stderr_filter_drops_only_the_git_line(tmp_path, monkeypatch, capfd):
+    from llm_recipe.components.eval import quiet
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(quiet, "in_git_work_tree", lambda path=None: False)
+    with quiet.no_git_noise():
+        os.write(2, b"before\nprogress 50%\r")
+        subprocess.run(["sh", "-c", "echo 'fatal: not a git repository (or any of the parent directories): .git' >&2"])
+        os.write(2, b"progress 100%\nafter\n")
+    err = capfd.readouterr().err
+    assert err == "before\nprogress 50%\rprogress 100%\nafter\n", err
