@@ -125,7 +125,7 @@ def _write_run(out: Path, cfg: DictConfig, run_id: str | None = None) -> str:
     record = {RUN_ID_KEY: run_id, "config": config_source(cfg).display,
               "config_sha256": _config_sha256(cfg),
               "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    atomic_write_bytes(out / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
+    atomic_write_bytes(out / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode(), output=False)
     return run_id
 
 

@@ -123,8 +123,9 @@ def write_failure(err: BaseException) -> str | None:
     return None
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a single file atomically (temp file, fsync, rename)."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, output: bool = True) -> None:
+    """Write a single file atomically (temp file, fsync, rename). `output=False`: bookkeeping (run.json), not
+    something a Ctrl-C message should name as a kept output."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
@@ -135,7 +136,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        note_written(path)
+        if output:
+            note_written(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
