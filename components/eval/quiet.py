@@ -131,9 +131,14 @@ def no_git_noise() -> Iterator[None]:
             out = []
             while (i := pending.find(b"\n")) >= 0:
                 line, pending = pending[: i + 1], pending[i + 1 :]
-                if not line.startswith(GIT_FATAL):
-                    out.append(line)
-            # a partial line goes on at once (progress bars redraw with \r) unless it may be the dropped one
+                # a bar redrawn with \r and the git line can arrive as one line: keep what comes before it
+                head, cr, tail = line.rpartition(b"\r")
+                out.append(head + cr if tail.startswith(GIT_FATAL) else line)
+            # a partial line goes on at once (progress bars redraw with \r) unless its end may be the dropped one
+            head, cr, tail = pending.rpartition(b"\r")
+            if head or cr:
+                out.append(head + cr)
+                pending = tail
             if pending and not (GIT_FATAL.startswith(pending) or pending.startswith(GIT_FATAL)):
                 out.append(pending)
                 pending = b""
