@@ -73,10 +73,11 @@ class Scale:
 TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
             max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, eval_limit=4, eval_batch_size=4, device="cpu",
             compile=False)
-# One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 512 steps x
-# 32 x 512 = 8.4M tokens per training run (the 20.5M does not fit with six trainings, two of them 30-layer
-# QAT runs) over ~4.5M teacher-written tokens (4 continuations of each of the 2507 passage openings), ~2 epochs.
-LEASE = dict(steps=512, samples_per_prompt=4, gen_batch_size=1024)
+# One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 400 steps x
+# 32 x 512 = 6.6M tokens per training run (the 20.5M does not fit with six trainings, two of them 30-layer
+# QAT runs, at the first study's measured GPU rate) over ~3-4.5M teacher-written tokens (4 continuations of each of
+# the 2507 passage openings): about 2 epochs.
+LEASE = dict(steps=400, samples_per_prompt=4, gen_batch_size=1024)
 PRESETS = {"gpu": {}, "lease": LEASE, "tiny": TINY}
 
 
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher", default=None, help="teacher HF folder (default: the embedded model)")
     p.add_argument("--scale", default=None,
                    help="a preset: gpu (default; 20.5M tokens per run), lease (fits one 30-minute H200 lease: "
-                        "8.4M tokens per run), tiny (= --tiny); or a Scale as JSON (what `run` passes to its jobs)")
+                        "6.6M tokens per run), tiny (= --tiny); or a Scale as JSON (what `run` passes to its jobs)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps (every row)")
     p.add_argument("--name")
     p.add_argument("--model")
