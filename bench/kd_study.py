@@ -72,7 +72,8 @@ def _f(x: float) -> str:
 def training_jobs(s: Scale, out: Path) -> list[Job]:
     """The training rows: teacher fine-tune (also QAT's plain FT), QAT FT, and the students."""
     common = [f"max_steps={s.steps}", f"batch_size={s.batch_size}", f"dataset.max_seq_len={s.seq_len}",
-              f"lr_scheduler.warmup_steps={s.warmup}", f"device={s.device}"]
+              f"lr_scheduler.warmup_steps={s.warmup}", f"device={s.device}",
+              *(["compile=false"] if s.device == "cpu" else [])]  # the study configs compile (a GPU setting)
     rows: list[tuple[str, str, str, list[str], list[str], str]] = [
         ("teacher_ft", "full", "full/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}"], [], "qat"),
         ("qat_ft", "qat", "qat/smollm2_study", [f"optimizer.lr={_f(s.lr_teacher)}"], [], "qat"),

