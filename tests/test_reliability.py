@@ -20,7 +20,6 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import torch
 
 _spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
 doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
@@ -94,28 +93,11 @@ def _substitute(arg: str, values: dict[str, object]) -> str:
     return arg
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """`recipe ARGS` in this process (one thread, like the subprocess tests); returns (exit status, stderr)."""
-    from llm_recipe.cli.main import main
-
-    det, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.use_deterministic_algorithms(det)
-        torch.set_num_threads(threads)
-    return int(code or 0), capsys.readouterr().err
-
-
 @pytest.mark.parametrize("row", COMMAND_ROWS, ids=[r.id for r in COMMAND_ROWS])
 def test_refusal(row, tmp_path, monkeypatch, capsys, request):
     monkeypatch.chdir(tmp_path)
     values = _prepare(tmp_path, row, request)
-    code, err = run_cli([_substitute(a, values) for a in row.command], capsys)
+    code, _, err = doc.run_cli([_substitute(a, values) for a in row.command], capsys)
     errors = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1, err

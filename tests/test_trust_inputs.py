@@ -30,22 +30,6 @@ SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.lim
          "save_every_n_steps=null", "tensorboard=false"]
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """`recipe ARGS` in this process; returns (exit status, stderr)."""
-    from llm_recipe.cli.main import main
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.set_num_threads(threads)
-    return int(code or 0), capsys.readouterr().err
-
-
 def one_error(code: int, err: str) -> str:
     errors = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
     assert code == 1 and "Traceback" not in err and len(errors) == 1, err
@@ -84,7 +68,7 @@ def test_data_file_that_is_not_utf8_names_file_line_and_column(row_id, name, dat
                                                                tiny_model_dir):
     monkeypatch.chdir(tmp_path)
     (tmp_path / name).write_bytes(data)
-    code, err = run_cli(["run", "full", "--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
+    code, _, err = doc.run_cli(["run", "full", "--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
                          f"output_dir={tmp_path}/out", f"dataset.source={tmp_path}/{name}", "dataset.format=text",
                          *SMALL], capsys)
     doc.expect(row_id, one_error(code, err), tmp=tmp_path)
@@ -93,7 +77,7 @@ def test_data_file_that_is_not_utf8_names_file_line_and_column(row_id, name, dat
 def test_config_file_that_is_not_utf8_names_its_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "latin1.yaml").write_bytes(b"# a kd config\nkd:\n  loss: forward_kl  # r\xe9sum\xe9\n")
-    code, err = run_cli(["validate", "latin1.yaml", "--recipe", "kd"], capsys)
+    code, _, err = doc.run_cli(["validate", "latin1.yaml", "--recipe", "kd"], capsys)
     doc.expect("config-utf8", one_error(code, err), tmp=tmp_path)
 
 
@@ -104,7 +88,7 @@ def test_config_vocab_size_that_disagrees_with_the_weights_names_tensor_key_and_
                                                                                       monkeypatch, capsys):
     bad = _edit_config(tiny_model_dir, tmp_path / "bad", vocab_size=1000)
     monkeypatch.chdir(tmp_path)
-    code, err = run_cli(["run", "generate", "--config", "generate/smollm2", f"model.checkpoint_dir={bad}",
+    code, _, err = doc.run_cli(["run", "generate", "--config", "generate/smollm2", f"model.checkpoint_dir={bad}",
                          "device=cpu", "prompt=hi", "max_new_tokens=2"], capsys)
     line = one_error(code, err)
     assert "size mismatch" not in err
@@ -143,7 +127,7 @@ def test_pruned_student_with_another_vocabulary_is_refused_before_layer_scoring(
     monkeypatch.setattr(prune, "score_layers", no_scoring)
     monkeypatch.chdir(tmp_path)
     for extra in ([], ["student.prune=null"]):  # the same line with and without importance scoring
-        code, err = run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"student.checkpoint_dir={student}",
+        code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"student.checkpoint_dir={student}",
                              f"output_dir={tmp_path}/out", *SMALL, *extra], capsys)
         doc.expect("kd-student-vocab", one_error(code, err))
     assert not (tmp_path / "out" / "layer_importance.json").exists()
@@ -162,7 +146,7 @@ def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, e
     (student / "config.json").write_text(json.dumps({**cfg, "vocab_size": 49152}))
     monkeypatch.setattr(prune, "score_layers", lambda *a, **k: pytest.fail("layer scoring ran first"))
     monkeypatch.chdir(tmp_path)
-    code, err = run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
+    code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
                          f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", *SMALL], capsys)
     doc.expect("kd-tokenizers-differ", one_error(code, err))
 

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 _spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
 doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
@@ -28,22 +27,6 @@ if "reliability_doc" not in sys.modules:
 REPO = doc.REPO
 SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.limit=8", "dataset.max_seq_len=32",
          "save_every_n_steps=null", "lr_scheduler.warmup_steps=0"]
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    from llm_recipe.cli.main import main
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr()
-    return int(code or 0), out.out, out.err
 
 
 def _pyproject_version() -> str:
@@ -86,7 +69,7 @@ def test_install_hints_name_our_distribution(monkeypatch):
 
 
 def test_version_prints_the_distribution_version(capsys):
-    code, out, _ = run_cli(["--version"], capsys)
+    code, out, _ = doc.run_cli(["--version"], capsys)
     assert code == 0
     line = doc.expect("version", out)
     assert line == f"llm-recipe {_pyproject_version()}"
@@ -205,7 +188,7 @@ def test_ctrl_c_during_setup_says_so_and_exits_130(tiny_model_dir, tmp_path, mon
 
     monkeypatch.setattr(prune, "score_layers", interrupted)  # Ctrl-C while the layers are being scored
     monkeypatch.chdir(tmp_path)
-    code, _, err = run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={tiny_model_dir}",
+    code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={tiny_model_dir}",
                             "student.prune.keep=2", f"output_dir={tmp_path}/out", *SMALL], capsys)
     assert code == 130 and "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.startswith("recipe:")]
@@ -223,7 +206,7 @@ def test_kd_logits_says_what_is_left_and_shows_an_eta(tiny_model_dir, tmp_path, 
     import json
 
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(["run", "kd_logits", "--config", "kd_logits/smollm2_demo",
+    code, out, err = doc.run_cli(["run", "kd_logits", "--config", "kd_logits/smollm2_demo",
                               f"teacher.checkpoint_dir={tiny_model_dir}", f"output_dir={tmp_path}/cache",
                               "device=cpu", "dtype=fp32", "dataset.limit=6", "dataset.max_seq_len=32",
                               "cache.items_per_shard=4", "batch_size=2"], capsys)
