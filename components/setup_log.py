@@ -35,6 +35,7 @@ class SetupLog:
     def __init__(self, is_main: bool = True) -> None:
         self.is_main = is_main
         self.launched = process_start_time()
+        self.began = time.time()  # differs from the launch when a process runs recipes in turn (`recipe demo`)
         self.parts: list[tuple[str, float]] = []
 
     def say(self, text: str) -> None:
@@ -52,8 +53,8 @@ class SetupLog:
 
     def first_step(self, step_seconds: float, compiled: bool) -> None:
         """After optimizer step 1: its time (compilation included when `compiled`) and the whole breakdown."""
-        since = time.time() - self.launched
+        now = time.time()
         parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.parts)
         note = " (includes torch.compile of what runs in it)" if compiled else ""
-        self.say(f"first optimizer step done {since:.1f} s after launch: {parts}{', ' if parts else ''}"
-                 f"step 1 {step_seconds:.1f} s{note}")
+        self.say(f"first optimizer step done {now - self.launched:.1f} s after launch ({now - self.began:.1f} s "
+                 f"after setup began): {parts}{', ' if parts else ''}step 1 {step_seconds:.1f} s{note}")

@@ -86,8 +86,8 @@ def test_full_recipe_writes_a_model_transformers_loads(full_run, tiny_model_dir)
     assert f"model: {out}/model" in proc.stdout
     # setup says what it does and how long each part took, then when the first step ended (counted from launch)
     assert re.search(r"setup: weights: [0-9.]+ s", proc.stdout) and "setup: data and optimizer ..." in proc.stdout
-    assert re.search(r"setup: first optimizer step done [0-9.]+ s after launch: weights [0-9.]+ s, data and "
-                     r"optimizer [0-9.]+ s, step 1 [0-9.]+ s\n", proc.stdout)
+    assert re.search(r"setup: first optimizer step done [0-9.]+ s after launch \([0-9.]+ s after setup began\): "
+                     r"weights [0-9.]+ s, data and optimizer [0-9.]+ s, step 1 [0-9.]+ s\n", proc.stdout)
     assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000002", "step_000003"]
     for ckpt in rc.complete_checkpoints(out):
         assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
