@@ -93,6 +93,9 @@ class Runtime:
             shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
                                                                 self.device, shard)
+            # every rank takes rank 0's choice: under FSDP a checkpointed layer all-gathers again in backward, so
+            # ranks that chose differently would run different collectives
+            activation_checkpointing = self.broadcast_object(activation_checkpointing)
             if self.is_main:
                 print(f"activation_checkpointing=auto: {why}", flush=True)
         if activation_checkpointing:
