@@ -275,7 +275,7 @@ def resume_weights(ckpt: Path | None) -> Path | None:
     return ckpt if ckpt is not None and not is_sharded_checkpoint(ckpt) else None
 
 
-def find_resume_checkpoint(cfg: DictConfig) -> Path | None:
+def start_or_resume_run(cfg: DictConfig) -> Path | None:
     """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
     folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
     With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified

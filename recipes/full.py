@@ -15,12 +15,12 @@ from llm_recipe.components.schema import ModelDir
 from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     TRAIN_SCHEMA,
-    find_resume_checkpoint,
     lm_loss_sum,
     load_tokenizer,
     micro_batch_tokens,
     resume_weights,
     setup_training,
+    start_or_resume_run,
     train,
     write_final_model,
 )
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     tokenizer = load_tokenizer(base_dir)
 
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
-    resume_from = find_resume_checkpoint(cfg)
+    resume_from = start_or_resume_run(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
         model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=cfg.dataset.max_seq_len)

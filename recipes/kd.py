@@ -23,7 +23,6 @@ from llm_recipe.components.teacher import TEACHER_SCHEMA, check_teacher_and_stud
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
-    find_resume_checkpoint,
     freeze_all_but_adapters,
     hidden_states,
     load_tokenizer,
@@ -31,6 +30,7 @@ from llm_recipe.components.training import (
     micro_batch_tokens,
     resume_weights,
     setup_training,
+    start_or_resume_run,
     train,
     write_final_model,
 )
@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> None:
     max_len = cfg.dataset.max_seq_len
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
-    resume_from = find_resume_checkpoint(cfg)
+    resume_from = start_or_resume_run(cfg)
     check_teacher_and_student(cfg, student_dir, tokenizer.vocab_size)  # same tokens? before scoring and loading weights
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("student layers"):

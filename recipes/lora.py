@@ -17,13 +17,13 @@ from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
-    find_resume_checkpoint,
     freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
     lora_settings,
     micro_batch_tokens,
     setup_training,
+    start_or_resume_run,
     train,
     write_final_model,
 )
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
         raise RecipeError("lora: the lora recipe needs a lora section (rank, alpha, targets, ...)")
 
     # The base always comes from model.checkpoint_dir; a resumed run restores only the adapters.
-    resume_from = find_resume_checkpoint(cfg)
+    resume_from = start_or_resume_run(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
         model, args = load_model(base_dir, dtype=rt.dtype, device=rt.build_device, lora=lora, max_seq_len=cfg.dataset.max_seq_len)

@@ -30,7 +30,6 @@ from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
-    find_resume_checkpoint,
     freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
@@ -38,6 +37,7 @@ from llm_recipe.components.training import (
     micro_batch_tokens,
     resume_weights,
     setup_training,
+    start_or_resume_run,
     train,
     write_final_model,
 )
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
     scheme, group_size, include_output = q.get("scheme", "8da4w"), q.get("group_size", 32), q.get("include_output", False)
 
     # Full QAT resumes from the checkpoint's weights; QAT+LoRA keeps its base and restores adapters from state.
-    resume_from = find_resume_checkpoint(cfg)
+    resume_from = start_or_resume_run(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
         source = resume_weights(resume_from) if lora is None else None
