@@ -2,7 +2,7 @@
 
 Differences from bench/kd_study.py (the "before" in docs/kd_study.md): the student is pruned by measured layer
 importance (`student.prune`, >= 20 of 30 layers kept), every run sees >= 20M tokens of teacher-written transfer
-data (`recipe run transfer`), students train with bf16 stochastic rounding (the configs' default optimizer), and
+data (`recipe run transfer`), students train with the configs' optimizer (MasterWeightAdamW: fp32 master weights), and
 every cell carries a standard error. Rows:
 
 - teacher (bf16) and teacher_ptq (8da4w post-training quantization of the teacher);
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -35,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
 
-LAMBADA, HELLASWAG = "recipe_lambada_openai", "recipe_hellaswag"
+LAMBADA = "recipe_lambada_openai"
+# multiple-choice tasks scored by acc_norm (lm-eval's length-normalized choice): summary key -> offline task
+CHOICE_TASKS = {"hellaswag": "recipe_hellaswag", "arc_easy": "recipe_arc_easy", "piqa": "recipe_piqa"}
 ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq", "qat", "kd_qat")
 STUDENTS = ("sft", "kd", "kd_r1", "kd_cache")  # the pruned students, all trained from the same layer list
 
@@ -57,7 +58,7 @@ class Scale:
     gen_batch_size: int = 512
     passages: int | None = None  # transfer prompts (None: all shipped ones)
     chat: int | None = 0  # chat answers: none (the students train on passages.jsonl only)
-    eval_limit: int | None = None  # None: full LAMBADA (5153) and HellaSwag (10042)
+    eval_limit: int | None = None  # None: full LAMBADA (5153), HellaSwag (10042), ARC-Easy (2376), PIQA (1838)
     eval_batch_size: int = 64
     device: str = "auto"
     compile: bool = True  # torch.compile each layer of the bf16 students (the fast setting on a GPU)
@@ -196,12 +197,12 @@ def prune(s: Scale, out: Path) -> list[int]:
 
 
 def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bool, s: Scale) -> dict:
-    """LAMBADA (acc, perplexity) and HellaSwag (acc_norm) with standard errors and per-item values (for paired
-    comparisons) into out/evals/<name>/summary.json."""
+    """LAMBADA (acc, perplexity) and the multiple-choice tasks (acc_norm) with standard errors and per-item values
+    (for paired comparisons) into out/evals/<name>/summary.json."""
     import torch
 
     from llm_recipe.components.eval.run import evaluate
-    from llm_recipe.components.eval.stats import loglikelihood_task_stats, per_item
+    from llm_recipe.components.eval.stats import loglikelihood_task_stats, mean_se, per_item
     from llm_recipe.components.models import load_model
     from llm_recipe.components.models.tokenizer import Tokenizer
 
@@ -219,20 +220,21 @@ def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bo
         else:
             method = quantize_for_eval(model, Path(model_dir), dtype, device, None, quant)
     tok = Tokenizer.from_dir(model_dir)
-    res = evaluate((model, tok), [LAMBADA, HELLASWAG], limit=s.eval_limit, batch_size=s.eval_batch_size,
-                   log_samples=True, bootstrap_iters=0, output_dir=out / "evals" / name / "lm_eval")
-    lam = loglikelihood_task_stats(res["samples"][LAMBADA])
-    hs = res["samples"][HELLASWAG]
-    hs_acc = per_item(hs, "acc_norm")
-    mean = sum(hs_acc.values()) / len(hs_acc)
-    hs_se = math.sqrt(mean * (1 - mean) / max(len(hs_acc) - 1, 1))
-    summary = {"name": name, "model": model_dir, "quant": quant, "method": method, "lambada": lam,
-               "hellaswag": {"items": len(hs_acc), "acc_norm": mean, "acc_norm_se": hs_se},
-               "per_item": {"lambada_acc": per_item(res["samples"][LAMBADA], "acc"),
-                            "lambada_nll": {i: -v for i, v in per_item(res["samples"][LAMBADA], "perplexity").items()},
-                            "hellaswag_acc_norm": hs_acc},
-               "eval_s": round(time.time() - t0, 1), "device": torch.cuda.get_device_name() if
-               device.startswith("cuda") else "cpu"}
+    res = evaluate((model, tok), [LAMBADA, *CHOICE_TASKS.values()], limit=s.eval_limit,
+                   batch_size=s.eval_batch_size, log_samples=True, bootstrap_iters=0,
+                   output_dir=out / "evals" / name / "lm_eval")
+    lam = res["samples"][LAMBADA]
+    summary = {"name": name, "model": model_dir, "quant": quant, "method": method,
+               "lambada": loglikelihood_task_stats(lam),
+               "per_item": {"lambada_acc": per_item(lam, "acc"),
+                            "lambada_nll": {i: -v for i, v in per_item(lam, "perplexity").items()}}}
+    for key, task in CHOICE_TASKS.items():
+        acc = per_item(res["samples"][task], "acc_norm")
+        mean, se = mean_se(list(acc.values()))
+        summary[key] = {"items": len(acc), "acc_norm": mean, "acc_norm_se": se}
+        summary["per_item"][f"{key}_acc_norm"] = acc
+    summary.update(eval_s=round(time.time() - t0, 1),
+                   device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu")
     dest = out / "evals" / name
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -249,6 +251,20 @@ def _paired(a: dict, b: dict, sign: float) -> dict:
     return {"diff": sign * d["diff"], "se": d["se"], "z": sign * d["z"], "items": d["items"]}
 
 
+def _metrics(e: dict) -> dict[str, float]:
+    """Every metric of one evaluation, oriented so that higher is better (LAMBADA NLL negated)."""
+    m = {"lambada_acc": e["lambada"]["acc"], "lambada_nll": -e["lambada"]["nll"]}
+    m.update({f"{k}_acc_norm": e[k]["acc_norm"] for k in CHOICE_TASKS if k in e})
+    return m
+
+
+def _fractions(ev: dict, low: str, top: str, rows) -> dict:
+    """(row - low) / (top - low) per metric: the fraction of the low -> top gap each row closes."""
+    lo, hi = _metrics(ev[low]), _metrics(ev[top])
+    return {r: {k: (v - lo[k]) / (hi[k] - lo[k]) if k in lo and k in hi and hi[k] != lo[k] else None
+                for k, v in _metrics(ev[r]).items()} for r in rows if r in ev}
+
+
 def collect(s: Scale, out: Path) -> dict:
     """out/results.json and out/table.md: every row with SEs, KD vs SFT (paired), PTQ loss recovered."""
     ev = {}
@@ -260,9 +276,9 @@ def collect(s: Scale, out: Path) -> dict:
     layers = len(json.loads(scores.read_text())["layers"]) if scores.is_file() else "?"
     lines = [f"{s.tokens_per_run / 1e6:.1f}M tokens per training run ({s.steps} steps x {s.batch_size} x "
              f"{s.seq_len}); student: {len(_keep(out) or [])} of {layers} layers {_keep(out)}", "",
-             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | items (LAMBADA / HellaSwag) | train tokens/s "
-             "| train wall s | eval s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | ARC-Easy acc_norm | PIQA acc_norm "
+             "| train tokens/s | train wall s | eval s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     train: dict = {}
     for name in [*STUDENTS, "kd_qat", "qat", "kd_logits"]:
         st = _status_path(out, name)
@@ -270,13 +286,21 @@ def collect(s: Scale, out: Path) -> dict:
         stats = _run_stats(out / "train" / name) or {}
         if wall is not None or stats:
             train[name] = {"wall_s": wall, **stats}
+
+    def choice(e: dict, key: str) -> str:
+        return f"{e[key]['acc_norm']:.4f} +- {e[key]['acc_norm_se']:.4f}" if key in e else "-"
+
     for name, e in ev.items():
-        lam, hs = e["lambada"], e["hellaswag"]
+        lam = e["lambada"]
         tps, wall = train.get(name, {}).get("tokens_per_s"), train.get(name, {}).get("wall_s")
         lines.append(f"| {name} | {lam['acc']:.4f} +- {lam['acc_se']:.4f} | {lam['ppl']:.4g} +- {lam['ppl_se']:.2g} "
-                     f"| {hs['acc_norm']:.4f} +- {hs['acc_norm_se']:.4f} | {lam['items']} / {hs['items']} | "
+                     f"| {' | '.join(choice(e, k) for k in CHOICE_TASKS)} | "
                      f"{'-' if tps is None else f'{tps:.0f}'} | {'-' if wall is None else f'{wall:.0f}'} | "
                      f"{e.get('eval_s', '-')} |")
+    if ev:
+        e = next(iter(ev.values()))
+        lines += ["", "items: " + ", ".join([f"LAMBADA {e['lambada']['items']}",
+                                              *(f"{k} {e[k]['items']}" for k in CHOICE_TASKS if k in e)])]
     result: dict = {"scale": asdict(s), "keep": _keep(out), "train": train,
                     "rows": {k: {kk: v for kk, v in e.items() if kk != "per_item"} for k, e in ev.items()}}
     # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
@@ -285,40 +309,24 @@ def collect(s: Scale, out: Path) -> dict:
     for key, base, row in pairs:
         if base in ev and row in ev:
             a, b = ev[base]["per_item"], ev[row]["per_item"]
-            cmp = {"lambada_acc": _paired(a["lambada_acc"], b["lambada_acc"], 1.0),
-                   "lambada_nll": _paired(a["lambada_nll"], b["lambada_nll"], -1.0),
-                   "hellaswag_acc_norm": _paired(a["hellaswag_acc_norm"], b["hellaswag_acc_norm"], 1.0)}
+            cmp = {k: _paired(a[k], b[k], -1.0 if k == "lambada_nll" else 1.0) for k in a if k in b}
             result[key] = cmp
-            lines += ["", f"{row.upper()} - {base.upper()} on the same items (paired; z = improvement / SE; > 2 wins, |z| < 1 "
-                          "within one SE; lambada_nll: NLL lower by):",
+            lines += ["", f"{row.upper()} - {base.upper()} on the same items (paired; z = improvement / SE; > 2 wins, "
+                          "|z| < 1 within one SE; lambada_nll: NLL lower by):",
                       *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
 
-    def metrics(e: dict) -> dict:
-        return {"lambada_acc": e["lambada"]["acc"], "lambada_nll": -e["lambada"]["nll"],
-                "hellaswag_acc_norm": e["hellaswag"]["acc_norm"]}
+    def fraction_lines(title: str, fr: dict) -> list[str]:
+        return ["", title, *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}"
+                                                     for k, v in d.items()) for r, d in fr.items()]]
 
     if {"teacher", "pruned"} <= ev.keys():  # the fraction of the teacher - pruned gap each student closes
-        top, low = metrics(ev["teacher"]), metrics(ev["pruned"])
-        gap = {r: {k: (v - low[k]) / (top[k] - low[k]) if top[k] != low[k] else None
-                   for k, v in metrics(ev[r]).items()} for r in ev if r in STUDENTS}
-        result["gap_recovered"] = gap
-        lines += ["", "fraction of the teacher - pruned gap recovered, (row - pruned) / (teacher - pruned):",
-                  *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in d.items())
-                    for r, d in gap.items()]]
+        result["gap_recovered"] = _fractions(ev, "pruned", "teacher", STUDENTS)
+        lines += fraction_lines("fraction of the teacher - pruned gap recovered, (row - pruned) / (teacher - pruned):",
+                                result["gap_recovered"])
     if {"teacher", "teacher_ptq"} <= ev.keys():
-        rec = {}
-        for row in ("qat", "kd_qat"):
-            if row in ev:
-                rec[row] = {}
-                for key, get in (("lambada_acc", lambda e: e["lambada"]["acc"]),
-                                 ("lambada_nll", lambda e: -e["lambada"]["nll"]),
-                                 ("hellaswag_acc_norm", lambda e: e["hellaswag"]["acc_norm"])):
-                    lost = get(ev["teacher"]) - get(ev["teacher_ptq"])
-                    rec[row][key] = (get(ev[row]) - get(ev["teacher_ptq"])) / lost if lost else None
-        result["ptq_loss_recovered"] = rec
-        lines += ["", "fraction of the PTQ loss recovered, (row - PTQ) / (teacher - PTQ):",
-                  *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in d.items())
-                    for r, d in rec.items()]]
+        result["ptq_loss_recovered"] = _fractions(ev, "teacher_ptq", "teacher", ("qat", "kd_qat"))
+        lines += fraction_lines("fraction of the PTQ loss recovered, (row - PTQ) / (teacher - PTQ):",
+                                result["ptq_loss_recovered"])
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

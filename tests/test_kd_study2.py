@@ -33,13 +33,16 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
         assert rows[-1]["step"] == 2
     assert (out / "train" / "kd_qat" / "model" / "quantization.json").is_file()  # KD-QAT trained through 8da4w
     for row in res["rows"].values():
-        assert row["lambada"]["items"] == 4 and row["hellaswag"]["items"] == 4
-        assert row["lambada"]["acc_se"] >= 0 and row["hellaswag"]["acc_norm_se"] >= 0
-    assert set(res["kd_vs_sft"]) == {"lambada_acc", "lambada_nll", "hellaswag_acc_norm"}
+        assert row["lambada"]["items"] == 4 and row["lambada"]["acc_se"] >= 0
+        for task in ("hellaswag", "arc_easy", "piqa"):
+            assert row[task]["items"] == 4 and row[task]["acc_norm_se"] >= 0
+    assert set(res["kd_vs_sft"]) == {"lambada_acc", "lambada_nll", "hellaswag_acc_norm", "arc_easy_acc_norm",
+                                     "piqa_acc_norm"}
     assert set(res["cache_vs_online"]) == set(res["kd_qat_vs_qat"]) == set(res["kd_vs_sft"])
     assert "teacher.logits_dir=" in (out / "logs" / "kd_cache.log").read_text().splitlines()[0]
     assert (out / "kd_logits" / "manifest.json").is_file()
     assert set(res["gap_recovered"]) == {"sft", "kd", "kd_r1", "kd_cache"}
+    assert set(res["gap_recovered"]["kd"]) == set(res["kd_vs_sft"])
     assert set(res["ptq_loss_recovered"]) == {"qat", "kd_qat"}
     assert "KD - SFT" in (out / "table.md").read_text()
     assert (out / "transfer" / "passages.jsonl").stat().st_size > 0

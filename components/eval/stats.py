@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 
 
-def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
+def mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample sd / sqrt(n)); for 0/1 accuracies this is lm-eval's `mean_stderr`."""
     n = len(xs)
     if n == 0:
         raise ValueError("no items")
@@ -33,8 +34,8 @@ def per_item(samples: Sequence[dict], metric: str) -> dict[int, float]:
 def loglikelihood_task_stats(samples: Sequence[dict]) -> dict:
     """Items, accuracy +- SE and perplexity +- SE of a loglikelihood task with `acc` and `perplexity` metrics
     (LAMBADA): lm-eval logs each item's target log-likelihood under `perplexity`."""
-    acc, acc_se = _mean_se(list(per_item(samples, "acc").values()))
-    nll, nll_se = _mean_se([-v for v in per_item(samples, "perplexity").values()])
+    acc, acc_se = mean_se(list(per_item(samples, "acc").values()))
+    nll, nll_se = mean_se([-v for v in per_item(samples, "perplexity").values()])
     ppl = math.exp(nll)
     return {"items": len(samples), "acc": acc, "acc_se": acc_se, "ppl": ppl, "ppl_se": ppl * nll_se,
             "nll": nll, "nll_se": nll_se}
@@ -43,6 +44,6 @@ def loglikelihood_task_stats(samples: Sequence[dict]) -> dict:
 def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
     """Mean of `b - a` over the items both have, its SE and z = mean / SE."""
     common = sorted(set(a) & set(b))
-    diff, se = _mean_se([b[i] - a[i] for i in common])
+    diff, se = mean_se([b[i] - a[i] for i in common])
     z = diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else 0.0)  # identical items: z = 0
     return {"items": len(common), "diff": diff, "se": se, "z": z}
