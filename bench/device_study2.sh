@@ -64,8 +64,8 @@ install)
     mkdir -p /tmp/stub/transformers   # lm-eval imports transformers only to log its version (bench/README.md)
     echo '__version__ = "stub"' >/tmp/stub/transformers/__init__.py
     cp .carry/a/gguf.00 /tmp/gguf.00
-    python3 -c "import torch, torchao, torchtune, lm_eval, datasets; print(torch.__version__, torchao.__version__, \
-torchtune.__version__, torch.cuda.get_device_name())"
+    python3 -c "import torch, torchao, lm_eval, datasets; print(torch.__version__, torchao.__version__, \
+torch.cuda.get_device_name())"
     ;;
 start)
     if driver_running; then echo "driver already running: use 'wait'"; wait_for_driver "$secs"; pack; exit 0; fi

@@ -47,7 +47,8 @@ def generate(
     total = len(prompt) + max_new_tokens
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     dtype = model.tok_embeddings.weight.dtype
-    model.setup_caches(batch_size=1, dtype=dtype, decoder_max_seq_len=total)
+    with device:  # torchtune allocates the cache buffers (and their positions) on the default device
+        model.setup_caches(batch_size=1, dtype=dtype, decoder_max_seq_len=total)
     causal = torch.tril(torch.ones(total, total, dtype=torch.bool, device=device))
     out: list[int] = []
     try:
@@ -117,7 +118,8 @@ def generate_batch(
     masks = get_causal_mask_from_padding_mask(real, target_seq_len=total)  # [b, total, total]
     positions = get_position_ids_from_padding_mask(real)  # [b, total]
     stops = torch.as_tensor(list(stop_ids) or [-1], device=device)
-    model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
+    with device:  # torchtune allocates the cache buffers (and their positions) on the default device
+        model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
