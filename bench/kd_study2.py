@@ -27,7 +27,7 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,7 @@ LAMBADA = "recipe_lambada_openai"
 CHOICE_TASKS = {"hellaswag": "recipe_hellaswag", "arc_easy": "recipe_arc_easy", "piqa": "recipe_piqa"}
 ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq", "qat", "kd_qat")
 STUDENTS = ("sft", "kd", "kd_r1", "kd_cache")  # the pruned students, all trained from the same layer list
+TRAINED = (*STUDENTS, "qat", "kd_qat")
 
 
 @dataclass
@@ -65,6 +66,10 @@ class Scale:
     compile_quant: bool = False  # also for QAT / KD-QAT (their fake quantizers are compiled on a GPU anyway;
     #                              layer compile around them is not measured yet, so off: a failure costs a lease)
     cache_top_k: int = 32  # kd_cache: teacher log-probs kept per token
+    # sweep rows, "NAME=BASE:key=value,key=value": BASE's training with the overrides appended, evaluated like
+    # BASE and compared with it on the same items; `cache.top_k=K` gives the row its own top-K cache
+    variants: list[str] = field(default_factory=list)
+    rows: list[str] | None = None  # run only these rows (their evaluations and the jobs they need); None: all
 
     @property
     def tokens_per_run(self) -> int:
@@ -149,9 +154,52 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
     qat_common = [o for o in common if not o.startswith("teacher.")] + [f"model.checkpoint_dir={t}", "qat.convert=false"]
     jobs.append(_recipe("qat", "qat", "qat/smollm2_study", [f"output_dir={out / 'train/qat'}", *qat_common, *quant],
                         ["transfer"], "quant"))
+    for name, base, overrides in parse_variants(s):
+        job = next(j for j in jobs if j.name == base)
+        argv = [a for a in job.argv if not a.startswith("output_dir=")] + [f"output_dir={out / 'train' / name}"]
+        deps = list(job.deps)
+        for o in overrides:
+            if o.startswith("cache.top_k="):  # its own cache at that top-k, over the same packed transfer set
+                logits = next(j for j in jobs if j.name == "kd_logits")
+                cache_dir = out / f"kd_logits_{name}"
+                jobs.append(Job(f"kd_logits_{name}", "train", [a for a in logits.argv if not a.startswith(
+                    ("output_dir=", "cache.top_k="))] + [f"output_dir={cache_dir}", o], logits.deps, "cache"))
+                deps = [d for d in deps if d != "kd_logits"] + [f"kd_logits_{name}"]
+                argv.append(f"teacher.logits_dir={cache_dir}")
+            else:
+                argv.append(o)
+        jobs.append(Job(name, "train", argv, deps, job.group, shlex.join(["recipe", *argv[3:]])))
     # the most expensive first, so the longest runs start at once and the cheap ones fill in around them
     order = ["kd_qat", "qat", "kd", "kd_r1", "kd_logits", "sft", "kd_cache"]
-    return sorted(jobs, key=lambda j: order.index(j.name))
+    return sorted(jobs, key=lambda j: order.index(j.name) if j.name in order else len(order))
+
+
+def parse_variants(s: Scale) -> list[tuple[str, str, list[str]]]:
+    """`Scale.variants` as (name, base row, overrides); a malformed one is a one-line error naming it."""
+    out = []
+    for v in s.variants:
+        name, _, rest = v.partition("=")
+        base, _, overrides = rest.partition(":")
+        if not name.isidentifier() or name in ROWS or base not in TRAINED or not overrides:
+            raise SystemExit(f"--variant {v!r}: expected NAME=BASE:key=value[,key=value] with a new NAME and BASE "
+                             f"one of {', '.join(TRAINED)}")
+        out.append((name, base, overrides.split(",")))
+    return out
+
+
+def select(jobs: list[Job], s: Scale) -> list[Job]:
+    """Only the jobs `Scale.rows` needs: each row's evaluation and, through deps, the trainings behind it."""
+    if s.rows is None:
+        return jobs
+    by_name = {j.name: j for j in jobs}
+    want: set[str] = set()
+    todo = [f"eval:{r}" for r in s.rows]
+    while todo:
+        name = todo.pop()
+        if name in by_name and name not in want:
+            want.add(name)
+            todo += by_name[name].deps
+    return [j for j in jobs if j.name in want]
 
 
 def eval_jobs(s: Scale, out: Path) -> list[Job]:
@@ -164,6 +212,8 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
             ("kd_ptq", str(out / "train/kd/model"), ["--quant", "8da4w"], ["kd"]),
             ("qat", str(out / "train/qat/model"), ["--quant", "8da4w"], ["qat"]),
             ("kd_qat", str(out / "train/kd_qat/model"), ["--quant", "8da4w"], ["kd_qat"])]
+    quant = {name: extra for name, _, extra, _ in rows}
+    rows += [(name, str(out / "train" / name / "model"), quant[base], [name]) for name, base, _ in parse_variants(s)]
     return [Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
                                          name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
                 deps, "eval") for name, model, extra, deps in rows]
@@ -267,8 +317,10 @@ def _fractions(ev: dict, low: str, top: str, rows) -> dict:
 
 def collect(s: Scale, out: Path) -> dict:
     """out/results.json and out/table.md: every row with SEs, KD vs SFT (paired), PTQ loss recovered."""
+    variants = parse_variants(s)
+    base_of = {name: base for name, base, _ in variants}
     ev = {}
-    for name in ROWS:
+    for name in [*ROWS, *base_of]:
         p = out / "evals" / name / "summary.json"
         if p.is_file():
             ev[name] = json.loads(p.read_text())
@@ -280,7 +332,7 @@ def collect(s: Scale, out: Path) -> dict:
              "| train tokens/s | train wall s | eval s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     train: dict = {}
-    for name in [*STUDENTS, "kd_qat", "qat", "kd_logits"]:
+    for name in [*TRAINED, "kd_logits", *base_of, *(f"kd_logits_{v}" for v in base_of)]:
         st = _status_path(out, name)
         wall = json.loads(st.read_text()).get("wall_s") if st.is_file() else None
         stats = _run_stats(out / "train" / name) or {}
@@ -305,7 +357,7 @@ def collect(s: Scale, out: Path) -> dict:
                     "rows": {k: {kk: v for kk, v in e.items() if kk != "per_item"} for k, e in ev.items()}}
     # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
     pairs = [("kd_vs_sft", "sft", "kd"), ("kd_r1_vs_sft", "sft", "kd_r1"), ("cache_vs_online", "kd", "kd_cache"),
-             ("kd_qat_vs_qat", "qat", "kd_qat")]
+             ("kd_qat_vs_qat", "qat", "kd_qat"), *((f"{v}_vs_{b}", b, v) for v, b in base_of.items())]
     for key, base, row in pairs:
         if base in ev and row in ev:
             a, b = ev[base]["per_item"], ev[row]["per_item"]
@@ -320,11 +372,13 @@ def collect(s: Scale, out: Path) -> dict:
                                                      for k, v in d.items()) for r, d in fr.items()]]
 
     if {"teacher", "pruned"} <= ev.keys():  # the fraction of the teacher - pruned gap each student closes
-        result["gap_recovered"] = _fractions(ev, "pruned", "teacher", STUDENTS)
+        result["gap_recovered"] = _fractions(ev, "pruned", "teacher", [
+            *STUDENTS, *(v for v, b in base_of.items() if b in STUDENTS)])
         lines += fraction_lines("fraction of the teacher - pruned gap recovered, (row - pruned) / (teacher - pruned):",
                                 result["gap_recovered"])
     if {"teacher", "teacher_ptq"} <= ev.keys():
-        result["ptq_loss_recovered"] = _fractions(ev, "teacher_ptq", "teacher", ("qat", "kd_qat"))
+        result["ptq_loss_recovered"] = _fractions(ev, "teacher_ptq", "teacher", [
+            "qat", "kd_qat", *(v for v, b in base_of.items() if b in ("qat", "kd_qat"))])
         lines += fraction_lines("fraction of the PTQ loss recovered, (row - PTQ) / (teacher - PTQ):",
                                 result["ptq_loss_recovered"])
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -333,9 +387,37 @@ def collect(s: Scale, out: Path) -> dict:
     return result
 
 
+def plot(out: Path) -> Path:
+    """out/loss_curves.png: every training row's CE on the transfer data and the KD rows' divergence, smoothed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5))
+    ce_ax, kd_ax = fig.subplots(1, 2)
+    for path in sorted((out / "train").glob("*/metrics.jsonl")):
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        steps = [r["step"] for r in rows]
+        for ax, key in ((ce_ax, "ce_loss"), (kd_ax, "kd_loss")):
+            ys = [r.get(key, r["loss"] if key == "ce_loss" else None) for r in rows]
+            if any(y is None for y in ys) or (key == "kd_loss" and path.parent.name in ("sft", "qat")):
+                continue  # qat logs one loss (its CE); sft's KD column is logged but not trained on
+            w = 20  # moving average over 20 steps: one step's loss is one batch's
+            smooth = [sum(ys[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
+            ax.plot(steps, smooth, label=path.parent.name, linewidth=1.2)
+    ce_ax.set(title="CE on the transfer data (20-step mean)", xlabel="step", ylabel="nats/token")
+    kd_ax.set(title="KD loss: forward KL to the teacher (20-step mean)", xlabel="step", ylabel="nats/token")
+    for ax in (ce_ax, kd_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    dest = out / "loss_curves.png"
+    FigureCanvasAgg(fig).print_png(str(dest))
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=["plan", "run", "collect", "prune", "eval-one"])
+    p.add_argument("phase", choices=["plan", "run", "collect", "plot", "prune", "eval-one"])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "kd_study2")
     p.add_argument("--jobs", type=int, default=6, help="processes at once (they share one GPU)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized settings: checks the pipeline end to end")
@@ -344,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a preset: gpu (default; 20.5M tokens per run), lease (fits one 30-minute H200 lease: "
                         "6.6M tokens per run), tiny (= --tiny); or a Scale as JSON (what `run` passes to its jobs)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps (every row)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:k=v[,k=v]",
+                   help="a sweep row: BASE's training (sft, kd, kd_r1, kd_cache, qat, kd_qat) with these overrides "
+                        "(cache.top_k=K: its own cache); repeatable")
+    p.add_argument("--rows", default=None, help="comma-separated rows to run (and what they need); default: all")
     p.add_argument("--name")
     p.add_argument("--model")
     p.add_argument("--quant", default=None)
@@ -358,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         s = Scale(**PRESETS[preset])
     if args.steps is not None:
         s.steps = args.steps
+    if args.variant:
+        s.variants = args.variant
+    if args.rows:
+        s.rows = args.rows.split(",")
+    parse_variants(s)  # a malformed --variant fails here, before any job starts
     if args.teacher:
         s.teacher = str(Path(args.teacher).resolve())
     out = args.out.resolve()
@@ -365,11 +456,13 @@ def main(argv: list[str] | None = None) -> int:
         s = Scale(**json.loads((out / "scale.json").read_text()))  # the scale the run used
     if args.phase == "prune":
         prune(s, out)
+    elif args.phase == "plot":
+        print(plot(out))
     elif args.phase == "eval-one":
         eval_one(args.name, args.model, out, args.quant, args.pruned, s)
     elif args.phase == "plan":
         keep = _keep(out)
-        jobs = setup_jobs(s, out) + (training_jobs(s, out, keep) if keep else []) + eval_jobs(s, out)
+        jobs = setup_jobs(s, out) + select((training_jobs(s, out, keep) if keep else []) + eval_jobs(s, out), s)
         for j in jobs:
             print(f"# {j.name} (after: {', '.join(j.deps) or '-'})\n{j.recipe_cmd or j.command()}\n")
         if not keep:
@@ -380,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "scale.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
         if run_jobs(setup_jobs(s, out), out, args.jobs):
             return 1
-        failed = run_jobs(training_jobs(s, out, _keep(out)) + eval_jobs(s, out), out, args.jobs)
+        failed = run_jobs(select(training_jobs(s, out, _keep(out)) + eval_jobs(s, out), s), out, args.jobs)
         collect(s, out)
         return 1 if failed else 0
     else:

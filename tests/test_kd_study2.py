@@ -46,3 +46,21 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
     assert set(res["ptq_loss_recovered"]) == {"qat", "kd_qat"}
     assert "KD - SFT" in (out / "table.md").read_text()
     assert (out / "transfer" / "passages.jsonl").stat().st_size > 0
+
+    # A sweep on the same folder: only the variant rows (and their own top-k cache) run; the finished rows are kept
+    sft_log = (out / "logs" / "sft.log").stat().st_mtime_ns
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "run", "--tiny", "--teacher",
+                        str(tiny_model_dir), "--out", str(out), "--jobs", "2",
+                        "--variant", "kd_cache8=kd_cache:cache.top_k=8,kd.kd_ratio=1.0",
+                        "--variant", "qat_lr=qat:optimizer.lr=1.0e-04", "--rows", "kd_cache8,qat_lr"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert {"kd_cache8", "qat_lr"} <= set(res["rows"]) and (out / "logs" / "sft.log").stat().st_mtime_ns == sft_log
+    cmd = (out / "logs" / "kd_cache8.log").read_text().splitlines()[0]
+    assert f"teacher.logits_dir={out / 'kd_logits_kd_cache8'}" in cmd and cmd.endswith("kd.kd_ratio=1.0")
+    assert json.loads((out / "kd_logits_kd_cache8" / "manifest.json").read_text())["top_k"] == 8
+    assert set(res["kd_cache8_vs_kd_cache"]) == set(res["kd_vs_sft"]) and "qat_lr" in res["ptq_loss_recovered"]
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "plan", "--variant", "x=nope:a=1"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--variant 'x=nope:a=1'" in bad.stderr
