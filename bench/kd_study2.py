@@ -70,6 +70,7 @@ class Scale:
     # BASE and compared with it on the same items; `cache.top_k=K` gives the row its own top-K cache
     variants: list[str] = field(default_factory=list)
     rows: list[str] | None = None  # run only these rows (their evaluations and the jobs they need); None: all
+    pairs: list[str] = field(default_factory=list)  # extra paired comparisons "BASE:ROW" (collect)
 
     @property
     def tokens_per_run(self) -> int:
@@ -357,7 +358,8 @@ def collect(s: Scale, out: Path) -> dict:
                     "rows": {k: {kk: v for kk, v in e.items() if kk != "per_item"} for k, e in ev.items()}}
     # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
     pairs = [("kd_vs_sft", "sft", "kd"), ("kd_r1_vs_sft", "sft", "kd_r1"), ("cache_vs_online", "kd", "kd_cache"),
-             ("kd_qat_vs_qat", "qat", "kd_qat"), *((f"{v}_vs_{b}", b, v) for v, b in base_of.items())]
+             ("kd_qat_vs_qat", "qat", "kd_qat"), *((f"{v}_vs_{b}", b, v) for v, b in base_of.items()),
+             *((f"{row}_vs_{base}", base, row) for base, _, row in (p.partition(":") for p in s.pairs))]
     for key, base, row in pairs:
         if base in ev and row in ev:
             a, b = ev[base]["per_item"], ev[row]["per_item"]
@@ -399,11 +401,14 @@ def plot(out: Path) -> Path:
         steps = [r["step"] for r in rows]
         for ax, key in ((ce_ax, "ce_loss"), (kd_ax, "kd_loss")):
             ys = [r.get(key, r["loss"] if key == "ce_loss" else None) for r in rows]
-            if any(y is None for y in ys) or (key == "kd_loss" and path.parent.name in ("sft", "qat")):
-                continue  # qat logs one loss (its CE); sft's KD column is logged but not trained on
+            if any(y is None for y in ys):
+                continue  # qat logs one loss (its CE)
             w = 20  # moving average over 20 steps: one step's loss is one batch's
             smooth = [sum(ys[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
-            ax.plot(steps, smooth, label=path.parent.name, linewidth=1.2)
+            name = path.parent.name
+            untrained = key == "kd_loss" and name.startswith("sft")  # sft logs the divergence, does not train on it
+            ax.plot(steps, smooth, label=name + (" (logged only)" if untrained else ""), linewidth=1.2,
+                    linestyle="--" if untrained else "-")
     ce_ax.set(title="CE on the transfer data (20-step mean)", xlabel="step", ylabel="nats/token")
     kd_ax.set(title="KD loss: forward KL to the teacher (20-step mean)", xlabel="step", ylabel="nats/token")
     for ax in (ce_ax, kd_ax):
@@ -429,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:k=v[,k=v]",
                    help="a sweep row: BASE's training (sft, kd, kd_r1, kd_cache, qat, kd_qat) with these overrides "
                         "(cache.top_k=K: its own cache); repeatable")
+    p.add_argument("--pair", action="append", default=[], metavar="BASE:ROW",
+                   help="also compare ROW with BASE on the same items (collect); repeatable")
     p.add_argument("--rows", default=None, help="comma-separated rows to run (and what they need); default: all")
     p.add_argument("--name")
     p.add_argument("--model")
@@ -448,12 +455,15 @@ def main(argv: list[str] | None = None) -> int:
         s.variants = args.variant
     if args.rows:
         s.rows = args.rows.split(",")
+    if args.pair:
+        s.pairs = args.pair
     parse_variants(s)  # a malformed --variant fails here, before any job starts
     if args.teacher:
         s.teacher = str(Path(args.teacher).resolve())
     out = args.out.resolve()
     if args.phase == "collect" and not (args.scale or args.tiny or args.steps) and (out / "scale.json").is_file():
         s = Scale(**json.loads((out / "scale.json").read_text()))  # the scale the run used
+        s.pairs = s.pairs + args.pair
     if args.phase == "prune":
         prune(s, out)
     elif args.phase == "plot":
