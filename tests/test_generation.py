@@ -75,6 +75,21 @@ def test_batched_greedy_matches_one_prompt_at_a_time():
     assert not model.caches_are_enabled()
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens():
+    """`compile_mode` (the transfer recipe's `compile: true` on a GPU) compiles the one-token step and pads the
+    prompt width to a multiple of 64; greedy tokens and stop handling must not change."""
+    from llm_recipe.components.models.generation import generate_batch
+
+    model = _model()
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]
+    eager = generate_batch(model, prompts, max_new_tokens=20, pad_id=0)
+    assert generate_batch(model, prompts, max_new_tokens=20, pad_id=0, compile_mode="default") == eager
+    stop = eager[1][4]
+    cut = generate_batch(model, prompts, max_new_tokens=20, pad_id=0, stop_ids=[stop], compile_mode="default")
+    assert cut == [row[: row.index(stop)] if stop in row else row for row in eager]
+
+
 def test_batched_sampling_is_reproducible_and_honours_top_k():
     from llm_recipe.components.models.generation import generate_batch, sample_batch
 

@@ -3,6 +3,7 @@ and a per-token callback for streaming."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -96,9 +97,12 @@ def generate_batch(
     top_p: float | None = None,
     stop_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
+    compile_mode: str | None = None,
 ) -> list[list[int]]:
     """Generate for a batch of prompts at once with one KV cache: prompts are left-padded, each row gets its own
     positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id.
+    `compile_mode` ("default", "reduce-overhead", ...): torch.compile the one-token decode step (static shapes:
+    the batch, one token, the full mask width); None runs it eagerly.
 
     Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
     (`[b, steps, vocab]`, tens of GB for a large batch) and finds padding by comparing token ids with `pad_id`.
@@ -109,6 +113,8 @@ def generate_batch(
         raise ValueError("generate_batch: every prompt needs at least one token")
     device = model.tok_embeddings.weight.device
     b, width = len(prompts), max(len(p) for p in prompts)
+    if compile_mode is not None:  # the compiled step's shapes follow the width: round it up to few distinct ones
+        width = -(-width // 64) * 64
     total = width + max_new_tokens
     tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
     real = torch.zeros((b, total), dtype=torch.bool, device=device)
@@ -123,18 +129,32 @@ def generate_batch(
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
+    decode = _last_logits if compile_mode is None else _compiled_decode(compile_mode)
     try:
-        logits = model(tokens, input_pos=positions[:, :width], mask=masks[:, :width])[:, -1]
+        logits = _last_logits(model, tokens, positions[:, :width], masks[:, :width])
         for t in range(max_new_tokens):
             nxt = sample_batch(logits, temperature, top_k, top_p, generator)
             out[:, t] = nxt
             hit = torch.isin(nxt, stops) & ~done
-            lengths[hit] = t
+            lengths = torch.where(hit, t, lengths)
             done |= hit
-            if t + 1 == max_new_tokens or bool(done.all()):
+            # whether every row has stopped costs a device sync: ask every 16 steps, not every step
+            if t + 1 == max_new_tokens or (t % 16 == 15 and bool(done.all())):
                 break
             pos = width + t
-            logits = model(nxt[:, None], input_pos=positions[:, pos : pos + 1], mask=masks[:, pos : pos + 1])[:, -1]
+            logits = decode(model, nxt[:, None], positions[:, pos : pos + 1], masks[:, pos : pos + 1])
     finally:
         delete_kv_caches(model)
     return [row[:n].tolist() for row, n in zip(out.cpu(), lengths.cpu().tolist())]
+
+
+def _last_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """The logits of each row's last position (the model's forward with the KV cache)."""
+    return model(tokens, input_pos=input_pos, mask=mask)[:, -1]
+
+
+@functools.cache
+def _compiled_decode(mode: str) -> Callable[..., torch.Tensor]:
+    """One compiled decode step per mode and process (compiling it again per call would recompile)."""
+    return torch.compile(_last_logits, mode=None if mode == "default" else mode, dynamic=False)

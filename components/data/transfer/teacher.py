@@ -50,6 +50,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     batch_size: int = 16
+    compile_mode: str | None = None  # torch.compile mode of the decode step (None: eager); see generate_batch
 
 
 def _rows(kind: str, limit: int | None) -> list[dict]:
@@ -162,7 +163,7 @@ def write_teacher_rows(
         # The whole batch is generated even when some rows are done, so every row's sample stays the same.
         outs = generate_batch(model, [p.tokens for p in batch], sampling.max_new_tokens, tokenizer.pad_id,
                               sampling.temperature, sampling.top_k, sampling.top_p, tokenizer.stop_ids,
-                              batch_generator(seed, k, device))
+                              batch_generator(seed, k, device), compile_mode=sampling.compile_mode)
         rows, drops = [], []
         for p, ids in zip(batch, outs):
             if p.id in done:
