@@ -254,7 +254,7 @@ def test_kd_recipe_logs_ce_and_kd_against_references(kd_forward, tiny_model_dir,
     rows = rc.assert_metrics(out, 2, KD_KEYS)
     rc.assert_png(out / "loss.png")
     assert_loads_like_hf(out / "model")
-    for r in rows:  # loss = (1 - kd_ratio) * CE + kd_ratio * KD, kd_ratio 0.5 in the shipped config
+    for r in rows:  # loss = (1 - kd_ratio) * CE + kd_ratio * KD, kd_ratio 0.5 (rc.KD_COMMON)
         assert r["loss"] == pytest.approx(0.5 * r["ce_loss"] + 0.5 * r["kd_loss"], rel=1e-5)
     # Step 1 from transformers' logits: mean over target tokens of CE and of KL(p_teacher || p_student).
     (batch,) = first_window("kd/smollm2_demo", overrides, accum=1)
