@@ -1,38 +1,24 @@
 """Losses: fused linear CE/KD, chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
 
 from llm_recipe.components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
-from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
-from llm_recipe.components.losses.kd import (
+from llm_recipe.components.losses.divergences import (
     IGNORE_INDEX,
-    JSD,
     KD_LOSSES,
-    ForwardKL,
-    KDLoss,
-    ReverseKL,
-    SkewForwardKL,
-    SkewReverseKL,
-    SymmetricKL,
-    build_kd_loss,
     forward_kl,
     jsd,
     reverse_kl,
-    same_tokenizer,
-    shared_vocab,
     skew_kl,
     skew_reverse_kl,
     symmetric_kl,
 )
+from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
+from llm_recipe.components.losses.kd_loss import KDLoss, build_kd_loss
+from llm_recipe.components.losses.vocab import same_tokenizer, shared_vocab
 
 __all__ = [
     "IGNORE_INDEX",
-    "JSD",
     "KD_LOSSES",
-    "ForwardKL",
     "KDLoss",
-    "ReverseKL",
-    "SkewForwardKL",
-    "SkewReverseKL",
-    "SymmetricKL",
     "build_kd_loss",
     "chunked_cross_entropy",
     "chunked_kd_and_ce",

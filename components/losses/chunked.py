@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.kd import IGNORE_INDEX
+from llm_recipe.components.losses.divergences import IGNORE_INDEX
 
 __all__ = ["chunked_cross_entropy", "chunked_kd_and_ce", "kd_ratio_loss"]
 
@@ -126,7 +126,7 @@ def chunked_kd_and_ce(
 
     The teacher gets no gradient (its hidden states are detached, its logits built under no_grad). ``vocab_size``
     slices both heads' logits (see ``shared_vocab``). ``kd_loss(student_logits, teacher_logits, labels)`` must
-    return a sum over valid tokens, like every loss in ``llm_recipe.components.losses.kd``.
+    return a sum over valid tokens, like every divergence in ``llm_recipe.components.losses.divergences``.
     """
     _check_args(student_hidden, labels, num_chunks, vocab_size)
     if teacher_hidden.shape[:2] != student_hidden.shape[:2]:

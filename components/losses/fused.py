@@ -10,7 +10,7 @@ Why ours and not Liger-Kernel's ``LigerFusedLinearJSD``: it covers forward KL (b
 reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
 crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. The
 forward-KL + CE chunk (the default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
-divergences reuse their reference implementations in ``kd.py`` and take the gradient with autograd per chunk,
+divergences reuse their reference implementations in ``divergences.py`` and take the gradient with autograd per chunk,
 so every divergence gives the same gradients as the unfused path (tests/test_fused_loss.py).
 """
 
@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses.chunked import Projection, _ce_sum, chunked_cross_entropy, chunked_kd_and_ce
-from llm_recipe.components.losses.kd import IGNORE_INDEX, KDLoss
+from llm_recipe.components.losses.divergences import IGNORE_INDEX
+from llm_recipe.components.losses.kd_loss import KDLoss
 
 __all__ = ["fusable_head_weight", "fused_linear_kd_and_ce", "fused_linear_loss", "kd_and_ce"]
 

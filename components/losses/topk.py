@@ -3,7 +3,7 @@
 A cache row holds, per target token, the teacher's k largest log-probabilities at temperature T, their ids, and
 the log of the remaining mass (the tail). The student's distribution at T is reduced to the same k + 1 buckets
 (its log-probabilities at those ids, and the logsumexp of all other ids as its tail); both are proper
-distributions, and every divergence of ``kd.py`` is taken between them. docs/losses.md says why and how this
+distributions, and every divergence of ``divergences.py`` is taken between them. docs/losses.md says why and how this
 differs from the full-vocabulary loss. With k = vocab there is no tail and the loss is the full-vocabulary one
 (tests/test_logits_cache.py checks values and gradients in fp64).
 
@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses.chunked import Projection, _ce_sum, _chunks, _run
+from llm_recipe.components.losses.divergences import IGNORE_INDEX
 from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_loss
-from llm_recipe.components.losses.kd import IGNORE_INDEX, KDLoss
+from llm_recipe.components.losses.kd_loss import KDLoss
 
 __all__ = ["cached_kd_and_ce", "student_buckets", "teacher_buckets", "teacher_topk"]
 
@@ -107,7 +108,7 @@ def _compiled_fkl_topk_ce_chunk():
 
 
 def _bucket_kd(s: Tensor, logp: Tensor, ids: Tensor, y: Tensor, kd_loss: KDLoss) -> Tensor:
-    """Any divergence of kd.py on the buckets: kd.py divides its inputs by T and log-softmaxes them, so bucket
+    """Any divergence on the buckets: the divergences divide its inputs by T and log-softmaxes them, so bucket
     log-probs are passed multiplied by T (log_softmax of a normalised log-distribution is itself)."""
     temperature = kd_loss.temperature
     s_b = student_buckets(s, ids, temperature)
