@@ -1,7 +1,7 @@
-"""The cached top-k KD loss (components/losses/topk.py) equals the k + 1 bucket divergence written out
-(tests/fixtures/kd_reference.py): values and gradients, fp64, fused and checkpointed paths, every divergence,
-k < vocab and k = vocab (where it IS the full-vocabulary loss); the bucket KL is a lower bound of the full KL,
-and a student equal to the teacher scores 0."""
+"""kd_and_ce with a cached top-k teacher (CachedTeacher, components/losses/topk.py) equals the k + 1 bucket
+divergence written out (tests/fixtures/kd_reference.py): values and gradients, fp64, fused and checkpointed
+drivers, every divergence, k < vocab and k = vocab (where it IS the full-vocabulary loss), a student head with
+padding rows; the bucket KL is a lower bound of the full KL, and a student equal to the teacher scores 0."""
 
 import importlib.util
 import sys
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from llm_recipe.components.losses import build_kd_loss
-from llm_recipe.components.losses.topk import cached_kd_and_ce, teacher_topk
+from llm_recipe.components.losses import CachedTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.losses.topk import teacher_topk
 
 _spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
 ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
@@ -69,8 +69,9 @@ def test_teacher_topk_is_what_a_cache_stores():
 
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("temperature,kd_ratio,k", [(1.0, 0.5, 50), (2.0, 1.0, 50), (1.0, 0.6, 5), (0.7, 0.3, 1)])
-def test_cached_loss_matches_the_bucket_reference(kind, extra, fused, temperature, kd_ratio, k):
+@pytest.mark.parametrize("temperature,kd_ratio,k,chunks", [(1.0, 0.5, 50, 3), (2.0, 1.0, 50, 1), (1.0, 0.6, 5, 3),
+                                                           (0.7, 0.3, 1, 1)])
+def test_cached_loss_matches_the_bucket_reference(kind, extra, fused, temperature, kd_ratio, k, chunks):
     h, w, th, tw, y = _inputs(hash((kind, temperature)) % 1000)
     logp, ids = _targets(th, tw, k, temperature)
     s_ref = (h @ w.t()).flatten(0, 1)
@@ -79,7 +80,8 @@ def test_cached_loss_matches_the_bucket_reference(kind, extra, fused, temperatur
     ref_gh, ref_gw = torch.autograd.grad(ref_loss * 3.0, (h, w))
 
     head = _linear(w) if fused else _Head(w)
-    out = cached_kd_and_ce(h, head, y, logp, ids, build_kd_loss(kind, temperature, **extra), kd_ratio, num_chunks=3)
+    out = kd_and_ce(h, head, y, CachedTeacher(logp, ids), build_kd_loss(kind, temperature, **extra), kd_ratio,
+                    num_chunks=chunks)
     gh, gw = torch.autograd.grad(out["loss"] * 3.0, (h, w))
     torch.testing.assert_close(out["kd"], ref_kd, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out["ce"], ref_ce, rtol=1e-12, atol=1e-10)
@@ -99,7 +101,24 @@ def test_student_equal_to_teacher_scores_zero_and_gets_no_kd_gradient():
     with torch.no_grad():
         logp, ids = _targets(h.detach(), w.detach(), k=4, temperature=1.5)
     head = _linear(w)
-    out = cached_kd_and_ce(h, head, y, logp, ids, build_kd_loss("forward_kl", 1.5), 1.0)
+    out = kd_and_ce(h, head, y, CachedTeacher(logp, ids), build_kd_loss("forward_kl", 1.5), 1.0)
     assert abs(float(out["kd"])) < 1e-10
     (gh,) = torch.autograd.grad(out["loss"], (h,))
     assert float(gh.abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_student_head_padding_rows_are_sliced_to_the_cache_vocabulary(fused):
+    h, w, th, tw, y = _inputs(11)
+    padded = torch.cat([w.detach(), torch.randn(6, w.shape[1], dtype=w.dtype)]).requires_grad_(True)
+    logp, ids = _targets(th, tw, 5, 1.0)
+    want, _, _ = ref.objective("jsd", (h @ w.t()).flatten(0, 1), y.flatten(), 0.5,
+                               (logp.flatten(0, 1), ids.flatten(0, 1)), 1.0, beta=0.3)
+    want_gh, want_gw = torch.autograd.grad(want, (h, w))
+    out = kd_and_ce(h, _linear(padded) if fused else _Head(padded), y, CachedTeacher(logp, ids),
+                    build_kd_loss("jsd", beta=0.3), 0.5, num_chunks=2, vocab_size=w.shape[0])
+    gh, gw = torch.autograd.grad(out["loss"], (h, padded))
+    torch.testing.assert_close(out["loss"], want)
+    torch.testing.assert_close(gh, want_gh)
+    torch.testing.assert_close(gw[: w.shape[0]], want_gw)
+    assert torch.all(gw[w.shape[0]:] == 0)
