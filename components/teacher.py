@@ -72,7 +72,7 @@ def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperat
 def loss_vocab(rt: Runtime, student_vocab: int, targs: ModelArgs, tokenizer_vocab: int, student_dir: str | Path,
                teacher_dir: str | Path | None, cache: LogitsCache | None) -> int | None:
     """The vocabulary both heads' logits are sliced to (None: whole heads). Heads that differ only by padding
-    rows are trimmed to the tokenizer (logged); different tokenizers are an error (llm_recipe.components.losses.kd)."""
+    rows are trimmed to the tokenizer (logged); different tokenizers are an error (llm_recipe.components.losses.vocab)."""
     if cache is not None:
         return cache.student_vocab(student_vocab)
     vocab, note = shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,

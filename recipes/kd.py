@@ -11,8 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llm_recipe.components.config import config_source, run_recipe_script
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses import KD_LOSSES, build_kd_loss, kd_and_ce
-from llm_recipe.components.losses.topk import cached_kd_and_ce
+from llm_recipe.components.losses import KD_LOSSES, CachedTeacher, LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
 from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
@@ -103,13 +102,12 @@ def main(cfg: DictConfig) -> None:
 
     def loss_fn(batch: dict) -> dict:
         if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
-            parts = cached_kd_and_ce(hidden_states(student, batch), student.output, batch["labels"],
-                                     batch["teacher_logp"], batch["teacher_ids"], kd_loss, kd_ratio, chunks, vocab)
+            target = CachedTeacher(batch["teacher_logp"], batch["teacher_ids"])
         else:
             with torch.inference_mode():
-                t_hidden = hidden_states(teacher, batch)
-            parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], t_hidden,
-                              teacher.output, kd_loss, kd_ratio, num_chunks=chunks, vocab_size=vocab)
+                target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
+        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target, kd_loss, kd_ratio,
+                          num_chunks=chunks, vocab_size=vocab)
         return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
 
     train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,

@@ -1,23 +1,28 @@
-"""The fused linear CE+KD loss equals the checkpointed chunked path: values and gradients (fp64, CPU), for every
-divergence, temperature, vocab slicing, ignored tokens, frozen and tied heads; and it falls back for heads it
-cannot fuse."""
+"""kd_and_ce with a live teacher equals a direct full-vocabulary computation (tests/fixtures/kd_reference.py) on
+both of its drivers, fused (a plain head weight) and checkpointed (any other head): values and gradients (fp64,
+CPU), for every divergence, temperature, vocab slicing, one chunk or several, ignored tokens, frozen and tied
+heads, -inf teacher logits and an inference-mode teacher; and the heads it cannot fuse take the other driver."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from llm_recipe.components.losses import (
-    build_kd_loss,
-    chunked_cross_entropy,
-    chunked_kd_and_ce,
-    fusable_head_weight,
-    fused_linear_kd_and_ce,
-    kd_and_ce,
-)
+from llm_recipe.components.losses import LiveTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.losses.fused import fusable_head_weight
 from llm_recipe.components.models.builder import LoRASettings, _linear
 
-KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("symmetric_kl", {"ratio": 0.3}), ("jsd", {"beta": 0.3}),
-         ("skew_kl", {"alpha": 0.2}), ("skew_reverse_kl", {"alpha": 0.2})]
+_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
+ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
+if "kd_reference" not in sys.modules:
+    sys.modules["kd_reference"] = ref
+    _spec.loader.exec_module(ref)
+
+KINDS = [(kind, ref.OPTIONS.get(kind, {})) for kind in ref.KINDS]
 
 
 def _inputs(seed: int, vocab: int | None, b=2, s=7, d=16, dt=24, v=50):
@@ -31,51 +36,68 @@ def _inputs(seed: int, vocab: int | None, b=2, s=7, d=16, dt=24, v=50):
     return h, w, th, tw, y
 
 
+def _plain(w: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear (the fused driver) whose weight is the test's tensor `w` itself."""
+    head = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+    del head.weight
+    head.weight = w
+    return head
+
+
+def _head(path: str, w: torch.Tensor):
+    """The student head that makes kd_and_ce take `path`: a plain Linear fuses, a bare callable does not."""
+    return _plain(w) if path == "fused" else (lambda x: x @ w.t())
+
+
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("temperature,vocab,kd_ratio,chunks", [(1.0, None, 0.5, 4), (2.0, 40, 0.7, 3),
                                                                (0.5, None, 1.0, 1)])
-def test_fused_matches_chunked_values_and_gradients(kind, extra, temperature, vocab, kd_ratio, chunks):
+@pytest.mark.parametrize("path", ["fused", "checkpointed"])
+def test_both_drivers_match_the_full_vocabulary_reference(kind, extra, temperature, vocab, kd_ratio, chunks, path):
     h, w, th, tw, y = _inputs(hash((kind, temperature)) % 1000, vocab)
-    kd = build_kd_loss(kind, temperature, **extra)
-    ref = chunked_kd_and_ce(h, lambda x: x @ w.t(), th, lambda x: x @ tw.t(), y, kd, num_chunks=2,
-                            vocab_size=vocab)
-    ref_loss = (1 - kd_ratio) * ref["ce"] + kd_ratio * ref["kd"]
+    v = vocab or w.shape[0]
+    s_ref = (h @ w.t())[..., :v].flatten(0, 1)
+    ref_loss, ref_ce, ref_kd = ref.objective(kind, s_ref, y.flatten(), kd_ratio, (th @ tw.t())[..., :v].flatten(0, 1),
+                                             temperature, **extra)
     ref_gh, ref_gw = torch.autograd.grad(ref_loss * 3.0, (h, w))  # a scale, as the train loop's 1/n applies
 
-    out = fused_linear_kd_and_ce(h, w, y, th, lambda x: x @ tw.t(), kd, kd_ratio, num_chunks=chunks,
-                                 vocab_size=vocab)
+    out = kd_and_ce(h, _head(path, w), y, LiveTeacher(th, lambda x: x @ tw.t()),
+                    build_kd_loss(kind, temperature, **extra), kd_ratio, num_chunks=chunks, vocab_size=vocab)
     gh, gw = torch.autograd.grad(out["loss"] * 3.0, (h, w))
     torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-12, atol=1e-10)
-    torch.testing.assert_close(out["ce"], ref["ce"], rtol=1e-12, atol=1e-10)
-    torch.testing.assert_close(out["kd"], ref["kd"], rtol=1e-12, atol=1e-10)
-    assert int(out["n"]) == int(ref["n"]) == int((y != -100).sum())
+    torch.testing.assert_close(out["ce"], ref_ce, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(out["kd"], ref_kd, rtol=1e-12, atol=1e-10)
+    assert not out["ce"].requires_grad and not out["kd"].requires_grad
+    assert int(out["n"]) == int((y != -100).sum())
     torch.testing.assert_close(gh, ref_gh, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gw, ref_gw, rtol=1e-10, atol=1e-12)
     if vocab is not None:  # padding rows of the head never get a gradient
         assert torch.all(gw[vocab:] == 0)
 
 
-def test_fused_ce_only_matches_chunked_cross_entropy_and_frozen_head_gets_no_grad():
+@pytest.mark.parametrize("path", ["fused", "checkpointed"])
+def test_ce_alone_matches_cross_entropy_and_a_frozen_head_gets_no_grad(path):
     h, w, _, _, y = _inputs(3, None)
-    ref, n = chunked_cross_entropy(h, lambda x: x @ w.t(), y, num_chunks=3)
-    ref_gh, ref_gw = torch.autograd.grad(ref, (h, w))
-    out = fused_linear_kd_and_ce(h, w, y, num_chunks=5)
+    want = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="sum")
+    want_gh, want_gw = torch.autograd.grad(want * 0.75, (h, w))
+    out = kd_and_ce(h, _head(path, w), y, kd_ratio=0.25, num_chunks=5)
     gh, gw = torch.autograd.grad(out["loss"], (h, w))
-    torch.testing.assert_close(out["loss"], ref, rtol=1e-12, atol=1e-10)
-    torch.testing.assert_close(gh, ref_gh)
-    torch.testing.assert_close(gw, ref_gw)
-    assert float(out["kd"]) == 0.0 and int(out["n"]) == int(n)
+    torch.testing.assert_close(out["loss"], want * 0.75, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(out["ce"], want, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(gh, want_gh)
+    torch.testing.assert_close(gw, want_gw)
+    assert float(out["kd"]) == 0.0 and int(out["n"]) == int((y != -100).sum())
 
-    frozen = w.detach()
-    out = fused_linear_kd_and_ce(h, frozen, y, num_chunks=2)
+    out = kd_and_ce(h, _head(path, w.detach()), y, kd_ratio=0.25, num_chunks=2)
     (gh2,) = torch.autograd.grad(out["loss"], (h,))
-    torch.testing.assert_close(gh2, ref_gh)
+    torch.testing.assert_close(gh2, want_gh)
 
 
-def test_ignored_everywhere_is_zero_not_nan_and_masked_teacher_logits_are_safe():
+@pytest.mark.parametrize("path", ["fused", "checkpointed"])
+def test_ignored_everywhere_is_zero_not_nan_and_masked_teacher_logits_are_safe(path):
     h, w, th, tw, y = _inputs(5, None)
-    y_all = torch.full_like(y, -100)
-    out = fused_linear_kd_and_ce(h, w, y_all, th, lambda x: x @ tw.t(), build_kd_loss("forward_kl"), 0.5)
+    teacher = LiveTeacher(th, lambda x: x @ tw.t())
+    out = kd_and_ce(h, _head(path, w), torch.full_like(y, -100), teacher, build_kd_loss("forward_kl"), 0.5)
     gh, gw = torch.autograd.grad(out["loss"], (h, w))
     assert float(out["loss"].detach()) == 0.0 and torch.all(gh == 0) and torch.all(gw == 0)
 
@@ -84,13 +106,16 @@ def test_ignored_everywhere_is_zero_not_nan_and_masked_teacher_logits_are_safe()
         logits[..., ::2] = float("-inf")
         return logits
 
-    kd = build_kd_loss("forward_kl", 2.0)
-    ref = chunked_kd_and_ce(h, lambda x: x @ w.t(), th, masked_teacher, y, kd, num_chunks=2)
-    out = fused_linear_kd_and_ce(h, w, y, th, masked_teacher, kd, 0.5, num_chunks=2)
-    assert torch.isfinite(out["loss"])
-    torch.testing.assert_close(out["kd"], ref["kd"])
+    out = kd_and_ce(h, _head(path, w), y, LiveTeacher(th, masked_teacher), build_kd_loss("forward_kl", 2.0), 0.5,
+                    num_chunks=2)
     (gh,) = torch.autograd.grad(out["loss"], (h,))
-    assert torch.isfinite(gh).all()
+    assert torch.isfinite(out["loss"]) and torch.isfinite(gh).all()
+    # the reference, written out: KL over the teacher's support only (0 log 0 = 0)
+    valid = y.flatten() != -100
+    pt = torch.softmax(masked_teacher(th).flatten(0, 1)[valid] / 2.0, dim=-1)
+    ps = torch.softmax((h @ w.t()).flatten(0, 1)[valid] / 2.0, dim=-1)
+    want = (torch.special.xlogy(pt, pt) - torch.where(pt > 0, pt * ps.log(), 0.0)).sum() * 4.0
+    torch.testing.assert_close(out["kd"], want.detach())
 
 
 def test_tied_and_plain_heads_fuse_lora_and_biased_heads_fall_back():
@@ -105,29 +130,37 @@ def test_tied_and_plain_heads_fuse_lora_and_biased_heads_fall_back():
     lora_head = _linear("lm_head", 16, 50, False, LoRASettings(rank=4, targets=("lm_head",)))
     assert fusable_head_weight(lora_head) is None
 
-    # kd_and_ce gives the same loss and gradients whichever path it takes.
+    # kd_and_ce gives the reference's loss and gradients whichever driver the head sends it to.
     h, _, th, tw, y = _inputs(7, None)
     h = h.float().detach().requires_grad_(True)
     th, tw = th.float(), tw.float()
     kd = build_kd_loss("reverse_kl", 1.5)
     with torch.no_grad():
-        plain.weight.copy_(lora_head.weight)
-    fused = kd_and_ce(h, plain, y, th, lambda x: x @ tw.t(), kd, 0.25, num_chunks=3)
-    (g_fused,) = torch.autograd.grad(fused["loss"], (h,))
-    fallback = kd_and_ce(h, lora_head, y, th, lambda x: x @ tw.t(), kd, 0.25, num_chunks=3)
-    (g_fallback,) = torch.autograd.grad(fallback["loss"], (h,))
-    torch.testing.assert_close(fused["loss"], fallback["loss"])
-    torch.testing.assert_close(g_fused, g_fallback)
+        plain.weight.copy_(lora_head.weight)  # the LoRA head starts as its base weight (B = 0)
+    want, _, _ = ref.objective("reverse_kl", plain(h).flatten(0, 1), y.flatten(), 0.25,
+                               (th @ tw.t()).flatten(0, 1), 1.5)
+    (want_g,) = torch.autograd.grad(want, (h,))
+    for head in (plain, TiedLinear(nn.Embedding.from_pretrained(plain.weight.detach())), lora_head):
+        out = kd_and_ce(h, head, y, LiveTeacher(th, lambda x: x @ tw.t()), kd, 0.25, num_chunks=3)
+        (g,) = torch.autograd.grad(out["loss"], (h,))
+        torch.testing.assert_close(out["loss"], want)
+        torch.testing.assert_close(g, want_g)
 
 
-def test_inference_mode_teacher_works_on_both_paths():
+def test_inference_mode_teacher_works_on_both_drivers():
     h, _, th, tw, y = _inputs(9, None)
     head = nn.Linear(16, 50, bias=False).double()
     biased = nn.Linear(16, 50, bias=True).double()
+    with torch.no_grad():
+        biased.bias.zero_()
+        biased.weight.copy_(head.weight)
     with torch.inference_mode():
         t_hidden = th.clone()
-    kd = build_kd_loss("forward_kl")
+    want, _, _ = ref.objective("forward_kl", head(h).flatten(0, 1), y.flatten(), 0.5, (th @ tw.t()).flatten(0, 1))
+    (want_g,) = torch.autograd.grad(want, (h,))
     for student_head in (head, biased):
-        out = kd_and_ce(h, student_head, y, t_hidden, lambda x: x @ tw.t(), kd, 0.5)
-        out["loss"].backward()
-    assert h.grad is not None and torch.isfinite(h.grad).all()
+        out = kd_and_ce(h, student_head, y, LiveTeacher(t_hidden, lambda x: x @ tw.t()), build_kd_loss("forward_kl"),
+                        0.5)
+        (g,) = torch.autograd.grad(out["loss"], (h,))
+        torch.testing.assert_close(out["loss"], want)
+        torch.testing.assert_close(g, want_g)

@@ -1,10 +1,14 @@
-"""Losses vs naive full-softmax references (fp64): values, gradients, masking, memory of the chunked path."""
+"""Losses vs naive full-softmax references (fp64): the divergences, build_kd_loss, chunked CE and kd_and_ce on both
+of its drivers (values, gradients, masking), the memory both drivers keep, and the vocabulary checks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +19,13 @@ from torch.utils._pytree import tree_flatten
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses import (
     KD_LOSSES,
+    CachedTeacher,
+    LiveTeacher,
     build_kd_loss,
     chunked_cross_entropy,
-    chunked_kd_and_ce,
     forward_kl,
     jsd,
-    kd_ratio_loss,
+    kd_and_ce,
     reverse_kl,
     same_tokenizer,
     shared_vocab,
@@ -29,47 +34,17 @@ from llm_recipe.components.losses import (
     symmetric_kl,
 )
 
+_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
+ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
+if "kd_reference" not in sys.modules:
+    sys.modules["kd_reference"] = ref
+    _spec.loader.exec_module(ref)
+
 B, S, D, V = 2, 13, 16, 50
 F64 = torch.float64
-ALL_KINDS = ["forward_kl", "reverse_kl", "symmetric_kl", "jsd", "skew_kl", "skew_reverse_kl"]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Naive references: explicit probabilities, plain log, no masking tricks
-# ------------------------------------------------------------------------------------------------------------
-
-
-def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    return (p * (p.log() - q.log())).sum(-1)
-
-
-def reference(kind: str, s_logits, t_logits, labels, temperature=1.0, **kw) -> torch.Tensor:
-    valid = labels != -100
-    ps = torch.exp(s_logits[valid] / temperature)
-    ps = ps / ps.sum(-1, keepdim=True)
-    pt = torch.exp(t_logits[valid] / temperature)
-    pt = pt / pt.sum(-1, keepdim=True)
-    if kind == "forward_kl":
-        per = _kl(pt, ps)
-    elif kind == "reverse_kl":
-        per = _kl(ps, pt)
-    elif kind == "symmetric_kl":
-        r = kw.get("ratio", 0.5)
-        per = r * _kl(pt, ps) + (1 - r) * _kl(ps, pt)
-    elif kind == "jsd":
-        beta = kw.get("beta", 0.5)
-        m = beta * pt + (1 - beta) * ps
-        per = beta * _kl(pt, m) + (1 - beta) * _kl(ps, m)
-    elif kind == "skew_kl":
-        a = kw.get("alpha", 0.1)
-        per = _kl(pt, a * pt + (1 - a) * ps)
-    elif kind == "skew_reverse_kl":
-        a = kw.get("alpha", 0.1)
-        per = _kl(ps, a * ps + (1 - a) * pt)
-    else:
-        raise AssertionError(kind)
-    return per.sum() * temperature**2
-
+ALL_KINDS = ref.KINDS
+KWARGS = ref.OPTIONS
+reference = ref.divergence  # explicit probabilities, plain log, no masking tricks
 
 FUNCS = {
     "forward_kl": forward_kl,
@@ -78,12 +53,6 @@ FUNCS = {
     "jsd": jsd,
     "skew_kl": skew_kl,
     "skew_reverse_kl": skew_reverse_kl,
-}
-KWARGS = {
-    "symmetric_kl": {"ratio": 0.3},
-    "jsd": {"beta": 0.3},
-    "skew_kl": {"alpha": 0.2},
-    "skew_reverse_kl": {"alpha": 0.2},
 }
 
 
@@ -114,7 +83,7 @@ def test_divergence_value_and_grad_match_reference(kind, temperature):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g_got, g_want)
     assert got.item() > 0
-    # the class built by the factory computes the same number
+    # the divergence bound by the factory (what configs use) computes the same number
     torch.testing.assert_close(build_kd_loss(kind, temperature, **kw)(s, t, labels), want)
 
 
@@ -217,14 +186,14 @@ def test_factory_errors_name_the_culprit():
     with pytest.raises(RecipeError, match="does not take alpha; its options are: beta"):
         build_kd_loss("jsd", alpha=0.3)
     for beta in (0.0, 1.0):
-        with pytest.raises(RecipeError, match="forward_kl.*reverse_kl"):
+        with pytest.raises(RecipeError, match=r"kd jsd beta must be in \(0, 1\), got .*forward_kl.*reverse_kl"):
             build_kd_loss("jsd", beta=beta)
-        with pytest.raises(RecipeError, match="jsd beta"):
-            jsd(*_inputs(), beta=beta)
     with pytest.raises(RecipeError, match="temperature"):
         build_kd_loss("forward_kl", temperature=0.0)
-    with pytest.raises(RecipeError, match="alpha"):
-        build_kd_loss("skew_kl", alpha=1.0)
+    with pytest.raises(RecipeError, match=r"kd skew_reverse_kl alpha must be in \[0, 1\), got 1.0"):
+        build_kd_loss("skew_reverse_kl", alpha=1.0)
+    with pytest.raises(RecipeError, match=r"kd symmetric_kl ratio must be in \[0, 1\]"):
+        build_kd_loss("symmetric_kl", ratio=-0.1)
     assert set(KD_LOSSES) == set(ALL_KINDS)
     assert build_kd_loss("skew_kl", alpha=0.0)(*_inputs()).item() == pytest.approx(
         forward_kl(*_inputs()).item()
@@ -285,17 +254,25 @@ def test_chunked_cross_entropy_plain_callable_and_vocab_slice():
         )
 
 
+def _driver_head(driver: str, head: torch.nn.Linear):
+    """`head` itself sends kd_and_ce to the fused driver; wrapped in a bare callable, to the checkpointed one."""
+    return head if driver == "fused" else (lambda h: head(h))
+
+
 @pytest.mark.parametrize("kind", ["forward_kl", "jsd", "skew_reverse_kl"])
 @pytest.mark.parametrize("num_chunks", [1, 5, 40])
-def test_chunked_kd_and_ce_matches_full_logits(kind, num_chunks):
+@pytest.mark.parametrize("driver", ["fused", "checkpointed"])
+def test_kd_and_ce_matches_full_logits(kind, num_chunks, driver):
     hidden, t_hidden, student, teacher, labels = _model_inputs()
     # the student head has 3 padding rows too, so both heads are sliced to the shared V
     student_padded = torch.nn.Linear(D, V + 3, bias=False, dtype=F64)
     with torch.no_grad():
         student_padded.weight[:V] = student.weight
     kd = build_kd_loss(kind, temperature=2.0, **KWARGS.get(kind, {}))
-    parts = chunked_kd_and_ce(hidden, student_padded, t_hidden, teacher, labels, kd, num_chunks, vocab_size=V)
-    loss = kd_ratio_loss(parts, kd_ratio=0.7)
+    parts = kd_and_ce(hidden, _driver_head(driver, student_padded), labels, LiveTeacher(t_hidden, teacher), kd, 0.7,
+                      num_chunks, vocab_size=V)
+    n = int((labels != -100).sum())
+    loss = parts["loss"] / n
     loss.backward()
 
     h_ref = hidden.detach().clone().requires_grad_(True)
@@ -305,7 +282,6 @@ def test_chunked_kd_and_ce_matches_full_logits(kind, num_chunks):
     flat = labels.reshape(-1)
     ce_ref = F.cross_entropy(s_logits, flat, reduction="sum")
     kd_ref = reference(kind, s_logits, t_logits, flat, 2.0, **KWARGS.get(kind, {}))
-    n = int((labels != -100).sum())
     ref = 0.3 * ce_ref / n + 0.7 * kd_ref / n
     ref.backward()
 
@@ -320,22 +296,28 @@ def test_chunked_kd_and_ce_matches_full_logits(kind, num_chunks):
     assert teacher.weight.grad is None and t_hidden.grad is None
 
 
-def test_kd_ratio_loss_and_argument_errors():
-    parts = {"ce": torch.tensor(6.0), "kd": torch.tensor(2.0), "n": torch.tensor(4)}
-    assert kd_ratio_loss(parts, 0.25).item() == pytest.approx((0.75 * 6 + 0.25 * 2) / 4)
-    assert kd_ratio_loss(parts, 0.25, n=8).item() == pytest.approx((0.75 * 6 + 0.25 * 2) / 8)
-    assert kd_ratio_loss({**parts, "n": torch.tensor(0)}, 0.5).item() == pytest.approx(4.0)  # n clamped to 1
-    with pytest.raises(RecipeError, match="kd_ratio"):
-        kd_ratio_loss(parts, 1.5)
-    hidden, _, student, _, labels = _model_inputs()
-    with pytest.raises(RecipeError, match="num_chunks"):
-        chunked_cross_entropy(hidden, student, labels, num_chunks=0)
+def test_argument_errors():
+    hidden, t_hidden, student, teacher, labels = _model_inputs()
+    live = LiveTeacher(t_hidden, teacher)
+    with pytest.raises(RecipeError, match=r"kd_ratio must be in \[0, 1\], got 1.5"):
+        kd_and_ce(hidden, student, labels, live, build_kd_loss("forward_kl"), 1.5)
+    with pytest.raises(ValueError, match="a teacher needs a kd_loss"):
+        kd_and_ce(hidden, student, labels, live, None, 0.5)
+    with pytest.raises(ValueError, match="must share batch and sequence dims"):
+        kd_and_ce(hidden, student, labels, LiveTeacher(t_hidden[:, 1:], teacher), build_kd_loss("forward_kl"), 0.5)
+    with pytest.raises(ValueError, match=r"expected logp \[b, s, k \+ 1\] and ids \[b, s, k\]"):
+        CachedTeacher(torch.zeros(B, S, 4), torch.zeros(B, S, 4, dtype=torch.long))
+    for fn in (kd_and_ce, chunked_cross_entropy):
+        with pytest.raises(RecipeError, match="num_chunks"):
+            fn(hidden, student, labels, num_chunks=0)
     with pytest.raises(RecipeError, match="vocab_size=60 exceeds the output head's 50"):
         chunked_cross_entropy(hidden, student, labels, num_chunks=2, vocab_size=60)
+    with pytest.raises(RecipeError, match="vocab_size=60 exceeds the output head's 50"):
+        kd_and_ce(hidden, student, labels, num_chunks=2, vocab_size=60)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Memory: the chunked path never holds full [b, s, v] logits
+# Memory: neither driver ever holds full [b, s, v] logits
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -371,7 +353,7 @@ class _LogitsTracker(TorchDispatchMode):
         return out
 
 
-def _kd_step(num_chunks: int, s: int, chunked: bool = True) -> _LogitsTracker:
+def _kd_step(num_chunks: int, s: int, driver: str | None) -> _LogitsTracker:
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(B, s, D_MEM, generator=g, dtype=F64, requires_grad=True)
     t_hidden = torch.randn(B, s, D_MEM, generator=g, dtype=F64)
@@ -380,37 +362,41 @@ def _kd_step(num_chunks: int, s: int, chunked: bool = True) -> _LogitsTracker:
     labels = torch.randint(0, V, (B, s), generator=g)
     kd = build_kd_loss("jsd")
     with _LogitsTracker(V) as tracker:
-        if chunked:
-            loss = kd_ratio_loss(
-                chunked_kd_and_ce(hidden, student, t_hidden, teacher, labels, kd, num_chunks), 0.5
-            )
+        if driver is not None:
+            head = _driver_head(driver, student)
+            loss = kd_and_ce(hidden, head, labels, LiveTeacher(t_hidden, teacher), kd, 0.5, num_chunks)["loss"]
         else:
             s_logits = student(hidden).reshape(-1, V)
             with torch.no_grad():
                 t_logits = teacher(t_hidden).reshape(-1, V)
             ce = F.cross_entropy(s_logits, labels.reshape(-1), reduction="sum")
-            loss = (0.5 * ce + 0.5 * kd(s_logits, t_logits, labels.reshape(-1))) / labels.numel()
-        loss.backward()
+            loss = 0.5 * ce + 0.5 * kd(s_logits, t_logits, labels.reshape(-1))
+        (loss / labels.numel()).backward()
     return tracker
 
 
-def test_chunked_path_never_creates_or_keeps_full_logits():
+@pytest.mark.parametrize("driver", ["fused", "checkpointed"])
+def test_no_driver_creates_or_keeps_full_logits(driver):
     s, k = 32, 16  # chunks of 2 positions
     full = B * s * V
-    naive = _kd_step(1, s, chunked=False)
+    naive = _kd_step(1, s, None)
     assert naive.largest >= full
-    one_chunk = _kd_step(1, s)
-    chunked = _kd_step(k, s)
-    half_seq = _kd_step(k // 2, s // 2)  # same chunk length, half the sequence
+    one_chunk = _kd_step(1, s, driver)
+    chunked = _kd_step(k, s, driver)
+    half_seq = _kd_step(k // 2, s // 2, driver)  # same chunk length, half the sequence
     # no logits-like tensor is ever bigger than one chunk [b, s/k, v] (x2: JSD stacks teacher and student)
     assert chunked.largest <= 2 * B * (s // k) * V < full
     # live logits-sized memory, forward and backward together, is set by the chunk length, not the sequence length
     assert chunked.peak == half_seq.peak
-    assert chunked.peak <= one_chunk.peak * (s // k) / s
+    # the fused driver also holds the previous chunk's logits gradient until the next one replaces it
+    slack = B * (s // k) * V if driver == "fused" else 0
+    assert chunked.peak <= one_chunk.peak * (s // k) / s + slack
 
 
 @pytest.mark.parametrize("fn", ["ce", "kd"])
 def test_no_logits_saved_for_backward_outside_the_current_chunk(fn):
+    """The checkpointed driver keeps only hidden-state chunks for backward (the fused driver keeps only the
+    gradients it computed in forward: test_no_driver_creates_or_keeps_full_logits)."""
     hidden, t_hidden, student, teacher, labels = _model_inputs()
     saved: list[int] = []
 
@@ -422,12 +408,9 @@ def test_no_logits_saved_for_backward_outside_the_current_chunk(fn):
         if fn == "ce":
             loss = chunked_cross_entropy(hidden, student, labels, num_chunks=4)[0]
         else:
-            loss = kd_ratio_loss(
-                chunked_kd_and_ce(
-                    hidden, student, t_hidden, teacher, labels, build_kd_loss("reverse_kl"), 4, V
-                ),
-                0.5,
-            )
+            head = _driver_head("checkpointed", student)
+            loss = kd_and_ce(hidden, head, labels, LiveTeacher(t_hidden, teacher), build_kd_loss("reverse_kl"), 0.5,
+                             4, V)["loss"]
     assert sum(saved) < B * S * V, saved
     loss.backward()
 

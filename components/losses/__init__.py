@@ -1,47 +1,33 @@
-"""Losses: fused linear CE/KD, chunked cross-entropy, chunked KD+CE, and KD divergences (see docs/losses.md)."""
+"""Losses (docs/losses.md): ``kd_and_ce``, the one training objective (CE alone, KD from a live teacher or from a
+cached top-k); ``chunked_cross_entropy`` for evaluation; the KD divergences as plain functions, bound to a config
+by ``build_kd_loss``; and the student/teacher vocabulary checks."""
 
-from llm_recipe.components.losses.chunked import chunked_cross_entropy, chunked_kd_and_ce, kd_ratio_loss
-from llm_recipe.components.losses.fused import fusable_head_weight, fused_linear_kd_and_ce, kd_and_ce
-from llm_recipe.components.losses.kd import (
+from llm_recipe.components.losses.divergences import (
     IGNORE_INDEX,
-    JSD,
     KD_LOSSES,
-    ForwardKL,
-    KDLoss,
-    ReverseKL,
-    SkewForwardKL,
-    SkewReverseKL,
-    SymmetricKL,
-    build_kd_loss,
     forward_kl,
     jsd,
     reverse_kl,
-    same_tokenizer,
-    shared_vocab,
     skew_kl,
     skew_reverse_kl,
     symmetric_kl,
 )
+from llm_recipe.components.losses.kd_loss import KDLoss, build_kd_loss
+from llm_recipe.components.losses.objective import chunked_cross_entropy, kd_and_ce
+from llm_recipe.components.losses.teachers import CachedTeacher, LiveTeacher
+from llm_recipe.components.losses.vocab import same_tokenizer, shared_vocab
 
 __all__ = [
     "IGNORE_INDEX",
-    "JSD",
     "KD_LOSSES",
-    "ForwardKL",
+    "CachedTeacher",
     "KDLoss",
-    "ReverseKL",
-    "SkewForwardKL",
-    "SkewReverseKL",
-    "SymmetricKL",
+    "LiveTeacher",
     "build_kd_loss",
     "chunked_cross_entropy",
-    "chunked_kd_and_ce",
     "forward_kl",
-    "fusable_head_weight",
-    "fused_linear_kd_and_ce",
     "jsd",
     "kd_and_ce",
-    "kd_ratio_loss",
     "reverse_kl",
     "same_tokenizer",
     "shared_vocab",

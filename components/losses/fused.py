@@ -1,36 +1,48 @@
-"""Fused linear CE + KD: the output projection, the losses and the student's gradients, chunk by chunk, in forward.
+"""The fused driver: the output projection, CE, KD and the student's gradients, chunk by chunk, in forward.
 
-For each chunk of tokens the student's (and teacher's) hidden states are projected to logits, CE and the KD
-divergence are computed, and the gradient of the weighted loss with respect to the student's logits is turned
-into gradients of the student's hidden states and head weight right there. Backward only scales what forward
-stored. Compared with ``chunked_kd_and_ce`` (checkpointed chunks) this drops the second projection of both
-heads in backward and never keeps logits: one chunk of student and teacher logits is alive at a time.
+For each chunk of tokens the student's hidden states are projected to logits, the teacher gives its targets for
+the same rows (a live teacher's logits or a cached top-k: teachers.py), CE and the KD divergence are computed, and
+the gradient of the blended loss with respect to the student's logits is turned into gradients of the student's
+hidden states and head weight right there. Backward only scales what forward stored. Compared with the
+checkpointed driver (checkpointed.py) this drops the second projection of both heads in backward and never keeps
+logits: one chunk of student and teacher logits is alive at a time. It needs the student's head as a plain
+weight (``fusable_head_weight``); ``kd_and_ce`` (objective.py) picks the driver.
 
 Why ours and not Liger-Kernel's ``LigerFusedLinearJSD``: it covers forward KL (beta 0) and JSD only (no
 reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
-crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. The
-forward-KL + CE chunk (the default) has a closed-form gradient and is compiled on CUDA (one fused kernel pass over the logits); the other
-divergences reuse their reference implementations in ``kd.py`` and take the gradient with autograd per chunk,
-so every divergence gives the same gradients as the unfused path (tests/test_fused_loss.py).
+crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. Forward KL
++ CE (the default; CE alone too) has a closed-form gradient per teacher kind (``forward_kl_ce_chunk`` here for
+logits, topk.py's for a cache), compiled on CUDA (one fused kernel pass over the logits); the other divergences run
+their reference implementations on the chunk and take the gradient with autograd, so every divergence gives the
+same gradients as the checkpointed path (tests/test_fused_loss.py).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.chunked import Projection, _ce_sum, chunked_cross_entropy, chunked_kd_and_ce
-from llm_recipe.components.losses.kd import IGNORE_INDEX, KDLoss
+from llm_recipe.components.losses.checkpointed import ce_sum
+from llm_recipe.components.losses.divergences import IGNORE_INDEX
+from llm_recipe.components.losses.kd_loss import blend
 
-__all__ = ["fusable_head_weight", "fused_linear_kd_and_ce", "fused_linear_loss", "kd_and_ce"]
+if TYPE_CHECKING:
+    from llm_recipe.components.losses.kd_loss import KDLoss
+    from llm_recipe.components.losses.teachers import Teacher
 
-# rows i..j of the flattened batch -> the teacher's target for them (logits, or a cached top-k tuple)
+__all__ = ["forward_kl_ce_chunk", "fusable_head_weight", "fused_loss"]
+
+# rows i..j of the flattened batch -> the teacher's targets for them (logits, or a cached top-k tuple)
 TeacherRows = Callable[[int, int], Any]
+# (student logits, teacher targets or None, labels) -> (ce_sum, kd_sum, d loss / d student logits)
+ChunkFn = Callable[[Tensor, Any, Tensor], tuple[Tensor, Tensor, Tensor]]
+# a closed-form chunk: ChunkFn with the loss weights, temperature and ignore_index as keywords
+Kernel = Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
 def fusable_head_weight(head: nn.Module) -> Tensor | None:
@@ -48,8 +60,8 @@ def fusable_head_weight(head: nn.Module) -> Tensor | None:
 # ---------------------------------------------------------------------------------------------- chunk kernels
 
 
-def _fkl_ce_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: float, temperature: float,
-                  ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+def forward_kl_ce_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: float, temperature: float,
+                        ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
     """CE sum, forward-KL sum (x T^2) and d(ce_w*CE + kd_w*KD)/d(student logits), all in closed form.
 
     d CE / ds = softmax(s) - onehot(y); d (T^2 KL(p_t^T || p_s^T)) / ds = T (softmax(s/T) - softmax(t/T)).
@@ -83,20 +95,21 @@ def _fkl_ce_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: flo
 
 
 @functools.cache
-def _compiled_fkl_ce_chunk():
-    # One compiled graph per chunk shape and loss weights: a fused pass over the logits instead of ~15 eager
+def _compiled(kernel: Kernel) -> Kernel:
+    # One compiled graph per chunk shape and loss weights: a fused pass over the logits instead of ~15-20 eager
     # kernels, each reading or writing a [chunk, vocab] fp32 tensor.
-    return torch.compile(_fkl_ce_chunk, dynamic=False, fullgraph=True)
+    return torch.compile(kernel, dynamic=False, fullgraph=True)
 
 
-def _autograd_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: float, kd_loss: KDLoss | None,
+def _autograd_chunk(s: Tensor, t: Any, y: Tensor, kd_ratio: float, divergence: Callable[[Tensor, Any, Tensor], Tensor],
                     ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Any divergence: its reference implementation on the chunk, gradient w.r.t. the logits by autograd."""
+    """Any divergence against any teacher's targets: its reference implementation on the chunk, the gradient of
+    the blended loss w.r.t. the logits by autograd."""
     with torch.enable_grad():
         s = s.detach().requires_grad_(True)
-        ce = _ce_sum(s, y, ignore_index)
-        kd = kd_loss(s, t, y) if kd_loss is not None and t is not None else ce.new_zeros(())
-        (grad,) = torch.autograd.grad(ce_w * ce + kd_w * kd, s)
+        ce = ce_sum(s, y, ignore_index)
+        kd = divergence(s, t, y)
+        (grad,) = torch.autograd.grad(blend(ce, kd, kd_ratio), s)
     return ce.detach(), kd.detach(), grad
 
 
@@ -105,8 +118,8 @@ def _autograd_chunk(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd_w: f
 
 class _FusedLinearKDCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, teacher_rows: TeacherRows | None, labels: Tensor, chunk_fn,
-                rows: int, vocab: int | None, ce_w: float, kd_w: float) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, hidden: Tensor, weight: Tensor, teacher_rows: TeacherRows | None, labels: Tensor,
+                chunk_fn: ChunkFn, rows: int, vocab: int | None, kd_ratio: float) -> tuple[Tensor, Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight if vocab is None else weight[:vocab]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -128,7 +141,7 @@ class _FusedLinearKDCE(torch.autograd.Function):
                 grad_w[: w.shape[0]].addmm_(g.t(), h)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(ce, kd)
-        return ce_w * ce + kd_w * kd, ce, kd
+        return blend(ce, kd, kd_ratio), ce, kd
 
     @staticmethod
     def backward(ctx, g_total, _g_ce, _g_kd):
@@ -137,88 +150,34 @@ class _FusedLinearKDCE(torch.autograd.Function):
             grad_h = grad_h * g_total.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = grad_w * g_total.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
-def fused_linear_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher_rows: TeacherRows | None, chunk_fn,
-                      num_chunks: int, vocab_size: int | None, ce_w: float,
-                      kd_w: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused loop for any chunk kernel: ``hidden [n, d]`` (flattened tokens) in ``num_chunks`` row chunks;
-    ``teacher_rows(i, j)`` gives the teacher's target for rows i..j (its logits, or cached top-k: see
-    ``components/losses/topk.py``), ``chunk_fn(s, t, y) -> (ce_sum, kd_sum, d loss / d s)``. Returns the weighted
-    loss (with grad) and the two detached sums."""
-    rows = -(-hidden.shape[0] // max(1, int(num_chunks)))
-    return _FusedLinearKDCE.apply(hidden, weight, teacher_rows, labels, chunk_fn, rows, vocab_size, ce_w, kd_w)
-
-
-def fused_linear_kd_and_ce(
-    student_hidden: Tensor,
-    student_weight: Tensor,
-    labels: Tensor,
-    teacher_hidden: Tensor | None = None,
-    teacher_project: Projection | None = None,
-    kd_loss: KDLoss | None = None,
-    kd_ratio: float = 0.0,
-    num_chunks: int = 8,
-    vocab_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    compile: bool | None = None,
-) -> dict[str, Tensor]:
-    """``{"loss": (1-kd_ratio)*CE + kd_ratio*KD, "ce", "kd", "n"}`` as sums over valid tokens; only "loss" has grad.
-
-    ``student_hidden [b, s, d]`` are the student's final normed hidden states, ``student_weight [V, d]`` its plain
-    output weight (``fusable_head_weight``); the teacher's hidden states and head (any callable: it gets no
-    gradient) are optional (CE only without them). Tokens are
-    processed in ``num_chunks`` row chunks of the flattened batch. ``compile`` (default: on CUDA) compiles the
-    forward-KL + CE chunk.
-    """
-    if not 0.0 <= kd_ratio <= 1.0:
-        raise RecipeError(f"kd_ratio must be in [0, 1], got {kd_ratio!r}")
-    if student_hidden.dim() != 3 or labels.shape != student_hidden.shape[:2]:
-        raise ValueError(f"expected hidden [b, s, d] and labels [b, s]; got {tuple(student_hidden.shape)} and "
-                         f"{tuple(labels.shape)}")
-    if vocab_size is not None and vocab_size > student_weight.shape[0]:
-        raise RecipeError(f"loss vocab_size={vocab_size} exceeds the output head's {student_weight.shape[0]} rows")
-    teacher = teacher_hidden is not None and kd_loss is not None
-    hidden = student_hidden.flatten(0, 1)
-    t_hidden = teacher_hidden.detach().flatten(0, 1) if teacher else None
-    flat = labels.flatten()
-    ce_w, kd_w = 1.0 - kd_ratio, (kd_ratio if teacher else 0.0)
-    if compile is None:
-        compile = hidden.is_cuda
-    if kd_loss is None or (kd_loss.kind == "forward_kl"):
-        temperature = kd_loss.temperature if kd_loss is not None else 1.0
-        kernel = _compiled_fkl_ce_chunk() if compile else _fkl_ce_chunk
-        chunk_fn = functools.partial(kernel, ce_w=ce_w, kd_w=kd_w, temperature=temperature,
-                                     ignore_index=ignore_index)
+def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher | None, kd_loss: KDLoss | None,
+               kd_ratio: float, num_chunks: int, vocab_size: int | None,
+               compile: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, ce_sum, kd_sum)`` for ``hidden [b, s, d]`` and the student's plain head ``weight [V, d]``, in
+    ``num_chunks`` row chunks of the flattened batch; only the loss has grad. Arguments are checked by the caller
+    (objective.py); ``compile`` compiles the closed-form forward-KL kernel."""
+    if vocab_size is not None and vocab_size > weight.shape[0]:
+        raise RecipeError(f"loss vocab_size={vocab_size} exceeds the output head's {weight.shape[0]} rows")
+    hidden = hidden.flatten(0, 1)
+    if teacher is None or kd_loss.kind == "forward_kl":
+        kernel = forward_kl_ce_chunk if teacher is None else teacher.forward_kl_kernel()
+        chunk_fn = functools.partial(_compiled(kernel) if compile else kernel, ce_w=1.0 - kd_ratio, kd_w=kd_ratio,
+                                     temperature=1.0 if kd_loss is None else kd_loss.temperature,
+                                     ignore_index=IGNORE_INDEX)
     else:
-        chunk_fn = functools.partial(_autograd_chunk, ce_w=ce_w, kd_w=kd_w, kd_loss=kd_loss,
-                                     ignore_index=ignore_index)
-    teacher_rows = (lambda i, j: _logits(teacher_project, t_hidden[i:j], vocab_size)) if teacher else None
-    total, ce, kd = fused_linear_loss(hidden, student_weight, flat, teacher_rows, chunk_fn, num_chunks, vocab_size,
-                                      ce_w, kd_w)
-    return {"loss": total, "ce": ce, "kd": kd, "n": (labels != ignore_index).sum()}
+        chunk_fn = functools.partial(_autograd_chunk, kd_ratio=kd_ratio,
+                                     divergence=functools.partial(teacher.divergence, kd_loss=kd_loss),
+                                     ignore_index=IGNORE_INDEX)
+    teacher_rows = None if teacher is None else _rows_of(teacher, vocab_size)
+    rows = -(-hidden.shape[0] // num_chunks)
+    return _FusedLinearKDCE.apply(hidden, weight, teacher_rows, labels.flatten(), chunk_fn, rows, vocab_size,
+                                  kd_ratio)
 
 
-def _logits(project: Projection, hidden: Tensor, vocab: int | None) -> Tensor:
-    logits = project(hidden)
-    return logits if vocab is None else logits[:, :vocab]
-
-
-def kd_and_ce(student_hidden: Tensor, student_head: nn.Module, labels: Tensor, teacher_hidden: Tensor | None = None,
-              teacher_head: Projection | None = None, kd_loss: KDLoss | None = None, kd_ratio: float = 0.0,
-              num_chunks: int = 8, vocab_size: int | None = None) -> dict[str, Tensor]:
-    """The training objective from final hidden states: fused when the student's head is a plain weight, else
-    the checkpointed chunked path (LoRA/QAT/NF4 heads). Same keys as ``fused_linear_kd_and_ce``."""
-    weight = fusable_head_weight(student_head)
-    if weight is not None:
-        return fused_linear_kd_and_ce(student_hidden, weight, labels, teacher_hidden, teacher_head, kd_loss,
-                                      kd_ratio, num_chunks, vocab_size)
-    if teacher_hidden is None or kd_loss is None:
-        ce, n = chunked_cross_entropy(student_hidden, student_head, labels, num_chunks, vocab_size)
-        return {"loss": (1.0 - kd_ratio) * ce, "ce": ce.detach(), "kd": torch.zeros_like(ce), "n": n}
-    # An inference-mode teacher tensor cannot be saved for the checkpointed backward: a normal copy can.
-    parts = chunked_kd_and_ce(student_hidden, student_head, teacher_hidden.clone(), teacher_head, labels, kd_loss,
-                              num_chunks, vocab_size)
-    loss = (1.0 - kd_ratio) * parts["ce"] + kd_ratio * parts["kd"]
-    return {"loss": loss, "ce": parts["ce"].detach(), "kd": parts["kd"].detach(), "n": parts["n"]}
+def _rows_of(teacher: Teacher, vocab_size: int | None) -> TeacherRows:
+    """Rows i..j of the flattened batch -> the teacher's targets for them."""
+    flat = [t.flatten(0, 1) for t in teacher.tensors()]
+    return lambda i, j: teacher.targets(*(t[i:j] for t in flat), vocab_size=vocab_size)
