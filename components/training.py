@@ -1,4 +1,4 @@
-"""Building blocks the training recipes (full, lora, kd, qat) call from their own loops.
+"""Building blocks the training recipes (full, kd, qat) call from their own loops.
 
 Each recipe reads top to bottom: setup, then `for window in windows(...)`: loss, backward, clip, optimizer step,
 log, checkpoint. These are the parts that are the same everywhere: config schema pieces, the data loader,

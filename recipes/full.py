@@ -1,7 +1,9 @@
-"""Full fine-tuning: every weight trains on next-token cross-entropy.
+"""Fine-tuning on next-token cross-entropy: every weight (full), or with a `lora:` section LoRA / DoRA / QLoRA
+adapters on a frozen base (NF4-quantized for QLoRA). `recipe run lora --config lora/...` runs this recipe.
 
 setup (runtime, tokenizer, model, data, optimizer, resume) -> the loop below (accumulate micro-batches, backward,
-clip, step, log, checkpoint) -> final HF folder in output_dir/model.
+clip, step, log, checkpoint) -> output_dir/model (a plain HF folder, adapters merged) and with LoRA
+output_dir/adapter (PEFT format).
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from llm_recipe.components.schema import ModelDir
 from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
+    LORA_SCHEMA,
     TRAIN_SCHEMA,
     Throughput,
     build_train_loader,
     clip_gradients,
     count_targets,
+    freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
+    lora_settings,
     micro_batch_tokens,
     optimizer_step,
     setup_optimizer,
@@ -35,20 +40,25 @@ from llm_recipe.components.training import (
     write_final_model,
 )
 
-SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}}
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}, "lora": LORA_SCHEMA}  # lora null: full
 
 
 def main(cfg: DictConfig) -> None:
     rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
     base_dir = cfg.model.checkpoint_dir
     tokenizer = load_tokenizer(base_dir)
+    lora = lora_settings(cfg.get("lora"))
 
-    # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
+    # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype); LoRA keeps its
+    # base from model.checkpoint_dir and restores only the adapters, with the rest of the state below.
     resume_from = start_or_resume_run(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
-        model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, device=rt.build_device,
+        source = resume_weights(resume_from) if lora is None else None
+        model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device, lora=lora,
                                  max_seq_len=cfg.dataset.max_seq_len)
+        if lora is not None:
+            freeze_all_but_adapters(model)
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
@@ -57,7 +67,7 @@ def main(cfg: DictConfig) -> None:
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
-        state = TrainState(cfg, rt, model, args, base_dir, optimizer, scheduler, loader, adapters=False)
+        state = TrainState(cfg, rt, model, args, base_dir, optimizer, scheduler, loader, adapters=lora is not None)
         start = state.restore(resume_from) if resume_from is not None else 0
 
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's cross-entropy, summed
@@ -96,9 +106,12 @@ def main(cfg: DictConfig) -> None:
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
 
-    final = write_final_model(cfg, rt, model, args, base_dir)
+    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir))
     if rt.is_main:
-        print(f"model: {final}")
+        if lora is None:
+            print(f"model: {final}")
+        else:
+            print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter")
         print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 
