@@ -387,7 +387,10 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
             from llm_recipe.components.runs import check_new_run
 
             check_new_run(cfg)
-    return _launch_torchrun(torchrun_ns, recipe_file(recipe)[1], script_args)
+    file = recipe_file(recipe)[1]
+    if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
+        script_args = [*script_args, "--config", str(config_source(cfg).file)]
+    return _launch_torchrun(torchrun_ns, file, script_args)
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -13,6 +13,9 @@ from llm_recipe.components.errors import RecipeError
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
 PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")
+# Recipe names that run another recipe's file: LoRA / DoRA / QLoRA is recipes/full.py with a `lora:` section
+# (configs/lora/*), so `recipe run lora` and `recipe cp lora` give that file, loop included.
+ALIASES = {"lora": "full"}
 
 
 def recipes_dir() -> Path:
@@ -46,10 +49,12 @@ def _defines_recipe(path: Path) -> bool:
 
 
 def discover_recipes() -> dict[str, Path]:
-    """Shipped recipes `{name: file}` in display order: modules in `recipes/` that define SCHEMA and main."""
+    """Shipped recipes `{name: file}` in display order: modules in `recipes/` that define SCHEMA and main, and
+    the `ALIASES` of those."""
     found = {
         p.stem: p for p in recipes_dir().glob("*.py") if not p.name.startswith("_") and _defines_recipe(p)
     }
+    found.update({alias: found[target] for alias, target in ALIASES.items() if target in found and alias not in found})
     order = [n for n in PREFERRED_ORDER if n in found] + sorted(n for n in found if n not in PREFERRED_ORDER)
     return {n: found[n] for n in order}
 

@@ -1,6 +1,7 @@
 """Ctrl-C during training: finish the optimizer step, write a checkpoint, exit 130.
 
-`StopRequest.install()` replaces the SIGINT handler for the training loop. The first Ctrl-C only sets a flag
+`with StopRequest.install() as stop:` replaces the SIGINT handler around the training loop (and puts the previous
+one back when the block ends). The first Ctrl-C only sets a flag
 (and says so on stderr); the loop checks it after each optimizer step, saves a checkpoint and raises
 `TrainingInterrupted`, which `run_recipe_script` turns into `recipe: interrupted ...` and exit status 130
 (128 + SIGINT, what shells report for a Ctrl-C). A second Ctrl-C interrupts at once, without a checkpoint.
@@ -63,7 +64,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopRequest:
-    """A flag set by the first Ctrl-C; `restore()` puts the previous SIGINT handler back."""
+    """A flag set by the first Ctrl-C; `restore()` (or leaving its `with` block) puts the previous SIGINT handler
+    back. Entering the block also notes that training has started (`note_training`)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -90,7 +92,15 @@ class StopRequest:
         """The exception to raise once the checkpoint of `step` is written."""
         return TrainingInterrupted(step, checkpoint)
 
+    def __enter__(self) -> StopRequest:
+        note_training()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
     def restore(self) -> None:
+        """Put back the SIGINT handler that was there before `install`."""
         if self._installed:
             signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
             self._installed = False

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_out_of_memory", "note_step", "out_of_memory_message"]
+__all__ = ["Where", "is_out_of_memory", "note_step", "out_of_memory_message"]
 
 _CPU_ALLOC = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory", "CUDA error: out of memory")
 _WHERE = "_recipe_oom_where"  # attribute set on the exception by the training loop
@@ -41,6 +41,28 @@ def note_step(err: BaseException, what: str, shape: list[int] | None, device: An
             setattr(err, _WHERE, {"what": what, "shape": shape, "device": device})
         except AttributeError:
             pass
+
+
+class Where:
+    """Where a training loop is, for the out-of-memory message: `with Where(device) as where:` around the loop,
+    `where.at("at step 3")` as each step starts and `where.shape = [2, 64]` per micro-batch; an out-of-memory error
+    leaving the block carries them (`note_step`)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.what: str | None = None
+        self.shape: list[int] | None = None
+
+    def at(self, what: str) -> None:
+        """The loop is now `what` (e.g. "at step 3"); no micro-batch yet."""
+        self.what, self.shape = what, None
+
+    def __enter__(self) -> Where:
+        return self
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        if err is not None and self.what is not None and is_out_of_memory(err):
+            note_step(err, self.what, self.shape, self.device)
 
 
 def _peak(device: Any) -> str:

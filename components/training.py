@@ -1,14 +1,14 @@
-"""Building blocks shared by the training recipes (full, lora, kd, qat).
+"""Building blocks the training recipes (full, kd, qat) call from their own loops.
 
-Each recipe reads top to bottom — setup, loop, checkpoint — and calls these helpers for the parts that are the
-same everywhere: config schema, data, optimizer, the accumulation window, resume and checkpoint writing.
-There is deliberately no trainer class.
+Each recipe reads top to bottom: setup, then `for window in windows(...)`: loss, backward, clip, optimizer step,
+log, checkpoint. These are the parts that are the same everywhere: config schema pieces, the data loader,
+optimizer and schedule, the accumulation window and its target count, gradient clipping, the step's logged
+values, throughput, the final model. Checkpoints and resume: components/train_state.py. There is deliberately no
+trainer: a recipe copied with `recipe cp` holds its whole loop.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,28 +19,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from llm_recipe.components.checkpoint.manifest import verify_manifest
-from llm_recipe.components.checkpoint.sharded import (
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
-from llm_recipe.components.checkpoint.state import (
-    latest_checkpoint,
-    load_recipe_state,
-    restore_rng,
-    save_checkpoint,
-)
 from llm_recipe.components.config import COMPONENT
 from llm_recipe.components.data.dataset import build_dataset, build_loader
 from llm_recipe.components.data.formats import FORMATS
+from llm_recipe.components.data.loader import StatefulLoader
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.interrupt import StopRequest, note_training
 from llm_recipe.components.losses import kd_and_ce
-from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
-from llm_recipe.components.models.hf_io import copy_tokenizer_files
-from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
+from llm_recipe.components.models.loader import merged_state_dict
 from llm_recipe.components.models.tokenizer import Tokenizer
 from llm_recipe.components.oom import is_out_of_memory, note_step
 from llm_recipe.components.optim import (
@@ -49,10 +35,8 @@ from llm_recipe.components.optim import (
     build_scheduler,
     warn_if_bf16_updates_round_away,
 )
-from llm_recipe.components.runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
 from llm_recipe.components.runtime import DTYPES, Runtime
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
-from llm_recipe.components.setup_log import SetupLog
 
 IGNORE_INDEX = -100
 OPT_INT = (int, type(None))
@@ -125,10 +109,12 @@ def lora_settings(node: DictConfig | None) -> LoRASettings | None:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of an HF model folder (tokenizer.json + tokenizer_config.json)."""
     return Tokenizer.from_dir(model_dir)
 
 
-def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime, wrap_dataset: Callable | None = None):
+def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime,
+                       wrap_dataset: Callable | None = None) -> StatefulLoader:
     """The tokenized dataset and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
     the dataset first (KD from a logits cache adds the cached teacher rows).
 
@@ -149,7 +135,7 @@ def micro_batch_tokens(cfg: DictConfig) -> int:
     return int(cfg.get("batch_size", 4)) * int(cfg.dataset.max_seq_len)
 
 
-def total_steps(cfg: DictConfig, loader) -> int:
+def total_steps(cfg: DictConfig, loader: StatefulLoader) -> int:
     """Optimizer steps of the run: `max_steps`, or `epochs` passes over the data."""
     if cfg.get("max_steps") is not None:
         if cfg.max_steps < 1:
@@ -165,7 +151,9 @@ def freeze_all_but_adapters(model: nn.Module) -> None:
         p.requires_grad_(".lora_a." in name or ".lora_b." in name or name.endswith(".magnitude"))
 
 
-def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
+def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime,
+                    steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The `optimizer:` component over the model's parameters and its `lr_scheduler:` over `steps` steps."""
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), rt)
     warn_if_bf16_updates_round_away(optimizer)
     sched_cfg = cfg.get("lr_scheduler") or {}
@@ -175,22 +163,7 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime, steps: int):
     return optimizer, scheduler
 
 
-def setup_training(cfg: DictConfig, rt: Runtime, model: nn.Module, tokenizer: Tokenizer, resume_from: Path | None,
-                   adapters: bool, wrap_dataset: Callable | None = None):
-    """Data loader, step count, optimizer and schedule; restored from `resume_from` when resuming.
-
-    Returns `(loader, steps, optimizer, scheduler, start_step)`.
-    """
-    loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset)
-    steps = total_steps(cfg, loader)
-    optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
-    start = 0
-    if resume_from is not None:
-        start = restore_training_state(resume_from, model, optimizer, scheduler, loader, rt, adapters)
-    return loader, steps, optimizer, scheduler, start
-
-
-def windows(loader, accum: int) -> Iterator[list[dict]]:
+def windows(loader: StatefulLoader, accum: int) -> Iterator[list[dict]]:
     """Endless stream of accumulation windows (lists of `accum` micro-batches), epoch after epoch."""
     window: list[dict] = []
     while True:
@@ -202,6 +175,7 @@ def windows(loader, accum: int) -> Iterator[list[dict]]:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on `device` (non-blocking copies)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -236,7 +210,7 @@ def clip_gradients(model: nn.Module, max_grad_norm: float | None) -> torch.Tenso
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
 
 
-def optimizer_step(optimizer, scheduler) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """Step, advance the schedule, zero grads."""
     optimizer.step()
     scheduler.step()
@@ -262,106 +236,17 @@ class Throughput:
     start: float = 0.0
 
     def begin(self) -> None:
+        """The step starts now."""
         self.start = time.perf_counter()
 
+    def elapsed(self) -> float:
+        """Seconds since `begin`."""
+        return time.perf_counter() - self.start
+
     def rate(self, window: list[dict], rt: Runtime) -> float:
+        """Tokens of the step's window on all ranks (padding included) per second since `begin`."""
         tokens = sum(b["tokens"].numel() for b in window) * rt.world_size
         return tokens / max(time.perf_counter() - self.start, 1e-9)
-
-
-def resume_weights(ckpt: Path | None) -> Path | None:
-    """The checkpoint when its folder holds HF weights to build the model from (one-process checkpoints),
-    else None: a sharded checkpoint's weights are restored after sharding, by `restore_training_state`."""
-    return ckpt if ckpt is not None and not is_sharded_checkpoint(ckpt) else None
-
-
-def start_or_resume_run(cfg: DictConfig) -> Path | None:
-    """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
-    folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
-    With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
-    (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
-    if not cfg.get("resume", False):
-        start_run(cfg)
-        return None
-    ckpt = latest_checkpoint(cfg.output_dir)
-    if ckpt is None:
-        fresh = "overwrite=true" if previous_run(cfg.output_dir) else "without resume"
-        raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
-                          f"run {fresh} to start fresh")
-    verify_manifest(ckpt)
-    check_resume(cfg, ckpt)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"resuming from {ckpt} (file checksums verified)", flush=True)
-    return ckpt
-
-
-def trainable_names(model: nn.Module) -> list[str]:
-    """Names of the parameters that train (LoRA: the adapter matrices and DoRA magnitudes)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def adapter_tensors(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Trainable adapter tensors by name, taken from `full` (`Runtime.full_state_dict`: gathered on rank 0 when
-    the model is FSDP-sharded, where a parameter itself holds only this rank's shard). Saved for LoRA resume."""
-    return {n: full[n] for n in trainable_names(model) if n in full}
-
-
-def restore_training_state(ckpt: Path, model: nn.Module, optimizer, scheduler, loader, rt: Runtime,
-                           adapters: bool) -> int:
-    """Load optimizer, scheduler, data position, RNG (and adapter weights for LoRA); return the step."""
-    state = load_recipe_state(ckpt)
-    if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
-        load_sharded_checkpoint(ckpt, model, optimizer, state)
-    else:
-        restore_weights_and_optimizer(ckpt, state, model, optimizer, rt, adapters)
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["loader"])
-    restore_rng(state["rng"])
-    return int(state["step"])
-
-
-def restore_weights_and_optimizer(ckpt: Path, state: dict, model: nn.Module, optimizer, rt: Runtime,
-                                  adapters: bool) -> None:
-    """A one-process checkpoint: adapters (LoRA) and the full optimizer state from `recipe_state`; full weights
-    were already loaded from the checkpoint's HF folder by the recipe (`resume_weights`)."""
-    if adapters:
-        names = trainable_names(model)
-        missing = set(names) - set(state["adapters"])
-        if missing:
-            raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
-                              "(was it written with different lora settings?)")
-        # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
-        rt.load_full_state_dict(model, {n: state["adapters"][n] for n in names}, strict=False)
-    rt.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-def save_training_checkpoint(cfg: DictConfig, rt: Runtime, step: int, model: nn.Module, args: ModelArgs,
-                             tokenizer_dir: str | Path, optimizer, scheduler, loader, adapters: bool) -> Path:
-    """HF weights + recipe state under output_dir/checkpoints/step_N, atomically, keeping `keep_last_n`.
-
-    On several processes every rank writes its own shards instead (llm_recipe.components.checkpoint.sharded): no
-    full gather per save; the final model is still one HF folder (`write_final_model`).
-    """
-    from llm_recipe.components.checkpoint.state import capture_rng
-
-    state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": capture_rng(),
-             RUN_ID_KEY: current_run_id(cfg.output_dir)}  # resume continues only checkpoints of this run
-    if rt.world_size > 1:
-        def write_meta(d: Path) -> None:
-            (d / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype_name(rt.dtype)), indent=2))
-            copy_tokenizer_files(tokenizer_dir, d)
-
-        return save_sharded_checkpoint(cfg.output_dir, step, model, optimizer, state, rt, write_meta,
-                                       lora=lora_rank_alpha(model), keep_last_n=cfg.get("keep_last_n"))
-    full = rt.full_state_dict(model)
-    state["optimizer"] = rt.optimizer_state_dict(model, optimizer)
-    if adapters:
-        state["adapters"] = adapter_tensors(model, full)
-    return save_checkpoint(
-        cfg.output_dir, step,
-        write_model=lambda d: save_model(model, args, d, tokenizer_dir, state_dict=merged_state_dict(model, full)),
-        recipe_state=state, keep_last_n=cfg.get("keep_last_n"), runtime=rt,
-    )
 
 
 def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path,
@@ -382,75 +267,3 @@ def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: Mode
         raise
     rt.barrier()
     return out / "model"
-
-
-LossFn = Callable[[dict], dict[str, torch.Tensor]]
-
-
-def train(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path, loader,
-          optimizer, scheduler, steps: int, loss_fn: LossFn, start_step: int = 0, last_checkpoint: Path | None = None,
-          adapters: bool = False, before_step: Callable[[int], None] | None = None,
-          setup_log: SetupLog | None = None) -> int:
-    """The optimizer loop every training recipe shares: accumulate, clip, step, log, checkpoint.
-
-    `loss_fn(batch)` returns summed (not averaged) losses over the batch's target tokens: key "loss" is
-    back-propagated, the others are logged as `<key>_loss`. Sums are divided by the target count of the whole
-    accumulation window on all ranks, so the result does not depend on how tokens fall into micro-batches.
-    `before_step(step)` runs before each optimizer step's forward passes (e.g. QAT's fake-quant switch).
-    `setup_log` reports when the first optimizer step of this process is done, and what came before it.
-    """
-    accum = cfg.get("gradient_accumulation_steps", 1)
-    save_every = cfg.get("save_every_n_steps")
-    logger = MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
-                          start_step=start_step)
-    clock = Throughput()
-    step = start_step
-    model.train()
-    stop = StopRequest.install(enabled=rt.world_size == 1)  # Ctrl-C: checkpoint at the next step boundary
-    note_training()
-    # The bar and files close on errors too, so a NaN error starts on its own line and loss.png is drawn.
-    # Where the loop is, for an out-of-memory message (components/oom.py): the step and micro-batch shape.
-    where, shape = f"at step {step + 1}", None
-    try:
-        for window in windows(loader, accum):
-            if step >= steps:
-                break
-            where = f"at step {step + 1}"
-            if before_step is not None:
-                before_step(step)
-            clock.begin()
-            n = count_targets(window, rt)
-            totals: dict[str, torch.Tensor] = {}
-            for batch in window:
-                shape = list(batch["tokens"].shape)
-                sums = loss_fn(to_device(batch, rt.device))
-                (sums["loss"] / n * rt.world_size).backward()
-                for k, v in sums.items():
-                    totals[k] = totals.get(k, 0.0) + v.detach() / n
-            values = step_values(totals, clip_gradients(model, cfg.get("max_grad_norm")), rt)
-            check_finite(values["loss"], step + 1, last_checkpoint)
-            optimizer_step(optimizer, scheduler)
-            step += 1
-            if setup_log is not None and step == start_step + 1:
-                setup_log.first_step(time.perf_counter() - clock.start, compiled=bool(cfg.get("compile")))
-            grad_norm = values.pop("grad_norm")
-            logger.log(step, **{("loss" if k == "loss" else f"{k}_loss"): v for k, v in values.items()},
-                       lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens_per_s=clock.rate(window, rt),
-                       peak_memory_gib=rt.peak_memory_gib())
-            where, shape = f"writing the checkpoint of step {step}", None
-            if save_every and step % save_every == 0 and step < steps:
-                last_checkpoint = save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer,
-                                                           scheduler, loader, adapters)
-            if stop.requested:
-                raise stop.interrupted(step, save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir,
-                                                                      optimizer, scheduler, loader, adapters))
-        where, shape = f"writing the checkpoint of step {step}", None
-        save_training_checkpoint(cfg, rt, step, model, args, tokenizer_dir, optimizer, scheduler, loader, adapters)
-    except (RuntimeError, MemoryError) as e:
-        if is_out_of_memory(e):
-            note_step(e, where, shape, rt.device)
-        raise
-    finally:
-        stop.restore()
-        logger.close()
-    return step

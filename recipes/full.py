@@ -1,7 +1,9 @@
-"""Full fine-tuning: every weight trains on next-token cross-entropy.
+"""Fine-tuning on next-token cross-entropy: every weight (full), or with a `lora:` section LoRA / DoRA / QLoRA
+adapters on a frozen base (NF4-quantized for QLoRA). `recipe run lora --config lora/...` runs this recipe.
 
-setup (runtime, tokenizer, model, data, optimizer, resume) -> loop (llm_recipe.components.training.train: accumulate,
-clip, step, log, checkpoint) -> final HF folder in output_dir/model.
+setup (runtime, tokenizer, model, data, optimizer, resume) -> the loop below (accumulate micro-batches, backward,
+clip, step, log, checkpoint) -> output_dir/model (a plain HF folder, adapters merged) and with LoRA
+output_dir/adapter (PEFT format).
 """
 
 from __future__ import annotations
@@ -9,52 +11,108 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from llm_recipe.components.config import run_recipe_script
+from llm_recipe.components.interrupt import StopRequest
+from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import load_model
+from llm_recipe.components.oom import Where
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import ModelDir
 from llm_recipe.components.setup_log import SetupLog
+from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
+    LORA_SCHEMA,
     TRAIN_SCHEMA,
+    Throughput,
+    build_train_loader,
+    clip_gradients,
+    count_targets,
+    freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
+    lora_settings,
     micro_batch_tokens,
-    resume_weights,
-    setup_training,
-    start_or_resume_run,
-    train,
+    optimizer_step,
+    setup_optimizer,
+    step_values,
+    to_device,
+    total_steps,
+    windows,
     write_final_model,
 )
 
-SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}}
+SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}, "lora": LORA_SCHEMA}  # lora null: full
 
 
 def main(cfg: DictConfig) -> None:
     rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
     base_dir = cfg.model.checkpoint_dir
     tokenizer = load_tokenizer(base_dir)
+    lora = lora_settings(cfg.get("lora"))
 
-    # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype).
+    # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype); LoRA keeps its
+    # base from model.checkpoint_dir and restores only the adapters, with the rest of the state below.
     resume_from = start_or_resume_run(cfg)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
-        model, args = load_model(resume_weights(resume_from) or base_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=cfg.dataset.max_seq_len)
+        source = resume_weights(resume_from) if lora is None else None
+        model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device, lora=lora,
+                                 max_seq_len=cfg.dataset.max_seq_len)
+        if lora is not None:
+            freeze_all_but_adapters(model)
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
     with setup.phase("data and optimizer"):
-        loader, steps, optimizer, scheduler, start = setup_training(cfg, rt, model, tokenizer, resume_from,
-                                                                     adapters=False)
+        loader = build_train_loader(cfg, tokenizer, rt)
+        steps = total_steps(cfg, loader)
+        optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
+        # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
+        state = TrainState(cfg, rt, model, args, base_dir, optimizer, scheduler, loader, adapters=lora is not None)
+        start = state.restore(resume_from) if resume_from is not None else 0
 
-    # The loss: summed next-token cross-entropy, the output projection applied chunk by chunk.
-    chunks = cfg.get("num_output_chunks", 8)
+    # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's cross-entropy, summed
+    # over its target tokens (the output projection applied chunk by chunk), is divided by the target tokens of
+    # the whole window on all ranks, times world_size (FSDP averages gradients over ranks): a step does not
+    # depend on how tokens fall into micro-batches or ranks.
+    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
+    save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
+    model.train()
+    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
+                       start_step=start) as logger,
+          StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
+          Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
+        for window in windows(loader, accum):
+            if step >= steps:
+                break
+            where.at(f"at step {step + 1}")
+            clock.begin()
+            n, loss_sum = count_targets(window, rt), 0.0
+            for batch in window:
+                where.shape = list(batch["tokens"].shape)
+                loss = lm_loss_sum(model, to_device(batch, rt.device), chunks)
+                (loss / n * rt.world_size).backward()
+                loss_sum = loss_sum + loss.detach() / n
+            values = step_values({"loss": loss_sum}, clip_gradients(model, cfg.get("max_grad_norm")), rt)
+            check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
+            optimizer_step(optimizer, scheduler)
+            step += 1
+            if step == start + 1:  # say when the first step of this process ended, and what setup took
+                setup.first_step(clock.elapsed(), compiled=bool(cfg.get("compile")))
+            logger.log(step, loss=values["loss"], lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
+                       tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
+            if save_every and step % save_every == 0 and step < steps:
+                state.save(step)
+            if stop.requested:
+                raise stop.interrupted(step, state.save(step))
+        state.save(step)  # the final checkpoint
 
-    def loss_fn(batch: dict) -> dict:
-        return {"loss": lm_loss_sum(model, batch, chunks)}
-
-    train(cfg, rt, model, args, base_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from, setup_log=setup)
-    final = write_final_model(cfg, rt, model, args, base_dir)
+    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir))
     if rt.is_main:
-        print(f"model: {final}\nmetrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
+        if lora is None:
+            print(f"model: {final}")
+        else:
+            print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter")
+        print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 
 

@@ -11,26 +11,36 @@ from omegaconf import DictConfig, OmegaConf
 
 from llm_recipe.components.config import config_source, run_recipe_script
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.losses import KD_LOSSES, CachedTeacher, LiveTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
+from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import Choice, Range
 from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.teacher import TEACHER_SCHEMA, check_teacher_and_student, load_teacher, loss_vocab
+from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
     LORA_SCHEMA,
     TRAIN_SCHEMA,
+    Throughput,
+    build_train_loader,
+    clip_gradients,
+    count_targets,
     freeze_all_but_adapters,
     hidden_states,
     load_tokenizer,
     lora_settings,
     micro_batch_tokens,
-    resume_weights,
-    setup_training,
-    start_or_resume_run,
-    train,
+    optimizer_step,
+    setup_optimizer,
+    step_values,
+    to_device,
+    total_steps,
+    windows,
     write_final_model,
 )
 
@@ -92,26 +102,59 @@ def main(cfg: DictConfig) -> None:
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
     with setup.phase("data and optimizer"):
-        loader, steps, optimizer, scheduler, start = setup_training(
-            cfg, rt, student, tokenizer, resume_from, adapters=lora is not None,
-            wrap_dataset=cache.dataset if cache is not None else None)
+        loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else None)
+        steps = total_steps(cfg, loader)
+        optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
+        # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
+        state = TrainState(cfg, rt, student, sargs, student_dir, optimizer, scheduler, loader,
+                           adapters=lora is not None)
+        start = state.restore(resume_from) if resume_from is not None else 0
 
-    # The loss: CE on labels and KD against the frozen teacher, from final hidden states, chunk by chunk (the
-    # student's gradients are computed in the same pass: components/losses/fused.py).
-    chunks = cfg.get("num_output_chunks", 8)
+    # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's losses (CE on labels,
+    # KD against the frozen teacher) are computed from final hidden states chunk by chunk, with the student's
+    # gradients in the same pass (components/losses/fused.py), summed over target tokens and divided by the
+    # target tokens of the whole window on all ranks, times world_size (FSDP averages gradients over ranks).
+    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
+    save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
+    student.train()
+    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
+                       start_step=start) as logger,
+          StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
+          Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
+        for window in windows(loader, accum):
+            if step >= steps:
+                break
+            where.at(f"at step {step + 1}")
+            clock.begin()
+            n, sums = count_targets(window, rt), {}
+            for batch in window:
+                where.shape = list(batch["tokens"].shape)
+                batch = to_device(batch, rt.device)
+                if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
+                    target = CachedTeacher(batch["teacher_logp"], batch["teacher_ids"])
+                else:
+                    with torch.inference_mode():
+                        target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
+                parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target, kd_loss,
+                                  kd_ratio, num_chunks=chunks, vocab_size=vocab)
+                (parts["loss"] / n * rt.world_size).backward()
+                for k in ("loss", "ce", "kd"):
+                    sums[k] = sums.get(k, 0.0) + parts[k].detach() / n
+            values = step_values(sums, clip_gradients(student, cfg.get("max_grad_norm")), rt)
+            check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
+            optimizer_step(optimizer, scheduler)
+            step += 1
+            if step == start + 1:  # say when the first step of this process ended, and what setup took
+                setup.first_step(clock.elapsed(), compiled=bool(cfg.get("compile")))
+            logger.log(step, loss=values["loss"], ce_loss=values["ce"], kd_loss=values["kd"],
+                       lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
+                       tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
+            if save_every and step % save_every == 0 and step < steps:
+                state.save(step)
+            if stop.requested:
+                raise stop.interrupted(step, state.save(step))
+        state.save(step)  # the final checkpoint
 
-    def loss_fn(batch: dict) -> dict:
-        if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
-            target = CachedTeacher(batch["teacher_logp"], batch["teacher_ids"])
-        else:
-            with torch.inference_mode():
-                target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
-        parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target, kd_loss, kd_ratio,
-                          num_chunks=chunks, vocab_size=vocab)
-        return {"loss": parts["loss"], "ce": parts["ce"], "kd": parts["kd"]}
-
-    train(cfg, rt, student, sargs, student_dir, loader, optimizer, scheduler, steps, loss_fn, start, resume_from,
-          adapters=lora is not None, setup_log=setup)
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from llm_recipe.cli.recipes import ALIASES
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 RECIPE = FIXTURES / "cli_echo_recipe.py"
@@ -85,7 +87,7 @@ def test_ls_on_the_real_tree_lists_each_shipped_recipe():
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0] for line in proc.stdout.splitlines()[1:] if line and not line.startswith(" ")}
     for name in listed - {"(no"}:
-        assert (ROOT / "recipes" / f"{name}.py").is_file()
+        assert (ROOT / "recipes" / f"{ALIASES.get(name, name)}.py").is_file()
 
 
 def test_cp_appends_suffix_and_respects_no_clobber(tree):

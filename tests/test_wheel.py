@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from llm_recipe.cli.recipes import ALIASES
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "llm_recipe"
 
@@ -93,7 +95,7 @@ def test_installed_recipe_lists_validates_copies_and_runs(venv, tiny_model_dir, 
 
     listing = _run([recipe, "ls"], cwd=elsewhere).stdout
     configs = sorted(f"{p.parent.name}/{p.stem}" for p in (ROOT / "configs").glob("*/*.yaml"))
-    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("[!_]*.py"))
+    recipes = sorted([*(p.stem for p in (ROOT / "recipes").glob("[!_]*.py")), *ALIASES])  # lora: full.py
     rows = [line.split() for line in listing.splitlines()[1:]]
     assert sorted(r[0] for r in rows if len(r) == 2) == recipes
     assert sorted(r[-1] for r in rows) == configs

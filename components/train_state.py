@@ -1,0 +1,151 @@
+"""What a training run checkpoints and resumes from: `TrainState`, and where a run starts (new or resumed).
+
+A recipe builds its model, loader, optimizer and schedule, bundles them in a `TrainState`, calls `restore(ckpt)`
+when resuming and `save(step)` in its loop. A checkpoint is `output_dir/checkpoints/step_N/`: an HF folder
+(config, weights, tokenizer) and `recipe_state/` (optimizer, schedule, data position, RNG, run id; the adapters
+of a LoRA run), written atomically with a manifest of checksums (components/checkpoint). A run over several
+processes writes DCP shards instead (components/checkpoint/sharded.py): no full gather per save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from llm_recipe.components.checkpoint.manifest import verify_manifest
+from llm_recipe.components.checkpoint.sharded import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+from llm_recipe.components.checkpoint.state import (
+    capture_rng,
+    latest_checkpoint,
+    load_recipe_state,
+    restore_rng,
+    save_checkpoint,
+)
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models import ModelArgs, save_model
+from llm_recipe.components.models.hf_io import copy_tokenizer_files
+from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
+from llm_recipe.components.oom import is_out_of_memory, note_step
+from llm_recipe.components.runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
+from llm_recipe.components.runtime import Runtime
+
+
+def start_or_resume_run(cfg: DictConfig) -> Path | None:
+    """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
+    folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
+    With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
+    (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
+    if not cfg.get("resume", False):
+        start_run(cfg)
+        return None
+    ckpt = latest_checkpoint(cfg.output_dir)
+    if ckpt is None:
+        fresh = "overwrite=true" if previous_run(cfg.output_dir) else "without resume"
+        raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
+                          f"run {fresh} to start fresh")
+    verify_manifest(ckpt)
+    check_resume(cfg, ckpt)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resuming from {ckpt} (file checksums verified)", flush=True)
+    return ckpt
+
+
+def resume_weights(ckpt: Path | None) -> Path | None:
+    """The checkpoint when its folder holds HF weights to build the model from (one-process checkpoints),
+    else None: a sharded checkpoint's weights are restored after sharding, by `TrainState.restore`."""
+    return ckpt if ckpt is not None and not is_sharded_checkpoint(ckpt) else None
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that train (LoRA: the adapter matrices and DoRA magnitudes)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@dataclass
+class TrainState:
+    """The model, optimizer, schedule and data loader of a run, and how to checkpoint them.
+
+    `tokenizer_dir`: the tokenizer files copied into every checkpoint's HF folder. `adapters`: LoRA, whose
+    checkpoints keep the adapter tensors in the recipe state (the HF folder holds merged weights; a resumed
+    run rebuilds its base from model.checkpoint_dir). `last_checkpoint`: the newest one this run wrote or
+    resumed from, named by the non-finite-loss error."""
+
+    cfg: DictConfig
+    rt: Runtime
+    model: nn.Module
+    args: ModelArgs
+    tokenizer_dir: str | Path
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    adapters: bool = False
+    last_checkpoint: Path | None = None
+
+    def save(self, step: int) -> Path:
+        """Checkpoint the state after `step` optimizer steps into output_dir/checkpoints/step_N (atomically,
+        keeping `keep_last_n`); every rank calls it. An out-of-memory error names the checkpoint it was writing."""
+        try:
+            self.last_checkpoint = self._write(step)
+        except (RuntimeError, MemoryError) as e:
+            if is_out_of_memory(e):
+                note_step(e, f"writing the checkpoint of step {step}", None, self.rt.device)
+            raise
+        return self.last_checkpoint
+
+    def _write(self, step: int) -> Path:
+        cfg, rt, model = self.cfg, self.rt, self.model
+        state = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                 "rng": capture_rng(),
+                 RUN_ID_KEY: current_run_id(cfg.output_dir)}  # resume continues only checkpoints of this run
+        if rt.world_size > 1:
+            def write_meta(d: Path) -> None:
+                (d / "config.json").write_text(json.dumps(self.args.to_hf_config(dtype=dtype_name(rt.dtype)),
+                                                          indent=2))
+                copy_tokenizer_files(self.tokenizer_dir, d)
+
+            return save_sharded_checkpoint(cfg.output_dir, step, model, self.optimizer, state, rt, write_meta,
+                                           lora=lora_rank_alpha(model), keep_last_n=cfg.get("keep_last_n"))
+        full = rt.full_state_dict(model)
+        state["optimizer"] = rt.optimizer_state_dict(model, self.optimizer)
+        if self.adapters:
+            state["adapters"] = {n: full[n] for n in trainable_names(model) if n in full}
+        return save_checkpoint(
+            cfg.output_dir, step,
+            write_model=lambda d: save_model(model, self.args, d, self.tokenizer_dir,
+                                             state_dict=merged_state_dict(model, full)),
+            recipe_state=state, keep_last_n=cfg.get("keep_last_n"), runtime=rt,
+        )
+
+    def restore(self, ckpt: Path) -> int:
+        """Load optimizer, schedule, data position and RNG (and the adapters of a LoRA run) from `ckpt`; returns
+        its step. A one-process checkpoint's full weights were loaded when the model was built (`resume_weights`);
+        a sharded one's are loaded here, into the already sharded model."""
+        state = load_recipe_state(ckpt)
+        if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
+            load_sharded_checkpoint(ckpt, self.model, self.optimizer, state)
+        else:
+            if self.adapters:
+                names = trainable_names(self.model)
+                missing = set(names) - set(state["adapters"])
+                if missing:
+                    raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
+                                      "(was it written with different lora settings?)")
+                # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
+                self.rt.load_full_state_dict(self.model, {n: state["adapters"][n] for n in names}, strict=False)
+            self.rt.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        restore_rng(state["rng"])
+        self.last_checkpoint = ckpt
+        return int(state["step"])
