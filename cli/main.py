@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file
+from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
 from llm_recipe.components.config import (
     config_source,
     configs_dir,
@@ -376,7 +376,8 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
         )
     name, module = load_recipe(recipe)
     if torchrun_ns is None:
-        run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
+        with recipe_folder_importable(recipe):  # a user's recipe may import modules next to it while it runs
+            run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
     # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
     # rank 0 takes the output folder's lock.
