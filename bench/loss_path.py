@@ -70,7 +70,9 @@ def impl_chunked(h, th, w, tw, y):
 def impl_torchtune(h, th, w, tw, y):
     import importlib
 
-    importlib.import_module("llm_recipe.components.models._compat")  # torchtune imports go through it
+    from llm_recipe.components.models.tune import import_torchtune
+
+    import_torchtune()  # torchtune 0.6.1 needs torchao's NF4 module under its old name first
     tt = importlib.import_module("torchtune.modules.loss")
     logits = [c @ w.t() for c in h.tensor_split(8, dim=1)]
     with torch.no_grad():

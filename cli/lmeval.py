@@ -41,6 +41,8 @@ def tasks_dir() -> Path:
 
 
 def _register_model() -> None:
+    """Add `recipe` (RecipeLM, imported when lm-eval first builds it) to lm-eval's model registry; idempotent.
+    Called just before lm-eval's CLI runs in this process: importing our modules registers nothing."""
     import lm_eval.models  # noqa: F401  (the stock lazy entries first: get_model() skips them once non-empty)
     from lm_eval.api.registry import model_registry
 

@@ -7,13 +7,12 @@ usage errors exit 2 (argparse). Heavy imports (torch, huggingface_hub) happen in
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import traceback
 from pathlib import Path
 
-from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file
+from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
 from llm_recipe.components.config import (
     config_source,
     configs_dir,
@@ -70,14 +69,13 @@ DIST = "llm-recipe"  # the distribution (pip) name; the import name is llm_recip
 
 
 def version() -> str:
-    """This checkout's version when run from one (pyproject.toml beside the package folders), else the installed
-    distribution's; "unknown" when neither says."""
+    """This checkout's version when installed from one in place (an editable install: pyproject.toml beside the
+    package folders), else the installed distribution's; "unknown" when neither says."""
     import importlib.metadata
     import re
 
-    root = _checkout_on_path()
-    pyproject = root / "pyproject.toml" if root is not None else None
-    if pyproject is not None and pyproject.is_file():
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"  # cli/ is a folder of the checkout
+    if pyproject.is_file():
         m = re.search(r'^\[project\][^\[]*?^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"),
                       re.MULTILINE | re.DOTALL)
         if m:
@@ -328,25 +326,12 @@ def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, li
     return ns, ns.training_script, list(ns.training_script_args)
 
 
-def _checkout_on_path() -> Path | None:
-    """The folder on sys.path that our top-level package was imported from when that package is a plain folder
-    there (a checkout used through PYTHONPATH or from its root), else None: an install (wheel or editable,
-    where the top level is a namespace package) is importable in child processes without help."""
-    top = sys.modules[__name__.split(".")[0]]
-    file = getattr(top, "__file__", None)
-    return Path(file).resolve().parent.parent if file else None
-
-
 def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    # `python recipes/x.py` puts recipes/ first on sys.path, not the project: for a checkout on sys.path, make
-    # our package importable in the workers too.
-    root = _checkout_on_path()
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root is not None and str(root) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(root)])
+    # Each worker is `python FILE ...` with this interpreter: it imports llm_recipe from the same install (wheel
+    # or editable) as this process, and FILE's folder is importable as for any script.
     ns.training_script = str(file)
     ns.training_script_args = script_args
     try:
@@ -376,7 +361,8 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
         )
     name, module = load_recipe(recipe)
     if torchrun_ns is None:
-        run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
+        with recipe_folder_importable(recipe):  # a user's recipe may import modules next to it while it runs
+            run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
         return 0
     # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
     # rank 0 takes the output folder's lock.

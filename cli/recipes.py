@@ -1,11 +1,21 @@
-"""Finding recipes: shipped `recipes/<name>.py` modules (listed without importing them) or a user's `path.py`."""
+"""Finding recipes: shipped `recipes/<name>.py` modules (listed without importing them) or a user's `path.py`.
+
+A shipped recipe loads as the module it is, `llm_recipe.recipes.<name>`. A user's file (or a recipe in
+`$RECIPE_RECIPES_DIR`) is run from its path with `runpy`, which registers it in sys.modules only while its
+top level runs (dataclasses look their module up there); its folder is importable while it loads and runs, as
+`python path.py` makes it (`recipe_folder_importable`).
+"""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
+import contextlib
+import importlib
+import importlib.resources
 import os
+import runpy
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -16,16 +26,20 @@ PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize",
 # Recipe names that run another recipe's file: LoRA / DoRA / QLoRA is recipes/full.py with a `lora:` section
 # (configs/lora/*), so `recipe run lora` and `recipe cp lora` give that file, loop included.
 ALIASES = {"lora": "full"}
+SHIPPED_PACKAGE = "llm_recipe.recipes"
+
+
+def _shipped_dir() -> Path:
+    return Path(str(importlib.resources.files(SHIPPED_PACKAGE)))
 
 
 def recipes_dir() -> Path:
-    """The folder of the shipped recipes: `$RECIPE_RECIPES_DIR`, else `recipes/` beside `cli/` in the checkout.
+    """The folder of the shipped recipes: `$RECIPE_RECIPES_DIR`, else the installed `llm_recipe.recipes` package.
 
-    Found by path, never imported as the package `recipes`: torchtune installs a top-level `recipes` package
-    into site-packages, which would shadow ours.
+    (Always under our package name: torchtune installs a top-level `recipes` package into site-packages.)
     """
     override = os.environ.get("RECIPE_RECIPES_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "recipes"
+    return Path(override) if override else _shipped_dir()
 
 
 def _defines_recipe(path: Path) -> bool:
@@ -79,22 +93,45 @@ def recipe_file(name_or_path: str) -> tuple[str, Path]:
 
 
 def load_recipe(name_or_path: str) -> tuple[str, ModuleType]:
-    """Import a shipped recipe or a `path.py` and check it defines SCHEMA and main."""
+    """Import a shipped recipe or run a `path.py`'s top level, and check it defines SCHEMA and main."""
     name, path = recipe_file(name_or_path)
-    # Shipped recipes load by path too (see recipes_dir).
-    mod_name = f"_recipe_{name}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise RecipeError(f"cannot load recipe file '{name_or_path}'")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
-    if is_recipe_path(name_or_path):
-        # like `python path.py` (how torchrun runs it): the recipe's folder is importable
-        sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
+    if path.resolve().parent == _shipped_dir().resolve():
+        module = importlib.import_module(f"{SHIPPED_PACKAGE}.{path.stem}")  # an alias names another file
+    else:
+        module = _run_recipe_file(path, name)
     missing = [a for a in ("SCHEMA", "main") if not hasattr(module, a)]
     if missing:
         raise RecipeError(f"recipe '{name_or_path}' does not define {' and '.join(missing)}")
     if not isinstance(module.SCHEMA, dict) or not callable(module.main):
         raise RecipeError(f"recipe '{name_or_path}': SCHEMA must be a dict and main a function")
     return name, module
+
+
+def _run_recipe_file(path: Path, name: str) -> ModuleType:
+    # runpy registers the file under `run_name` only while its top level runs, and restores sys.modules after:
+    # nothing of ours stays registered. Its `if __name__ == "__main__":` block does not run.
+    module = ModuleType(f"_recipe_{name}")
+    with recipe_folder_importable(str(path)):
+        module.__dict__.update(runpy.run_path(str(path), run_name=module.__name__))
+    return module
+
+
+@contextlib.contextmanager
+def recipe_folder_importable(name_or_path: str) -> Iterator[None]:
+    """While a user's recipe file loads and runs in this process, modules next to it are importable, as
+    `python path.py` (how torchrun starts it) makes them; nothing for a shipped recipe name.
+
+    The one place the product changes sys.path: Python finds `import my_helper` only through it, and a recipe
+    copied next to its helper modules has to run in-process as it runs under torchrun. The folder goes first, as
+    for `python path.py`, and is removed again on the way out.
+    """
+    if not is_recipe_path(name_or_path):
+        yield
+        return
+    folder = str(Path(name_or_path).expanduser().resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # the first entry equal to it: ours (unless the recipe removed it)
+            sys.path.remove(folder)

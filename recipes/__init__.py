@@ -1,2 +1,2 @@
-"""The shipped recipes, one module per algorithm. `recipe` loads them by file path (`cli/recipes.py`), the way it
-loads a user's copy made with `recipe cp`, and torchrun starts them as scripts."""
+"""The shipped recipes, one module per algorithm. `recipe` imports them as `llm_recipe.recipes.<name>`
+(`cli/recipes.py`; a user's copy made with `recipe cp` runs from its path), and torchrun starts them as scripts."""

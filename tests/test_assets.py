@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -52,9 +51,10 @@ def test_converts_into_recipe_cache_and_second_call_is_instant(cache, monkeypatc
     assert time.perf_counter() - start < 0.5
     assert capsys.readouterr().err == ""  # no progress lines when there is nothing to do
     # In a fresh process the fast path does not import the model stack (torchtune takes seconds to import).
-    code = "import sys; from components import assets; print(assets.ensure_assets()); print('torchtune' in sys.modules)"
+    code = ("import sys; from llm_recipe.components import assets; print(assets.ensure_assets()); "
+            "print('torchtune' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "RECIPE_CACHE": str(root), "PYTHONPATH": str(Path(__file__).parents[1])})
+                         env={**os.environ, "RECIPE_CACHE": str(root)})
     assert out.stdout.split() == [str(path), "False"] and out.stderr == ""
 
 

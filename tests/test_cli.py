@@ -42,7 +42,7 @@ def tree(tmp_path: Path) -> Path:
 
 
 def recipe(tree: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     env["RECIPE_RECIPES_DIR"] = str(tree / "pkgs" / "recipes")
     env["RECIPE_CONFIGS_DIR"] = str(tree / "pkgs" / "configs")
     return subprocess.run(
@@ -75,11 +75,9 @@ def test_ls_lists_recipes_with_their_configs_only(tree):
 
 
 def test_ls_on_the_real_tree_lists_each_shipped_recipe():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "llm_recipe.cli.main", "ls"],
         cwd=ROOT,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -179,6 +177,57 @@ def test_run_path_recipe_with_user_config(tree):
     assert proc.returncode == 0, proc.stderr
     seen = json.loads((tree / "work" / "out.json").read_text())
     assert seen["steps"] == 7 and seen["_wrapper_width"] == 12
+
+
+def _recipe_with_helpers(folder: Path) -> Path:
+    """A copy of the echo recipe that imports a module beside it at its top and another one inside main, and
+    defines a dataclass (string annotations: dataclasses look the recipe's module up while it loads)."""
+    folder.mkdir(parents=True)
+    (folder / "echo_helper.py").write_text("TOP = 'top'\n")
+    (folder / "echo_lazy.py").write_text("LAZY = 'lazy'\n")
+    text = RECIPE.read_text()
+    text = text.replace('"""\n\nimport json\n', '"""\n\nfrom __future__ import annotations\n\nimport json\n'
+                        "from dataclasses import dataclass\n\nimport echo_helper\n", 1)
+    text = text.replace("SCHEMA = {", "@dataclass\nclass Seen:\n    top: str\n\n\nSCHEMA = {", 1)
+    text = text.replace("    with open(cfg.output_file", "    from echo_lazy import LAZY\n\n"
+                        "    data['_helpers'] = [Seen(echo_helper.TOP).top, LAZY]\n    with open(cfg.output_file", 1)
+    path = folder / "my_echo.py"
+    path.write_text(text)
+    return path
+
+
+def test_run_path_recipe_imports_modules_next_to_it(tree):
+    """A user's recipe imports modules beside it as `python my_echo.py` would: in-process, under torchrun, and
+    when validated."""
+    work = tree / "work"
+    path = _recipe_with_helpers(work / "mine")
+    shutil.copy(CONFIG, work / "mine.yaml")
+    assert recipe(tree, "validate", "mine.yaml", "--recipe", "mine/my_echo.py").returncode == 0
+    for launch in ([], ["--nproc-per-node", "1", "--standalone"]):
+        out = work / f"out{len(launch)}.json"
+        proc = recipe(tree, "run", *launch, str(path.relative_to(work)), "--config", "mine.yaml", f"output_file={out}")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(out.read_text())["_helpers"] == ["top", "lazy"], launch
+
+
+def test_load_recipe_leaves_sys_path_and_modules_as_they_were(tmp_path):
+    """Shipped recipes are their own modules; a user's file leaves nothing of ours in sys.modules or sys.path
+    (only the modules its own imports loaded)."""
+    from llm_recipe.cli.recipes import load_recipe
+
+    path = _recipe_with_helpers(tmp_path / "mine")
+    modules, paths = set(sys.modules), list(sys.path)
+    try:
+        name, module = load_recipe(str(path))
+        assert name == "my_echo" and callable(module.main) and "output_file" in module.SCHEMA
+        assert sys.path == paths
+        new = set(sys.modules) - modules  # its imports (echo_helper) and ours it pulled in, each under its own name
+        assert "echo_helper" in new and not [k for k in new if k.startswith("_recipe") or "my_echo" in k]
+        assert all(sys.modules[k].__name__ == k for k in new)
+    finally:
+        sys.modules.pop("echo_helper", None)
+    name, module = load_recipe("eval")
+    assert module is sys.modules["llm_recipe.recipes.eval"]
 
 
 def test_run_errors_are_one_line(tree):

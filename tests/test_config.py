@@ -236,3 +236,21 @@ def test_run_recipe_script_passes_overrides_and_reports_errors(tmp_path, capsys)
         "out_dir, optimizer, extra)"
     ]
     assert "Traceback" not in err
+
+
+def test_load_config_registers_our_resolvers_itself(tmp_path):
+    """`${embedded_data:...}` resolves in a fresh process whose only step is load_config: the resolvers are
+    registered there (once), not when the module is imported (tests/test_import_effects.py)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: ${embedded_data:x}\n")
+    code = ("from omegaconf import OmegaConf\n"
+            "from llm_recipe.components.config import load_config\n"
+            "assert not OmegaConf.has_resolver('embedded_data')\n"
+            f"a, b = load_config({str(path)!r}), load_config({str(path)!r})\n"
+            "print(a.data == b.data and a.data.endswith('/x'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "True"

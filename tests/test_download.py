@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
 
-ROOT = Path(__file__).resolve().parent.parent
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "hf_testsecret_DO_NOT_PRINT"
 
@@ -167,7 +166,6 @@ def hub():
 def download(endpoint: str, tmp_path: Path, *args: str, env_extra: dict | None = None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
     env.update(
-        PYTHONPATH=str(ROOT),
         HF_ENDPOINT=endpoint,
         HF_HOME=str(tmp_path / "hf_home"),  # no saved token, no shared cache
         # our server never sends Xet headers; disabling Xet keeps the client on plain HTTP regardless

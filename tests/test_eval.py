@@ -229,7 +229,7 @@ def test_errors_name_the_culprit(model_dir):
 
 def test_recipe_lm_eval_runs_lm_eval_cli_with_our_model_and_pack(model_dir, tmp_path):
     """`recipe lm_eval --model recipe ... --tasks recipe_arc_easy`: lm-eval's own CLI, in a fresh process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4", "--device", "cpu",
             "--tasks", "recipe_arc_easy", "--limit", "5", "--output_path", str(tmp_path / "out")]
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "lm_eval", *args], cwd=tmp_path, env=env,

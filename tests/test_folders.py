@@ -7,15 +7,12 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from llm_recipe.components.checkpoint import atomic_directory, verify_manifest, write_manifest
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.folders import LOCK_NAME, check_model_dir, check_output_dir, lock_output_dir
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_lock_is_exclusive_and_released(tmp_path):
@@ -49,8 +46,7 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     out = tmp_path / "run"
     code = ("import sys, time\nfrom llm_recipe.components.folders import lock_output_dir\n"
             "with lock_output_dir(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(300)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RecipeError, match=f"pid {holder.pid} on"):

@@ -121,6 +121,9 @@ def test_ignored_everywhere_is_zero_not_nan_and_masked_teacher_logits_are_safe(p
 def test_tied_and_plain_heads_fuse_lora_and_biased_heads_fall_back():
     torch.manual_seed(0)
     embed = nn.Embedding(50, 16)
+    from llm_recipe.components.models.tune import import_torchtune
+
+    import_torchtune()
     from torchtune.modules import TiedLinear
 
     assert fusable_head_weight(TiedLinear(embed)) is embed.weight

@@ -126,7 +126,9 @@ def test_torchtune_imports_through_nf4_alias_and_qlora_trains(tmp_path):
     import importlib
     import sys
 
-    import llm_recipe.components.models  # noqa: F401  (installs the alias before torchtune)
+    from llm_recipe.components.models.tune import import_torchtune
+
+    import_torchtune()  # what building a model calls first: the alias, then torchtune
 
     # `torchao.quantization.quantize_` is also a function name, so import the module by its string path.
     new_nf4 = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")

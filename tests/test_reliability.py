@@ -45,8 +45,7 @@ def busy_dir(tmp_path):
     out = tmp_path / "busy"
     code = ("import sys, time\nfrom llm_recipe.components.folders import lock_output_dir\n"
             "with lock_output_dir(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(300)\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         yield out
@@ -139,7 +138,7 @@ def test_hf_token_is_never_written_to_disk_or_logs(tmp_path, tiny_model_dir):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
-    env.update(PYTHONPATH=str(REPO), HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_TOKEN=FAKE_TOKEN,
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_TOKEN=FAKE_TOKEN,
                HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
                OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
     logs = []

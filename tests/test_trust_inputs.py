@@ -25,7 +25,6 @@ if "reliability_doc" not in sys.modules:
     sys.modules["reliability_doc"] = doc
     _spec.loader.exec_module(doc)
 
-REPO = doc.REPO
 SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.limit=8", "dataset.max_seq_len=32",
          "save_every_n_steps=null", "tensorboard=false"]
 
@@ -166,7 +165,7 @@ def test_eval_of_a_model_smaller_than_its_tokenizer_is_one_line(embedded_model_d
 
 def _lm_eval(args: list[str], cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
-    base.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HOME=str(cwd / "hf_home"), **env)
+    base.update(OMP_NUM_THREADS="1", HF_HOME=str(cwd / "hf_home"), **env)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "lm_eval", *args], cwd=cwd, env=base,
                           capture_output=True, text=True, timeout=300)

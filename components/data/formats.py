@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from llm_recipe.components.errors import RecipeError
 
-if TYPE_CHECKING:  # runtime import would pull in llm_recipe.components.models (torchtune) for nothing
+if TYPE_CHECKING:  # runtime import would pull in llm_recipe.components.models (torch) for nothing
     from llm_recipe.components.models.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100

@@ -1,5 +1,9 @@
 """lm-eval model backed by our torchtune-module decoder: `--model recipe --model_args checkpoint=DIR`.
 
+lm-eval's model registry is global, so importing this module registers nothing: `recipe lm_eval`
+(cli/lmeval.py) registers `RecipeLM` under the name `recipe` just before it runs lm-eval's CLI, and `evaluate()`
+(run.py) hands lm-eval an instance, which needs no name.
+
 Built on lm-eval's `TemplateLM`, so context/continuation splitting (trailing whitespace moves to the
 continuation), empty-context handling and request caching are lm-eval's own. Scoring, rolling windows and
 generation follow `lm_eval.models.huggingface.HFLM` step for step (same Collator ordering, same left
@@ -14,13 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import lm_eval.models  # noqa: F401  (registers the stock lazy models before we add ours; see register below)
 import torch
 import torch.nn.functional as F
 from jinja2.exceptions import TemplateError
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (
     Collator,
     handle_stop_sequences,
@@ -105,7 +107,6 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     return model, tokenizer
 
 
-@register_model("recipe")
 class RecipeLM(TemplateLM):
     """lm-eval LM over our decoder: loglikelihood, loglikelihood_rolling and KV-cached generate_until.
 

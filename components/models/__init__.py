@@ -1,13 +1,12 @@
 """Models: HF config -> torchtune-module decoders, checkpoint I/O, tokenizer, GGUF import.
 
-The only package that imports torchtune (through `_compat`, which aliases torchao's moved NF4 module first).
+The only package that imports torchtune, and only when a function needs it: through `tune.import_torchtune()`,
+which first aliases torchao's moved NF4 module. Importing this package imports neither (tune.py says why).
 """
 
-from llm_recipe.components.models import _compat  # noqa: F401  (must run before any torchtune import)
 from llm_recipe.components.models.args import ModelArgs, read_model_args
 from llm_recipe.components.models.builder import (
     LORA_TARGETS,
-    Decoder,
     LoRASettings,
     build_model,
     output_weight,
@@ -27,7 +26,6 @@ from llm_recipe.components.models.peft_adapter import adapter_state_dict, save_p
 
 __all__ = [
     "LORA_TARGETS",
-    "Decoder",
     "LoRASettings",
     "ModelArgs",
     "build_model",

@@ -2,29 +2,29 @@
 
 One builder serves every family and optionally swaps chosen linears for torchtune's LoRA/DoRA layers
 (NF4-quantized base for QLoRA). Module names follow torchtune; `convert.py` maps them to HF names.
+
+torchtune is imported when a model is built, not when this module is imported (tune.py says why), so our
+subclasses of its layers are defined on first use, in `tune_layers()`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.modules import (
-    FeedForward,
-    MultiHeadAttention,
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
-from torchtune.modules import RMSNorm as TuneRMSNorm
-from torchtune.modules.peft import DoRALinear, LoRALinear
 
-import llm_recipe.components.models._compat  # noqa: F401
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models.args import ModelArgs
-from llm_recipe.components.models.rope import RotaryEmbedding
+from llm_recipe.components.models.rope import rotary_embedding
+from llm_recipe.components.models.tune import import_torchtune
+
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
 
 # LoRA targets use PEFT/HF module names, so adapter configs read the same in both tools.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -49,50 +49,62 @@ class LoRASettings:
             raise RecipeError(f"lora.rank must be positive, got {self.rank}")
 
 
-class Decoder(TransformerDecoder):
-    """torchtune's decoder plus `skip_output`: return normed final hidden states so losses can chunk the
-    output projection themselves (full logits of two models are never alive at once)."""
+@functools.cache
+def tune_layers() -> SimpleNamespace:
+    """Our subclasses of torchtune layers, `Decoder`, `RMSNorm` and `DoRA`, defined on the first call (their base
+    classes come from torchtune, imported here through `import_torchtune()`); the same classes on every call."""
+    import_torchtune()
+    from torchtune.modules import RMSNorm as TuneRMSNorm
+    from torchtune.modules import TransformerDecoder
+    from torchtune.modules.peft import DoRALinear
 
-    skip_output: bool = False
+    class Decoder(TransformerDecoder):
+        """torchtune's decoder plus `skip_output`: return normed final hidden states so losses can chunk the
+        output projection themselves (full logits of two models are never alive at once)."""
 
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        if self.skip_output:
-            return self.norm(h)
-        return super().unembed(h)
+        skip_output: bool = False
 
+        def unembed(self, h: torch.Tensor) -> torch.Tensor:
+            if self.skip_output:
+                return self.norm(h)
+            return super().unembed(h)
 
-class RMSNorm(TuneRMSNorm):
-    """torchtune's RMSNorm (same `scale` parameter) without its fp32 upcast of the input when input and weight
-    share a dtype: torch's fused rms_norm kernel accumulates in fp32 itself, while torchtune's fp32 input with a
-    bf16 weight misses that kernel ("Mismatch dtype ... Cannot dispatch to fused implementation")."""
+    class RMSNorm(TuneRMSNorm):
+        """torchtune's RMSNorm (same `scale` parameter) without its fp32 upcast of the input when input and weight
+        share a dtype: torch's fused rms_norm kernel accumulates in fp32 itself, while torchtune's fp32 input with a
+        bf16 weight misses that kernel ("Mismatch dtype ... Cannot dispatch to fused implementation")."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.scale.dtype:
-            return super().forward(x)
-        return F.rms_norm(x, self.normalized_shape, self.scale, self.eps)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != self.scale.dtype:
+                return super().forward(x)
+            return F.rms_norm(x, self.normalized_shape, self.scale, self.eps)
 
+    class DoRA(DoRALinear):
+        """torchtune's DoRA with the bias added after the magnitude rescaling, as in the DoRA paper and PEFT
+        (torchtune rescales the bias too, which its own merge and PEFT do not reproduce)."""
 
-class DoRA(DoRALinear):
-    """torchtune's DoRA with the bias added after the magnitude rescaling, as in the DoRA paper and PEFT
-    (torchtune rescales the bias too, which its own merge and PEFT do not reproduce)."""
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight = self.weight.to(x.dtype)  # dequantizes an NF4 base
+            base = F.linear(x, weight)
+            if not self.disabled:
+                lora = self.lora_b(self.lora_a(self.dropout(x)))
+                # The adapter's dense weight through the modules themselves, so FSDP hooks still fire.
+                eye = torch.eye(self.lora_a.weight.shape[1], device=x.device, dtype=x.dtype)
+                lora_weight = self.lora_b(self.lora_a(eye)).T
+                norm = self._get_weight_norm(weight, lora_weight.detach()).detach()
+                base = (self.magnitude / norm).view(1, -1) * (base + self.scaling * lora)
+            return base if self.bias is None else base + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(x.dtype)  # dequantizes an NF4 base
-        base = F.linear(x, weight)
-        if not self.disabled:
-            lora = self.lora_b(self.lora_a(self.dropout(x)))
-            # The adapter's dense weight through the modules themselves, so FSDP hooks still fire.
-            eye = torch.eye(self.lora_a.weight.shape[1], device=x.device, dtype=x.dtype)
-            lora_weight = self.lora_b(self.lora_a(eye)).T
-            norm = self._get_weight_norm(weight, lora_weight.detach()).detach()
-            base = (self.magnitude / norm).view(1, -1) * (base + self.scaling * lora)
-        return base if self.bias is None else base + self.bias
+    return SimpleNamespace(Decoder=Decoder, RMSNorm=RMSNorm, DoRA=DoRA)
 
 
 def _linear(name: str, d_in: int, d_out: int, bias: bool, lora: LoRASettings | None) -> nn.Module:
     if lora is None or name not in lora.targets:
         return nn.Linear(d_in, d_out, bias=bias)
-    cls = DoRA if lora.use_dora else LoRALinear
+    import_torchtune()
+    from torchtune.modules.peft import LoRALinear
+
+    cls = tune_layers().DoRA if lora.use_dora else LoRALinear
     extra = _nf4_block_sizes(d_in * d_out) if lora.quantize_base else {}
     return cls(d_in, d_out, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, use_bias=bias,
                quantize_base=lora.quantize_base, **extra)
@@ -108,11 +120,16 @@ def _nf4_block_sizes(numel: int) -> dict:
     return {"block_size": 64, "scaler_block_size": scaler}
 
 
-def build_model(args: ModelArgs, lora: LoRASettings | None = None, max_seq_len: int | None = None) -> Decoder:
-    """Instantiate the decoder (parameters in the current default dtype and device)."""
+def build_model(args: ModelArgs, lora: LoRASettings | None = None,
+                max_seq_len: int | None = None) -> TransformerDecoder:
+    """Instantiate the decoder, a `tune_layers().Decoder` (parameters in the current default dtype and device)."""
+    import_torchtune()
+    from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear, TransformerSelfAttentionLayer
+
+    ours = tune_layers()
     max_seq_len = max_seq_len or min(args.max_position_embeddings, 8192)
     d, hd = args.hidden_size, args.head_dim
-    rope = RotaryEmbedding(hd, max_seq_len=max_seq_len, base=args.rope_theta, scaling=args.rope_scaling)
+    rope = rotary_embedding(hd, max_seq_len=max_seq_len, base=args.rope_theta, scaling=args.rope_scaling)
     layers = []
     for _ in range(args.num_layers):
         attn = MultiHeadAttention(
@@ -136,8 +153,8 @@ def build_model(args: ModelArgs, lora: LoRASettings | None = None, max_seq_len: 
             TransformerSelfAttentionLayer(
                 attn=attn,
                 mlp=mlp,
-                sa_norm=RMSNorm(d, eps=args.rms_norm_eps),
-                mlp_norm=RMSNorm(d, eps=args.rms_norm_eps),
+                sa_norm=ours.RMSNorm(d, eps=args.rms_norm_eps),
+                mlp_norm=ours.RMSNorm(d, eps=args.rms_norm_eps),
             )
         )
     embed = nn.Embedding(args.vocab_size, d)
@@ -147,18 +164,21 @@ def build_model(args: ModelArgs, lora: LoRASettings | None = None, max_seq_len: 
         output = TiedLinear(embed)
     else:
         output = _linear("lm_head", d, args.vocab_size, False, lora)
-    return Decoder(
+    return ours.Decoder(
         tok_embeddings=embed,
         layers=nn.ModuleList(layers),
         max_seq_len=max_seq_len,
         num_heads=args.num_heads,
         head_dim=hd,
-        norm=RMSNorm(d, eps=args.rms_norm_eps),
+        norm=ours.RMSNorm(d, eps=args.rms_norm_eps),
         output=output,
     )
 
 
 def output_weight(model: TransformerDecoder) -> torch.Tensor:
     """The output projection's weight (the embedding when tied)."""
+    import_torchtune()
+    from torchtune.modules import TiedLinear
+
     out = model.output
     return out.tied_module.weight if isinstance(out, TiedLinear) else out.weight

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torchtune.modules.common_utils import delete_kv_caches
-from torchtune.modules.transformer import TransformerDecoder
 
-import llm_recipe.components.models._compat  # noqa: F401
+from llm_recipe.components.models.tune import import_torchtune
+
+if TYPE_CHECKING:
+    from torchtune.modules.transformer import TransformerDecoder
+
+
+def delete_kv_caches(model: TransformerDecoder) -> None:
+    """Drop the KV caches `setup_caches` allocated (torchtune's `delete_kv_caches`)."""
+    import_torchtune()
+    from torchtune.modules.common_utils import delete_kv_caches as delete
+
+    delete(model)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -107,6 +117,7 @@ def generate_batch(
     Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
     (`[b, steps, vocab]`, tens of GB for a large batch) and finds padding by comparing token ids with `pad_id`.
     """
+    import_torchtune()
     from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
 
     if not prompts or any(len(p) == 0 for p in prompts):

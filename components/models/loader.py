@@ -6,17 +6,20 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torchtune.modules.peft import DoRALinear, LoRALinear, get_merged_lora_ckpt
 
-import llm_recipe.components.models._compat  # noqa: F401
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models.args import ModelArgs, check_weight_shapes, read_model_args
-from llm_recipe.components.models.builder import Decoder, LoRASettings, build_model
+from llm_recipe.components.models.builder import LoRASettings, build_model
 from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
 from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
+from llm_recipe.components.models.tune import import_torchtune
+
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def load_model(
     lora: LoRASettings | None = None,
     keep_layers: Sequence[int] | None = None,
     max_seq_len: int | None = None,
-) -> tuple[Decoder, ModelArgs]:
+) -> tuple[TransformerDecoder, ModelArgs]:
     """Build the decoder for a HF folder and load its weights; LoRA params are freshly initialised."""
     args = read_model_args(ckpt_dir)
     check_weight_shapes(ckpt_dir, args)  # from the headers, before GBs are read and the model is built
@@ -96,6 +99,9 @@ def load_model(
     if missing or unexpected:
         raise RecipeError(f"{ckpt_dir}: weights do not match config.json (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
+    import_torchtune()
+    from torchtune.modules.peft import DoRALinear
+
     for m in model.modules():
         if isinstance(m, DoRALinear):
             m.initialize_dora_magnitude()
@@ -107,6 +113,10 @@ def _is_adapter_key(key: str) -> bool:
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's LoRA/DoRA linears by module name."""
+    import_torchtune()
+    from torchtune.modules.peft import DoRALinear, LoRALinear
+
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
 
 
@@ -122,6 +132,9 @@ def lora_rank_alpha(model: nn.Module) -> tuple[int, float] | None:
 
 def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
     """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed)."""
+    import_torchtune()
+    from torchtune.modules.peft import get_merged_lora_ckpt
+
     return get_merged_lora_ckpt(sd, rank=rank, alpha=alpha)
 
 

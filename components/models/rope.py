@@ -7,27 +7,41 @@ reuse it and only change how the frequencies are computed.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
-from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+from torch import nn
 
-import llm_recipe.components.models._compat  # noqa: F401
+from llm_recipe.components.models.tune import import_torchtune
 
 
-class RotaryEmbedding(Qwen2RotaryPositionalEmbeddings):
+def rotary_embedding(dim: int, max_seq_len: int, base: float, scaling: dict | None = None) -> nn.Module:
     """Rotate-half RoPE; `scaling` is a HF `rope_scaling` dict (rope_type llama3 or linear) or None."""
+    return _rotary_embedding_class()(dim, max_seq_len=max_seq_len, base=base, scaling=scaling)
 
-    def __init__(self, dim: int, max_seq_len: int, base: float, scaling: dict | None = None) -> None:
-        self.scaling = scaling
-        super().__init__(dim=dim, max_seq_len=max_seq_len, base=base)
 
-    def rope_init(self) -> None:
-        theta = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
-        if self.scaling is not None:
-            theta = _scale_frequencies(theta, self.scaling)
-        self.register_buffer("theta", theta, persistent=False)
-        self.build_rope_cache(self.max_seq_len)
+@functools.cache
+def _rotary_embedding_class() -> type[nn.Module]:
+    # Defined on first use: the base class is torchtune's, imported through import_torchtune() (tune.py says why).
+    import_torchtune()
+    from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+
+    class RotaryEmbedding(Qwen2RotaryPositionalEmbeddings):
+        """torchtune's Qwen2 (rotate-half) RoPE with our frequencies: Llama 3.x or linear scaling."""
+
+        def __init__(self, dim: int, max_seq_len: int, base: float, scaling: dict | None = None) -> None:
+            self.scaling = scaling
+            super().__init__(dim=dim, max_seq_len=max_seq_len, base=base)
+
+        def rope_init(self) -> None:
+            theta = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
+            if self.scaling is not None:
+                theta = _scale_frequencies(theta, self.scaling)
+            self.register_buffer("theta", theta, persistent=False)
+            self.build_rope_cache(self.max_seq_len)
+
+    return RotaryEmbedding
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
