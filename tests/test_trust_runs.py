@@ -183,12 +183,12 @@ def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_last_checkpoint(tmp_p
 
 
 def test_out_of_memory_during_setup_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    import llm_recipe.components.models as models
+    from llm_recipe.recipes import full  # the module `recipe run full` runs
 
     def load_model_out_of_memory(*a, **kw):
         raise torch.OutOfMemoryError(CUDA_OOM)
 
-    monkeypatch.setattr(models, "load_model", load_model_out_of_memory)
+    monkeypatch.setattr(full, "load_model", load_model_out_of_memory)
     out = tmp_path / "out"
     code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "batch_size=4",
                                     "gradient_accumulation_steps=2"))
