@@ -26,6 +26,7 @@ from llm_recipe.components.data.loader import StatefulLoader
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses import kd_and_ce
 from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from llm_recipe.components.models.attention import document_block_mask, use_flex_attention
 from llm_recipe.components.models.loader import merged_state_dict
 from llm_recipe.components.models.tokenizer import Tokenizer
 from llm_recipe.components.oom import is_out_of_memory, note_step
@@ -175,8 +176,13 @@ def windows(loader: StatefulLoader, accum: int) -> Iterator[list[dict]]:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch's tensors on `device` (non-blocking copies)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch's tensors on `device` (non-blocking copies); on a GPU, packed rows attend through a flex-attention
+    BlockMask instead of the dense mask, which is then never copied (components/models/attention.py says why)."""
+    flex = "input_pos" in batch and "mask" in batch and use_flex_attention(device)
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items() if not (flex and k == "mask")}
+    if flex:
+        out["mask"] = document_block_mask(out["input_pos"])
+    return out
 
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:

@@ -79,8 +79,8 @@ def main(cfg: DictConfig) -> None:
         if lora is not None:
             freeze_all_but_adapters(model)
         prepare_qat(model, scheme, group_size, include_output)
-        if rt.device.type == "cuda":  # fused fake quantization (eager costs 4.2x a plain step)
-            compile_fake_quantizers(model)
+        if rt.device.type == "cuda" and not cfg.get("compile", False):  # compile: true fuses them into the layers
+            compile_fake_quantizers(model)  # fused fake quantization (eager costs 4.2x a plain step)
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 

@@ -1,0 +1,72 @@
+"""Packed rows on a GPU attend through a flex-attention BlockMask: the same mask as the collator's dense one, and
+(on a GPU) the same model outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_recipe.components.data.collate import collate_packed
+from llm_recipe.components.models.attention import document_block_mask, use_flex_attention
+from llm_recipe.components.training import to_device
+
+
+def _packed_rows(length: int = 256) -> list[dict]:
+    """Two packed rows: several documents of uneven lengths, the second ending in padding (its own document)."""
+    rows = []
+    for lens in ([100, 3, 60, 93], [200, 1, 40, 15]):
+        tokens = list(range(1, length + 1))
+        rows.append({"tokens": tokens, "labels": tokens, "seq_lens": lens})
+    return rows
+
+
+def test_block_mask_is_the_collators_mask():
+    """Every (query, key) pair the BlockMask allows is exactly one the dense block-causal mask allows."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch = collate_packed(_packed_rows())
+    bm = document_block_mask(batch["input_pos"])
+    b, s = batch["tokens"].shape
+    dense = create_mask(bm.mask_mod, b, 1, s, s, device="cpu")[:, 0]
+    assert torch.equal(dense, batch["mask"])
+
+
+def test_block_mask_skips_blocks_across_documents():
+    """Documents of 128, 128 and 256 tokens in a 512-token row: of the 10 causal 128 x 128 blocks, only the 5
+    inside a document are computed (the dense mask makes SDPA compute all 16)."""
+    tokens = list(range(1, 513))
+    batch = collate_packed([{"tokens": tokens, "labels": tokens, "seq_lens": [128, 128, 256]}])
+    bm = document_block_mask(batch["input_pos"])
+    assert int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum()) == 5
+
+
+def test_cpu_batches_keep_the_dense_mask():
+    batch = collate_packed(_packed_rows())
+    assert not use_flex_attention(torch.device("cpu"))
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["mask"].dtype == torch.bool and torch.equal(moved["mask"], batch["mask"])
+
+
+@pytest.mark.gpu
+def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(tiny_model_dir):
+    """The tiny model on the GPU (bf16): logits and the gradients of a loss through them agree between the dense
+    mask (SDPA) and the BlockMask (flex attention) to bf16 precision."""
+    from llm_recipe.components.models import load_model
+
+    device = torch.device("cuda")
+    assert use_flex_attention(device)
+    model, _ = load_model(tiny_model_dir, dtype=torch.bfloat16, device=device, max_seq_len=256)
+    batch = collate_packed(_packed_rows())
+    flex = to_device(batch, device)
+    assert not isinstance(flex["mask"], torch.Tensor)
+    dense = {k: v.to(device) for k, v in batch.items()}
+    results = []
+    for b in (dense, flex):
+        model.zero_grad(set_to_none=True)
+        logits = model(b["tokens"] % 1000, mask=b["mask"], input_pos=b["input_pos"])
+        logits.float().logsumexp(-1).mean().backward()
+        grad = model.layers[0].attn.q_proj.weight.grad.float().clone()
+        results.append((logits.float(), grad))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(g1, g0, atol=2e-2 * g0.abs().max().item(), rtol=5e-2)
