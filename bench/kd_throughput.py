@@ -184,6 +184,8 @@ def run_row(a, name: str) -> dict:
                             timeout=a.timeout).returncode
     row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
            "cmd": " ".join(cmd[1:]), "device": a.device, **cache_info}
+    for heavy in ("checkpoints", "model", "adapter"):  # a full student's checkpoints fill the disk in a few rows
+        shutil.rmtree(out_dir / heavy, ignore_errors=True)
     if rc != 0:
         row["error"] = (out_dir / "log.txt").read_text()[-1500:]
         return row
