@@ -48,14 +48,20 @@ def test_cpu_batches_keep_the_dense_mask():
 
 
 @pytest.mark.gpu
-def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(tiny_model_dir):
-    """The tiny model on the GPU (bf16): logits and the gradients of a loss through them agree between the dense
-    mask (SDPA) and the BlockMask (flex attention) to bf16 precision."""
-    from llm_recipe.components.models import load_model
+def test_flex_and_dense_masks_give_the_same_outputs_and_gradients():
+    """A small random Llama on the GPU (bf16): logits and the gradients of a loss through them agree between the
+    dense mask (SDPA) and the BlockMask (flex attention) to bf16 precision."""
+    from llm_recipe.components.models import ModelArgs, build_model
 
     device = torch.device("cuda")
     assert use_flex_attention(device)
-    model, _ = load_model(tiny_model_dir, dtype=torch.bfloat16, device=device, max_seq_len=256)
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(args, max_seq_len=256).to(torch.bfloat16)
     batch = collate_packed(_packed_rows())
     flex = to_device(batch, device)
     assert not isinstance(flex["mask"], torch.Tensor)
