@@ -26,7 +26,7 @@ from llm_recipe.components.data.loader import StatefulLoader
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses import kd_and_ce
 from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
-from llm_recipe.components.models.attention import document_block_mask, use_flex_attention
+from llm_recipe.components.models.attention import packed_attention_mask
 from llm_recipe.components.models.loader import merged_state_dict
 from llm_recipe.components.models.tokenizer import Tokenizer
 from llm_recipe.components.oom import is_out_of_memory, note_step
@@ -176,12 +176,11 @@ def windows(loader: StatefulLoader, accum: int) -> Iterator[list[dict]]:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch's tensors on `device` (non-blocking copies); on a GPU, packed rows attend through a flex-attention
-    BlockMask instead of the dense mask, which is then never copied (components/models/attention.py says why)."""
-    flex = "input_pos" in batch and "mask" in batch and use_flex_attention(device)
-    out = {k: v.to(device, non_blocking=True) for k, v in batch.items() if not (flex and k == "mask")}
-    if flex:
-        out["mask"] = document_block_mask(out["input_pos"])
+    """The batch's tensors on `device` (non-blocking copies); packed rows (with `input_pos`) get their attention
+    mask there: a flex-attention BlockMask on a GPU, else dense (components/models/attention.py says why)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "input_pos" in out:
+        out["mask"] = packed_attention_mask(out["input_pos"])
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llm_recipe.components.data.collate import collate_packed
-from llm_recipe.components.models.attention import document_block_mask, use_flex_attention
+from llm_recipe.components.models.attention import document_block_mask, document_mask, use_flex_attention
 from llm_recipe.components.training import to_device
 
 
@@ -20,15 +20,31 @@ def _packed_rows(length: int = 256) -> list[dict]:
     return rows
 
 
-def test_block_mask_is_the_collators_mask():
-    """Every (query, key) pair the BlockMask allows is exactly one the dense block-causal mask allows."""
+def _reference_mask(seq_lens_per_row: list[list[int]]) -> torch.Tensor:
+    """[b, s, s]: causal inside each document of each row, nothing across, written from the documents' lengths."""
+    rows = []
+    for lens in seq_lens_per_row:
+        s = sum(lens)
+        m, start = torch.zeros(s, s, dtype=torch.bool), 0
+        for n in lens:
+            m[start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            start += n
+        rows.append(m)
+    return torch.stack(rows)
+
+
+def test_dense_and_block_masks_are_the_documents_masks():
+    """From positions alone: the dense mask, and every (query, key) pair the BlockMask allows, are exactly the
+    block-causal mask of the rows' documents (the padding at the end of a row is a document of its own)."""
     from torch.nn.attention.flex_attention import create_mask
 
-    batch = collate_packed(_packed_rows())
+    rows = _packed_rows()
+    batch = collate_packed(rows)
+    reference = _reference_mask([r["seq_lens"] for r in rows])
+    assert torch.equal(document_mask(batch["input_pos"]), reference)
     bm = document_block_mask(batch["input_pos"])
     b, s = batch["tokens"].shape
-    dense = create_mask(bm.mask_mod, b, 1, s, s, device="cpu")[:, 0]
-    assert torch.equal(dense, batch["mask"])
+    assert torch.equal(create_mask(bm.mask_mod, b, 1, s, s, device="cpu")[:, 0], reference)
 
 
 def test_block_mask_skips_blocks_across_documents():
@@ -40,11 +56,12 @@ def test_block_mask_skips_blocks_across_documents():
     assert int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum()) == 5
 
 
-def test_cpu_batches_keep_the_dense_mask():
-    batch = collate_packed(_packed_rows())
-    assert not use_flex_attention(torch.device("cpu"))
+def test_cpu_batches_get_the_dense_mask():
+    rows = _packed_rows()
+    batch = collate_packed(rows)
+    assert "mask" not in batch and not use_flex_attention(torch.device("cpu"))
     moved = to_device(batch, torch.device("cpu"))
-    assert moved["mask"].dtype == torch.bool and torch.equal(moved["mask"], batch["mask"])
+    assert torch.equal(moved["mask"], _reference_mask([r["seq_lens"] for r in rows]))
 
 
 @pytest.mark.gpu
@@ -66,6 +83,7 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients():
     flex = to_device(batch, device)
     assert not isinstance(flex["mask"], torch.Tensor)
     dense = {k: v.to(device) for k, v in batch.items()}
+    dense["mask"] = document_mask(dense["input_pos"])
     results = []
     for b in (dense, flex):
         model.zero_grad(set_to_none=True)
