@@ -49,11 +49,12 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
-qat_cost() {  # compile (false|true): QAT's cost, steps 1-10 plain, 11-30 with 8da4w fake quantization, one run
+qat_cost() {  # compile (false|true): the shipped QAT config's cost (its batch 4 x 2048 x 2 accumulation; paths, a
+              # run length and the schedule changed), steps 1-10 plain, 11-30 with 8da4w fake quantization, one run
     local c=$1 dir=$B/qat_compile_$1
     ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$dir \
-        dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
-        batch_size=4 gradient_accumulation_steps=1 max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
+        dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false \
+        max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
         save_every_n_steps=null overwrite=true compile=$c >$dir.log 2>&1
     python3 - "$dir" "$c" <<'PY'
 import json, statistics, sys
