@@ -65,9 +65,11 @@ def test_cpu_batches_get_the_dense_mask():
 
 
 @pytest.mark.gpu
-def test_flex_and_dense_masks_give_the_same_outputs_and_gradients():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
     """A small random Llama on the GPU (bf16): logits and the gradients of a loss through them agree between the
-    dense mask (SDPA) and the BlockMask (flex attention) to bf16 precision."""
+    dense mask (SDPA, eager) and the BlockMask: eager, torchtune's flex call; compiled layers, our in-graph flex
+    call with grouped-query heads (components/models/builder.py, `Attention`)."""
     from llm_recipe.components.models import ModelArgs, build_model
 
     device = torch.device("cuda")
@@ -86,6 +88,9 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients():
     dense["mask"] = document_mask(dense["input_pos"])
     results = []
     for b in (dense, flex):
+        if compiled and b is flex:
+            for layer in model.layers:
+                layer.compile()
         model.zero_grad(set_to_none=True)
         logits = model(b["tokens"] % 1000, mask=b["mask"], input_pos=b["input_pos"])
         logits.float().logsumexp(-1).mean().backward()

@@ -51,11 +51,13 @@ class LoRASettings:
 
 @functools.cache
 def tune_layers() -> SimpleNamespace:
-    """Our subclasses of torchtune layers, `Decoder`, `RMSNorm` and `DoRA`, defined on the first call (their base
-    classes come from torchtune, imported here through `import_torchtune()`); the same classes on every call."""
+    """Our subclasses of torchtune layers, `Decoder`, `RMSNorm`, `Attention` and `DoRA`, defined on the first call
+    (their base classes come from torchtune, imported here through `import_torchtune()`); the same classes on every
+    call."""
     import_torchtune()
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torchtune.modules import MultiHeadAttention, TransformerDecoder
     from torchtune.modules import RMSNorm as TuneRMSNorm
-    from torchtune.modules import TransformerDecoder
     from torchtune.modules.peft import DoRALinear
 
     class Decoder(TransformerDecoder):
@@ -79,6 +81,30 @@ def tune_layers() -> SimpleNamespace:
                 return super().forward(x)
             return F.rms_norm(x, self.normalized_shape, self.scale, self.eps)
 
+    class Attention(MultiHeadAttention):
+        """torchtune's attention, except for packed rows (a flex-attention BlockMask) inside a compiled layer: there
+        flex attention is called in the layer's own graph with grouped-query heads as they are (`enable_gqa`).
+        torchtune copies k and v out to every query head first (4x their memory, saved for backward, for Llama
+        3.2 1B) and calls a separately compiled flex attention behind a graph break. Everything else (KV caches,
+        dense masks, eager runs) is torchtune's forward."""
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, mask=None,
+                    input_pos: torch.Tensor | None = None) -> torch.Tensor:
+            if (not isinstance(mask, BlockMask) or not torch.compiler.is_compiling() or y is None
+                    or self.q_norm is not None or self.k_norm is not None
+                    or (self.kv_cache is not None and self.cache_enabled)):
+                return super().forward(x, y, mask=mask, input_pos=input_pos)
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+            k = self.k_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
+            if self.pos_embeddings is not None:
+                q = self.pos_embeddings(q, input_pos=input_pos)
+                k = self.pos_embeddings(k, input_pos=input_pos)
+            out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))
+
     class DoRA(DoRALinear):
         """torchtune's DoRA with the bias added after the magnitude rescaling, as in the DoRA paper and PEFT
         (torchtune rescales the bias too, which its own merge and PEFT do not reproduce)."""
@@ -95,7 +121,7 @@ def tune_layers() -> SimpleNamespace:
                 base = (self.magnitude / norm).view(1, -1) * (base + self.scaling * lora)
             return base if self.bias is None else base + self.bias
 
-    return SimpleNamespace(Decoder=Decoder, RMSNorm=RMSNorm, DoRA=DoRA)
+    return SimpleNamespace(Decoder=Decoder, RMSNorm=RMSNorm, Attention=Attention, DoRA=DoRA)
 
 
 def _linear(name: str, d_in: int, d_out: int, bias: bool, lora: LoRASettings | None) -> nn.Module:
@@ -124,7 +150,7 @@ def build_model(args: ModelArgs, lora: LoRASettings | None = None,
                 max_seq_len: int | None = None) -> TransformerDecoder:
     """Instantiate the decoder, a `tune_layers().Decoder` (parameters in the current default dtype and device)."""
     import_torchtune()
-    from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear, TransformerSelfAttentionLayer
+    from torchtune.modules import FeedForward, TiedLinear, TransformerSelfAttentionLayer
 
     ours = tune_layers()
     max_seq_len = max_seq_len or min(args.max_position_embeddings, 8192)
@@ -132,7 +158,7 @@ def build_model(args: ModelArgs, lora: LoRASettings | None = None,
     rope = rotary_embedding(hd, max_seq_len=max_seq_len, base=args.rope_theta, scaling=args.rope_scaling)
     layers = []
     for _ in range(args.num_layers):
-        attn = MultiHeadAttention(
+        attn = ours.Attention(
             embed_dim=d,
             num_heads=args.num_heads,
             num_kv_heads=args.num_kv_heads,
