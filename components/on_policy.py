@@ -131,10 +131,12 @@ def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int)
 
 def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -> Tensor:
     """Next token of each row of `logits [b, v]` at `temperature`, by inverse CDF from one uniform per row: the
-    same uniform gives the same token whatever else is in the batch."""
+    same uniform gives the same token whatever else is in the batch. The CDF is summed in fp64 (an fp32 running
+    sum over a 128k vocabulary drifts by more than its smallest probabilities)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    cdf = probs.cumsum(-1)
-    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    cdf = probs.double().cumsum(-1)
+    u = uniforms.double() * cdf[:, -1]
+    picked = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
     return picked.clamp_max(logits.shape[-1] - 1)
 
 
