@@ -53,7 +53,8 @@ KD_OPTIONS = ("beta", "alpha", "ratio")
 class OnPolicySettings:
     """`kd.on_policy`: null (the default) is off, today's off-policy KD on every micro-batch."""
 
-    fraction: float = 0.5  # share of micro-batches that go on-policy, spread evenly over the run (1.0: all)
+    fraction: float = 0.5  # share of micro-batches that go on-policy, spread evenly (1.0: all; 0: none, only the
+    #                        held-out split and score, for the off-policy baseline of a comparison)
     max_new_tokens: int = 64  # tokens the student samples per prompt (fewer when it emits a stop token)
     temperature: float = 1.0  # sampling temperature (1.0 samples the student's own distribution)
     prompt_tokens: int = 32  # text rows: the first N tokens of the row's first document are the prompt
@@ -63,7 +64,7 @@ class OnPolicySettings:
 
 # The section's ranges, checked by `recipe validate` / `recipe run` before anything loads (one home per key).
 ON_POLICY_SCHEMA = {
-    "fraction": Range(float, gt=0, le=1),
+    "fraction": Range(float, ge=0, le=1),
     "max_new_tokens": Range(int, ge=1),
     "temperature": Range(float, gt=0),
     "prompt_tokens": Range(int, ge=1),

@@ -66,14 +66,14 @@ def _hidden(model, tokens):
 # ---------------------------------------------------------------------------------------- choosing, prompts
 
 
-@pytest.mark.parametrize("fraction", [0.25, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.3, 0.5, 1.0])
 def test_fraction_is_spread_evenly_and_fixed_by_seed_step_micro(fraction):
     accum = 3
     picks = [is_on_policy(0, step, micro, accum, fraction) for step in range(200) for micro in range(accum)]
     for start, length in ((0, 600), (17, 40), (101, 7)):  # any run of k micro-batches holds ~k * fraction
         assert abs(sum(picks[start:start + length]) - length * fraction) < 1
     assert picks == [is_on_policy(0, s, m, accum, fraction) for s in range(200) for m in range(accum)]
-    if fraction < 1:
+    if 0 < fraction < 1:
         by_seed = {tuple(is_on_policy(seed, s, 0, 1, fraction) for s in range(8)) for seed in range(6)}
         assert len(by_seed) > 1  # the seed moves the phase
 
@@ -249,8 +249,8 @@ def test_settings_defaults_and_cross_key_errors():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("kd.on_policy.fraction=0", "key 'kd.on_policy.fraction' must be a number in (0, 1], got 0"),
-    ("kd.on_policy.fraction=1.5", "key 'kd.on_policy.fraction' must be a number in (0, 1], got 1.5"),
+    ("kd.on_policy.fraction=-0.1", "key 'kd.on_policy.fraction' must be a number in [0, 1], got -0.1"),
+    ("kd.on_policy.fraction=1.5", "key 'kd.on_policy.fraction' must be a number in [0, 1], got 1.5"),
     ("kd.on_policy.max_new_tokens=0", "key 'kd.on_policy.max_new_tokens' must be an int >= 1, got 0"),
     ("kd.on_policy.temperature=0", "key 'kd.on_policy.temperature' must be a number > 0, got 0"),
     ("kd.on_policy.loss=kl", "key 'kd.on_policy.loss' must be one of forward_kl, reverse_kl"),
@@ -386,3 +386,14 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models):
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
+
+
+def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_path, models):
+    """kd.on_policy.fraction=0: the off-policy baseline of a comparison, with the same held-out rows and score."""
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "kd.on_policy.fraction=0", "max_steps=2",
+                                                       f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 2, {"loss", "ce_loss", "kd_loss", *ON_POLICY_KEYS})
+    assert all(r["on_policy_batches"] == 0 and r["on_policy_rkl"] is None and r["ce_loss"] > 0 for r in rows)
+    held = json.loads((out / "on_policy_eval.json").read_text())
+    assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
