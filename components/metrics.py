@@ -163,6 +163,10 @@ class MetricLogger:
                     post[k] = f"{v:.4f}"
             if "lr" in numeric:
                 post["lr"] = f"{numeric['lr']:.2e}"
+            if "on_policy_rkl" in numeric:  # KD on-policy steps (components/on_policy.py)
+                post["rkl"] = f"{numeric['on_policy_rkl']:.4f}"
+            if numeric.get("sampling_share"):
+                post["sampling"] = f"{numeric['sampling_share']:.0%}"
             if "tokens_per_s" in numeric:
                 post["tok/s"] = f"{numeric['tokens_per_s']:.0f}"
             if "peak_memory_gib" in numeric:

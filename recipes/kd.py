@@ -2,6 +2,7 @@
 
 loss = (1 - kd_ratio) * CE + kd_ratio * KD(teacher || student), computed chunk by chunk from final hidden states
 (full [batch, seq, vocab] logits never exist). With `teacher.logits_dir` the teacher is its cached top-k.
+With `kd.on_policy`, a fraction of the micro-batches are the student's own samples scored by the teacher.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from llm_recipe.components.losses import KD_LOSSES, CachedTeacher, LiveTeacher, 
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
+from llm_recipe.components.on_policy import ON_POLICY_SCHEMA, OnPolicy, on_policy_settings
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
 from llm_recipe.components.runtime import setup_runtime
@@ -52,7 +54,8 @@ SCHEMA = {
     "qat": {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1), "include_output": bool},  # null: none
     "kd": {"loss": Choice(*KD_LOSSES), "kd_ratio": Range(float, ge=0, le=1), "temperature": Range(float, gt=0),
            "beta": Range(float, gt=0, lt=1, optional=True), "alpha": Range(float, ge=0, lt=1, optional=True),
-           "ratio": Range(float, ge=0, le=1, optional=True)},
+           "ratio": Range(float, ge=0, le=1, optional=True),
+           "on_policy": ON_POLICY_SCHEMA},  # null: off (components/on_policy.py)
 }
 
 
@@ -67,6 +70,7 @@ def main(cfg: DictConfig) -> None:
     kd_loss = build_kd_loss(k.get("loss", "forward_kl"), k.get("temperature", 1.0),
                             **{o: k[o] for o in ("beta", "alpha", "ratio") if k.get(o) is not None})
     kd_ratio = float(k.get("kd_ratio", 0.5))
+    on_policy = on_policy_settings(cfg)  # kd.on_policy (null: off), checked against the rest before anything loads
     lora = lora_settings(cfg.get("lora"))
     max_len = cfg.dataset.max_seq_len
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
@@ -101,8 +105,12 @@ def main(cfg: DictConfig) -> None:
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
+    # On-policy runs keep the dataset's last `kd.on_policy.held_out` rows out of training, to score at the end.
+    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
     with setup.phase("data and optimizer"):
-        loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else None)
+        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks) if on_policy is not None else None
+        loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else
+                                    op.hold_out if op is not None else None)
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
@@ -114,7 +122,8 @@ def main(cfg: DictConfig) -> None:
     # KD against the frozen teacher) are computed from final hidden states chunk by chunk, with the student's
     # gradients in the same pass (components/losses/fused.py), summed over target tokens and divided by the
     # target tokens of the whole window on all ranks, times world_size (FSDP averages gradients over ranks).
-    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
+    # On-policy micro-batches (kd.on_policy) are sampled first, with the weights of the step's start; their loss is
+    # the on-policy divergence alone, on the sampled tokens alone (their labels cover nothing else).
     save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
     student.train()
     with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
@@ -126,34 +135,44 @@ def main(cfg: DictConfig) -> None:
                 break
             where.at(f"at step {step + 1}")
             clock.begin()
+            if op is not None:  # the chosen micro-batches become prompt + the student's sampled completion
+                window = op.sample_window(student, window, step)
             n, sums = count_targets(window, rt), {}
             for batch in window:
                 where.shape = list(batch["tokens"].shape)
                 batch = to_device(batch, rt.device)
+                on = "prompt_lens" in batch  # an on-policy micro-batch (completion_batch)
                 if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
                     target = CachedTeacher(batch["teacher_logp"], batch["teacher_ids"])
                 else:
                     with torch.inference_mode():
                         target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
-                parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target, kd_loss,
-                                  kd_ratio, num_chunks=chunks, vocab_size=vocab)
+                hidden = hidden_states(student, batch)
+                parts = kd_and_ce(hidden, student.output, batch["labels"], target, op.kd_loss if on else kd_loss,
+                                  1.0 if on else kd_ratio, num_chunks=chunks, vocab_size=vocab)
                 (parts["loss"] / n * rt.world_size).backward()
-                for k in ("loss", "ce", "kd"):
+                if on:  # its loss term and the teacher-scored reverse KL of the samples, for the step's metrics
+                    op.score(parts, n, hidden, student.output, batch["labels"], target)
+                for k in ("loss",) if on else ("loss", "ce", "kd"):
                     sums[k] = sums.get(k, 0.0) + parts[k].detach() / n
+            sums = {**sums, **op.sums()} if op is not None else sums
             values = step_values(sums, clip_gradients(student, cfg.get("max_grad_norm")), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
                 setup.first_step(clock.elapsed(), compiled=bool(cfg.get("compile")))
-            logger.log(step, loss=values["loss"], ce_loss=values["ce"], kd_loss=values["kd"],
+            logger.log(step, loss=values["loss"], ce_loss=values.get("ce"), kd_loss=values.get("kd"),
                        lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
-                       tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
+                       tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib(),
+                       **(op.metrics(values, clock.elapsed()) if op is not None else {}))
             if save_every and step % save_every == 0 and step < steps:
                 state.save(step)
             if stop.requested:
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
+    if op is not None:  # the teacher-scored reverse KL of the student's samples of the held-out rows' prompts
+        op.report_held_out(student, teacher, cfg.output_dir)
 
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.

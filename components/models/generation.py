@@ -108,11 +108,18 @@ def generate_batch(
     stop_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     compile_mode: str | None = None,
+    keep_stop: bool = False,
+    pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_done: Callable[[torch.Tensor], bool] | None = None,
 ) -> list[list[int]]:
     """Generate for a batch of prompts at once with one KV cache: prompts are left-padded, each row gets its own
-    positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id.
+    positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id
+    (`keep_stop`: just after it, the stop id included).
     `compile_mode` ("default", "reduce-overhead", ...): torch.compile the one-token decode step (static shapes:
     the batch, one token, the full mask width); None runs it eagerly.
+    `pick(logits [b, v]) -> [b]` replaces the sampling rule (temperature, top_k, top_p, generator are then unused);
+    `all_done(done [b]) -> bool` replaces "every row has stopped" (several processes running one sharded model
+    must agree on it, or their forward passes, and so their collectives, would differ in number).
 
     Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
     (`[b, steps, vocab]`, tens of GB for a large batch) and finds padding by comparing token ids with `pad_id`.
@@ -144,13 +151,13 @@ def generate_batch(
     try:
         logits = _last_logits(model, tokens, positions[:, :width], masks[:, :width])
         for t in range(max_new_tokens):
-            nxt = sample_batch(logits, temperature, top_k, top_p, generator)
+            nxt = sample_batch(logits, temperature, top_k, top_p, generator) if pick is None else pick(logits)
             out[:, t] = nxt
             hit = torch.isin(nxt, stops) & ~done
-            lengths = torch.where(hit, t, lengths)
+            lengths = torch.where(hit, t + int(keep_stop), lengths)
             done |= hit
             # whether every row has stopped costs a device sync: ask every 16 steps, not every step
-            if t + 1 == max_new_tokens or (t % 16 == 15 and bool(done.all())):
+            if t + 1 == max_new_tokens or (t % 16 == 15 and (bool(done.all()) if all_done is None else all_done(done))):
                 break
             pos = width + t
             logits = decode(model, nxt[:, None], positions[:, pos : pos + 1], masks[:, pos : pos + 1])

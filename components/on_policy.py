@@ -1,0 +1,331 @@
+"""On-policy distillation (`kd.on_policy`): the student samples a completion of each row's prompt, the teacher
+scores prompt + completion, and the student trains on the completion tokens only, with a divergence between the
+two models' full next-token distributions at every sampled position (GKD, Agarwal et al. 2024, with its fraction
+`lmbda` of on-policy batches; per-token reverse KL as in "on-policy distillation", Thinking Machines 2025). No
+gradient flows through the sampling itself, and no CE is taken on sampled tokens.
+
+The blocks recipes/kd.py calls from its loop:
+- `OnPolicySettings` (the config section, typed and commented) and `ON_POLICY_SCHEMA` (its ranges, checked at
+  config load); `on_policy_settings(cfg)` reads it and checks it against the rest of the config.
+- `OnPolicy`: `hold_out` (keeps the dataset's last `held_out` rows out of training), `sample_window` (the chosen
+  micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
+  `held_out_eval` (the end-of-run metric).
+- plain functions, tested on their own: `is_on_policy`, `prompts_of`, `sample_completions`, `completion_batch`.
+
+Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch
+index), and so is its sampling noise (a torch.Generator seeded from them), so a resumed run samples exactly what
+the uninterrupted run sampled. The noise is drawn for the global batch (every rank draws the same uniforms) and
+each row takes the uniform of its global row index (the loader deals rows to ranks round-robin: rank k's row r
+is global row r * world_size + k), so N processes sample what one process with N times the batch samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.data.dataset import TokenizedDataset
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.models.generation import generate_batch
+from llm_recipe.components.runtime import Runtime
+from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.training import hidden_states, to_device
+
+IGNORE_INDEX = -100
+EVAL_FILE = "on_policy_eval.json"  # held_out_eval's result, in output_dir
+KD_OPTIONS = ("beta", "alpha", "ratio")
+
+
+@dataclass(frozen=True)
+class OnPolicySettings:
+    """`kd.on_policy`: null (the default) is off, today's off-policy KD on every micro-batch."""
+
+    fraction: float = 0.5  # share of micro-batches that go on-policy, spread evenly (1.0: all; 0: none, only the
+    #                        held-out split and score, for the off-policy baseline of a comparison)
+    max_new_tokens: int = 64  # tokens the student samples per prompt (fewer when it emits a stop token)
+    temperature: float = 1.0  # sampling temperature (1.0 samples the student's own distribution)
+    prompt_tokens: int = 32  # text rows: the first N tokens of the row's first document are the prompt
+    loss: str = "reverse_kl"  # the divergence on sampled tokens: any kd.loss kind (kd.temperature/beta/... apply)
+    held_out: int = 16  # the dataset's last N rows never train; at the end their prompts score the student (0: none)
+
+
+# The section's ranges, checked by `recipe validate` / `recipe run` before anything loads (one home per key).
+ON_POLICY_SCHEMA = {
+    "fraction": Range(float, ge=0, le=1),
+    "max_new_tokens": Range(int, ge=1),
+    "temperature": Range(float, gt=0),
+    "prompt_tokens": Range(int, ge=1),
+    "loss": Choice(*KD_LOSSES),
+    "held_out": Range(int, ge=0),
+}
+
+
+def on_policy_settings(cfg: DictConfig) -> OnPolicySettings | None:
+    """`kd.on_policy` with defaults filled in (None: off), checked against the keys it depends on."""
+    node = (cfg.get("kd") or {}).get("on_policy")
+    if node is None:
+        return None
+    s = OnPolicySettings(**OmegaConf.to_container(node, resolve=True))
+    if (cfg.get("teacher") or {}).get("logits_dir") is not None:
+        raise RecipeError("kd.on_policy needs a live teacher to score the student's samples; teacher.logits_dir "
+                          "(a cache of fixed data) cannot: set one of them to null")
+    max_len = int(cfg.dataset.max_seq_len)
+    if s.max_new_tokens >= max_len:
+        raise RecipeError(f"kd.on_policy.max_new_tokens={s.max_new_tokens} must be below dataset.max_seq_len="
+                          f"{max_len}: prompt and completion share one row")
+    if cfg.dataset.get("format", "text") != "text" and cfg.dataset.get("train_on_input", False):
+        raise RecipeError("kd.on_policy takes the prompt of instruct/chat rows from their labels, which "
+                          "dataset.train_on_input=true puts on the prompt too: set it to false")
+    return s
+
+
+def is_on_policy(seed: int, step: int, micro: int, accum: int, fraction: float) -> bool:
+    """Whether micro-batch `micro` of optimizer step `step` (0-based) goes on-policy: micro-batch k = step * accum
+    + micro is when floor(k * fraction + phase) steps up, so any k consecutive micro-batches hold k * fraction of
+    them (rounded either way); the phase in [0, 1) comes from the seed."""
+    k = step * accum + micro
+    phase = _key("phase", seed) / 2**63
+    return math.floor((k + 1) * fraction + phase) > math.floor(k * fraction + phase)
+
+
+def _key(*parts: Any) -> int:
+    """A 63-bit seed from `parts` (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int) -> list[list[int]]:
+    """Each row's prompt, from its first document (a packed row's documents restart `input_pos` at 0; an unpacked
+    row ends after its last target). `prompt_tokens`: text rows, the document's first N tokens (never its last,
+    the end-of-text); None: instruct/chat rows, the tokens before the first one that carries a loss. At most
+    `budget` tokens (max_seq_len - max_new_tokens): a longer instruct/chat prompt keeps its end."""
+    tokens, labels, pos = batch["tokens"], batch["labels"], batch.get("input_pos")
+    prompts = []
+    for i, row in enumerate(tokens.tolist()):
+        if pos is not None:
+            starts = (pos[i, 1:] == 0).nonzero()
+            doc = int(starts[0]) + 1 if len(starts) else len(row)
+        else:
+            targets = (labels[i] != IGNORE_INDEX).nonzero()
+            doc = int(targets[-1]) + 2 if len(targets) else len(row)
+        if prompt_tokens is not None:
+            prompts.append(row[: max(1, min(prompt_tokens, doc - 1, budget))])
+        else:
+            targets = (labels[i, :doc] != IGNORE_INDEX).nonzero()
+            first = int(targets[0]) + 1 if len(targets) else doc  # labels[t] is the target of token t + 1
+            prompts.append(row[:first][-budget:])
+    return prompts
+
+
+def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -> Tensor:
+    """Next token of each row of `logits [b, v]` at `temperature`, by inverse CDF from one uniform per row: the
+    same uniform gives the same token whatever else is in the batch. The CDF is summed in fp64 (an fp32 running
+    sum over a 128k vocabulary drifts by more than its smallest probabilities)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    cdf = probs.double().cumsum(-1)
+    u = uniforms.double() * cdf[:, -1]
+    picked = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
+    return picked.clamp_max(logits.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample_completions(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
+                       pad_id: int, stop_ids: Sequence[int], seed: int, rows: Sequence[int], width: int,
+                       vocab_size: int | None = None,
+                       all_done: Callable[[Tensor], bool] | None = None) -> list[list[int]]:
+    """The student's completion of each prompt, stop token included, sampled with its KV cache from its training
+    weights (eval mode, no grad; no copy of the model). Per token, a generator seeded with `seed` draws `width`
+    uniforms and prompt i takes uniform `rows[i]` (its row in the global batch). `vocab_size`: sample only ids
+    below it (a head padded past the tokenizer). `all_done`: see generate_batch."""
+    device = model.tok_embeddings.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+
+    def pick(logits: Tensor) -> Tensor:
+        u = torch.rand(width, generator=gen, device=device)[rows]
+        return sample_with_uniforms(logits[:, :vocab_size], temperature, u)
+
+    training = model.training
+    model.eval()  # no dropout (LoRA) while sampling
+    try:
+        return generate_batch(model, prompts, max_new_tokens, pad_id, stop_ids=stop_ids, keep_stop=True, pick=pick,
+                              all_done=all_done)
+    finally:
+        model.train(training)
+
+
+def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                     pad_id: int) -> dict[str, Tensor]:
+    """prompt + completion per row (right-padded) with labels on the completion only (already shifted:
+    labels[t] = tokens[t + 1] where token t + 1 was sampled, -100 elsewhere), and each row's prompt length."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, : len(p) + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
+        labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(list(c), dtype=torch.long)
+    return {"tokens": tokens, "labels": labels, "prompt_lens": torch.tensor([len(p) for p in prompts])}
+
+
+def on_policy_kd_loss(s: OnPolicySettings, kd: DictConfig) -> KDLoss:
+    """The divergence on sampled tokens: `s.loss` at kd.temperature with the kd.beta / alpha / ratio it takes."""
+    takes = inspect.signature(KD_LOSSES[s.loss]).parameters
+    options = {o: kd[o] for o in KD_OPTIONS if o in takes and kd.get(o) is not None}
+    return build_kd_loss(s.loss, kd.get("temperature", 1.0), **options)
+
+
+class OnPolicy:
+    """The on-policy part of a KD run: which micro-batches, their samples, and their metrics (module docstring).
+
+    `vocab_size`: the loss's shared vocabulary (None: whole heads), which sampling keeps to; `num_chunks`: the
+    loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens."""
+
+    def __init__(self, s: OnPolicySettings, cfg: DictConfig, rt: Runtime, tokenizer: Any,
+                 vocab_size: int | None, num_chunks: int) -> None:
+        self.s, self.rt, self.tokenizer = s, rt, tokenizer
+        self.kd_loss = on_policy_kd_loss(s, cfg.kd)
+        self.metric = build_kd_loss("reverse_kl", 1.0)
+        self.seed, self.accum = int(cfg.get("seed", 0)), int(cfg.get("gradient_accumulation_steps", 1))
+        self.batch_size, self.num_chunks, self.vocab = int(cfg.get("batch_size", 4)), num_chunks, vocab_size
+        self.prompt_tokens = s.prompt_tokens if cfg.dataset.get("format", "text") == "text" else None
+        self.budget = int(cfg.dataset.max_seq_len) - s.max_new_tokens
+        self.held: list[dict] = []
+        self.collate: Callable[[list[dict]], dict] | None = None
+        self._batches_logged = 0
+        self._reset()
+
+    # ------------------------------------------------------------------ data
+    def hold_out(self, dataset: Any) -> Any:
+        """The training dataset without its last `held_out` rows (after packing), which `held_out_eval` prompts
+        with; the same rows on every rank and every resume (the dataset is tokenized deterministically)."""
+        k = self.s.held_out
+        if k == 0:
+            return dataset
+        if k >= len(dataset):
+            raise RecipeError(f"kd.on_policy.held_out={k} leaves no training rows: the dataset has {len(dataset)} "
+                              "(lower held_out or raise dataset.limit)")
+        n = len(dataset) - k
+        self.held, self.collate = [dataset[i] for i in range(n, len(dataset))], dataset.collate
+        return TokenizedDataset([dataset[i] for i in range(n)], dataset.pad_id, dataset.max_seq_len, dataset.packed,
+                                dataset.shuffle, dataset.bucket, dataset.origin)
+
+    # ------------------------------------------------------------------ sampling
+    def _all_done(self, done: Tensor) -> bool:
+        """Every row of every rank stopped (the ranks' forward passes, FSDP's collectives, stay in step)."""
+        return int(self.rt.all_reduce_sum((~done).sum())) == 0
+
+    def _sample(self, model: nn.Module, prompts: list[list[int]], seed: int, rows: Sequence[int],
+                width: int) -> list[list[int]]:
+        return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
+                                  self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done)
+
+    def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
+        """The window with its on-policy micro-batches (`is_on_policy`) replaced by `completion_batch`es of the
+        student's samples (host tensors, like the loader's); `step` counts finished optimizer steps."""
+        start, out = time.perf_counter(), []
+        for micro, batch in enumerate(window):
+            if not is_on_policy(self.seed, step, micro, self.accum, self.s.fraction):
+                out.append(batch)
+                continue
+            prompts = prompts_of(batch, self.prompt_tokens, self.budget)
+            world, rank = self.rt.world_size, self.rt.rank  # the loader deals global row r * world + rank here
+            completions = self._sample(model, prompts, _key(self.seed, step, micro),
+                                       [r * world + rank for r in range(len(prompts))], self.batch_size * world)
+            out.append(completion_batch(prompts, completions, self.tokenizer.pad_id))
+            self._batches += 1
+            self._sampled += sum(map(len, completions))
+        if self._batches:
+            self._seconds += time.perf_counter() - start
+        return out
+
+    # ------------------------------------------------------------------ metrics
+    def _reset(self) -> None:
+        zero = torch.zeros((), device=self.rt.device)
+        self._loss, self._rkl, self._batches, self._sampled, self._seconds = zero, zero, 0, 0, 0.0
+
+    def _reverse_kl(self, parts: dict[str, Tensor], hidden: Tensor, head: Any, labels: Tensor,
+                    target: LiveTeacher) -> Tensor:
+        """Summed per-token reverse KL(student || teacher) at T = 1 on the sampled tokens: the loss's own sum when
+        the loss is that divergence, else one more pass of the head over the hidden states (no grad)."""
+        if self.kd_loss == self.metric:
+            return parts["kd"]
+        with torch.no_grad():
+            return kd_and_ce(hidden.detach(), head, labels, target, self.metric, 1.0, num_chunks=self.num_chunks,
+                             vocab_size=self.vocab)["kd"]
+
+    def score(self, parts: dict[str, Tensor], n: Tensor, hidden: Tensor, head: Any, labels: Tensor,
+              target: LiveTeacher) -> None:
+        """Add an on-policy micro-batch's loss (`kd_and_ce`'s parts, normalised by the window's `n`) and its
+        teacher-scored reverse KL to the step's metrics."""
+        self._loss = self._loss + parts["loss"].detach() / n
+        self._rkl = self._rkl + self._reverse_kl(parts, hidden, head, labels, target)
+
+    def sums(self) -> dict[str, Tensor]:
+        """The step's on-policy sums, to reduce over ranks with the step's other values (`step_values`)."""
+        out = {"on_policy_loss": self._loss, "on_policy_rkl_sum": self._rkl,
+               "on_policy_sampled": torch.tensor(float(self._sampled), device=self.rt.device),
+               "on_policy_seconds": torch.tensor(self._seconds, device=self.rt.device)}
+        self._batches_logged = self._batches
+        self._reset()
+        return out
+
+    def metrics(self, values: dict[str, float], step_seconds: float) -> dict[str, float | int | None]:
+        """The logged on-policy metrics of a step from its reduced `values`: the loss term, the teacher-scored
+        per-token reverse KL on the samples, sampled tokens/s (all ranks) and the share of the step spent
+        sampling (None / 0 on a step without on-policy micro-batches)."""
+        sampled, seconds = values.pop("on_policy_sampled"), values.pop("on_policy_seconds") / self.rt.world_size
+        rkl = values.pop("on_policy_rkl_sum")
+        return {"on_policy_loss": values.pop("on_policy_loss"), "on_policy_batches": self._batches_logged,
+                "on_policy_rkl": rkl / sampled if sampled else None,
+                "sampled_tokens_per_s": sampled / seconds if seconds > 0 else None,
+                "sampling_share": seconds / step_seconds if step_seconds > 0 else 0.0}
+
+    # ------------------------------------------------------------------ held-out prompts
+    def held_out_eval(self, student: nn.Module, teacher: nn.Module) -> dict[str, Any] | None:
+        """The teacher-scored per-token reverse KL of the student's samples on the held-out rows' prompts (the
+        same sampling as training, seeded from the seed alone; every rank computes the same numbers)."""
+        if not self.held:
+            return None
+        prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget)
+        total, tokens, training = 0.0, 0, student.training
+        student.eval()
+        try:
+            for i in range(0, len(prompts), self.batch_size):
+                chunk = prompts[i : i + self.batch_size]
+                completions = self._sample(student, chunk, _key(self.seed, "held_out"), range(i, i + len(chunk)),
+                                           len(prompts))
+                batch = to_device(completion_batch(chunk, completions, self.tokenizer.pad_id), self.rt.device)
+                with torch.inference_mode():
+                    target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
+                with torch.no_grad():  # not inference mode: a sharded student's gathered weights stay normal tensors
+                    parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target,
+                                      self.metric, 1.0, num_chunks=self.num_chunks, vocab_size=self.vocab)
+                total += float(parts["kd"])
+                tokens += int(parts["n"])
+        finally:
+            student.train(training)
+        return {"held_out_rows": len(prompts), "sampled_tokens": tokens, "reverse_kl_per_token": total / tokens,
+                "chosen_as": "the dataset's last kd.on_policy.held_out rows (after packing), never trained on"}
+
+    def report_held_out(self, student: nn.Module, teacher: nn.Module, output_dir: str | Path) -> dict[str, Any] | None:
+        """`held_out_eval`, printed and written to output_dir/on_policy_eval.json by rank 0."""
+        result = self.held_out_eval(student, teacher)
+        if result is not None and self.rt.is_main:
+            atomic_write_bytes(Path(output_dir) / EVAL_FILE, (json.dumps(result, indent=2) + "\n").encode())
+            print(f"on-policy held-out: teacher-scored reverse KL {result['reverse_kl_per_token']:.4f} per sampled "
+                  f"token ({result['sampled_tokens']} tokens, {result['held_out_rows']} prompts of the dataset's "
+                  f"last rows, never trained on): {Path(output_dir) / EVAL_FILE}", flush=True)
+        return result

@@ -1,0 +1,399 @@
+"""On-policy KD (kd.on_policy, components/on_policy.py): which micro-batches go on-policy, the prompts, the
+sampling (KV cache, seeded, laid out by global row), the completion-only labels, the loss against the reference
+divergences (values and gradients; nothing on prompt positions), the config checks, and the kd recipe with it:
+metrics, held-out score, bit-identical resume after SIGKILL, and 2 processes = 1 process with twice the batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.losses import KD_LOSSES, LiveTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
+from llm_recipe.components.on_policy import (
+    OnPolicySettings,
+    completion_batch,
+    is_on_policy,
+    on_policy_kd_loss,
+    on_policy_settings,
+    prompts_of,
+    sample_completions,
+    sample_with_uniforms,
+)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
+    if name not in sys.modules:
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+ref, rc = _load("kd_reference"), _load("recipes_common")
+IGNORE = -100
+ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+                 tie_word_embeddings=False, qkv_bias=False, o_bias=False)
+PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6]]
+COMPLETIONS = [[11, 12, 13], [20, 21, 22, 23, 24], [30]]
+
+
+def _model(seed: int, lora: LoRASettings | None = None, scale: float = 4.0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(ARGS, lora=lora).double()
+    with torch.no_grad():  # peaked, model-specific next-token distributions (random init is near uniform)
+        model.output.weight.mul_(scale)
+    return model
+
+
+def _hidden(model, tokens):
+    model.skip_output = True
+    try:
+        return model(tokens)
+    finally:
+        model.skip_output = False
+
+
+# ---------------------------------------------------------------------------------------- choosing, prompts
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.3, 0.5, 1.0])
+def test_fraction_is_spread_evenly_and_fixed_by_seed_step_micro(fraction):
+    accum = 3
+    picks = [is_on_policy(0, step, micro, accum, fraction) for step in range(200) for micro in range(accum)]
+    for start, length in ((0, 600), (17, 40), (101, 7)):  # any run of k micro-batches holds ~k * fraction
+        assert abs(sum(picks[start:start + length]) - length * fraction) < 1
+    assert picks == [is_on_policy(0, s, m, accum, fraction) for s in range(200) for m in range(accum)]
+    if 0 < fraction < 1:
+        by_seed = {tuple(is_on_policy(seed, s, 0, 1, fraction) for s in range(8)) for seed in range(6)}
+        assert len(by_seed) > 1  # the seed moves the phase
+
+
+def test_prompts_of_text_rows_packed_and_not():
+    from llm_recipe.components.data.collate import collate
+
+    doc1, doc2 = list(range(100, 110)), list(range(200, 205))
+    packed = collate([{"tokens": doc1 + doc2 + [0], "labels": doc1 + doc2 + [IGNORE], "seq_lens": [10, 5, 1]},
+                      {"tokens": doc2 + doc1 + [0], "labels": doc2 + doc1 + [IGNORE], "seq_lens": [5, 10, 1]}], 0)
+    assert prompts_of(packed, 4, budget=40) == [doc1[:4], doc2[:4]]
+    # never past the first document's second-to-last token (its last is the end-of-text), never over budget
+    assert prompts_of(packed, 30, budget=40) == [doc1[:9], doc2[:4]]
+    assert prompts_of(packed, 30, budget=3) == [doc1[:3], doc2[:3]]
+    plain = collate([{"tokens": doc1, "labels": doc1}, {"tokens": doc2, "labels": doc2}], pad_id=0)
+    assert prompts_of(plain, 30, budget=40) == [doc1[:9], doc2[:4]]
+
+
+def test_prompts_of_chat_rows_are_the_tokens_before_the_response(embedded_model_dir):
+    from llm_recipe.components.data.collate import collate
+    from llm_recipe.components.data.formats import make_format
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(embedded_model_dir)
+    chat = make_format("chat", tok)
+    rows = [chat({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            for q, a in (("What is 2+2?", "4."), ("Name a colour.", "Blue, like the sea."))]
+    batch = collate(rows, tok.pad_id)
+    prompts = prompts_of(batch, None, budget=500)
+    for row, prompt in zip(rows, prompts, strict=True):
+        first = next(i for i, lab in enumerate(row["labels"]) if lab != IGNORE)
+        assert prompt == row["tokens"][:first] and len(prompt) > 5
+        assert tok.decode(prompt).rstrip().endswith("assistant")  # the generation prompt ends it
+    assert prompts_of(batch, None, budget=4) == [p[-4:] for p in prompts]  # too long: its end is kept
+
+
+def test_completion_batch_labels_only_the_sampled_tokens():
+    b = completion_batch(PROMPTS, COMPLETIONS, pad_id=0)
+    assert b["tokens"].shape == (3, 7) and b["prompt_lens"].tolist() == [4, 2, 6]
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+        assert b["tokens"][i, : len(p) + len(c)].tolist() == p + c
+        targets = [(t, int(y)) for t, y in enumerate(b["labels"][i]) if y != IGNORE]
+        assert targets == [(len(p) - 1 + j, tok) for j, tok in enumerate(c)]  # labels[t] = tokens[t + 1]
+    assert int((b["labels"] != IGNORE).sum()) == sum(map(len, COMPLETIONS))
+
+
+# ---------------------------------------------------------------------------------------- sampling
+
+
+def test_generate_batch_keeps_the_stop_token_and_takes_pick_and_all_done():
+    from llm_recipe.components.models.generation import generate_batch
+
+    model = _model(0).float().eval()
+    greedy = generate_batch(model, PROMPTS, 10, pad_id=0)
+    stop = greedy[0][3]
+    cut = generate_batch(model, PROMPTS, 10, pad_id=0, stop_ids=[stop])
+    kept = generate_batch(model, PROMPTS, 10, pad_id=0, stop_ids=[stop], keep_stop=True)
+    assert kept[0] == cut[0] + [stop] == greedy[0][: greedy[0].index(stop) + 1]
+    assert generate_batch(model, PROMPTS, 5, pad_id=0, pick=lambda logits: torch.full_like(logits[:, 0], 7,
+                                                                                            dtype=torch.long)) == [[7] * 5] * 3
+    asked = []
+    generate_batch(model, PROMPTS, 40, pad_id=0, stop_ids=list(range(61)), all_done=lambda d: asked.append(1) or False)
+    assert len(asked) == 2  # every row stopped at once, but the caller said no: asked at steps 16 and 32
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(20000, 5)
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    picks = sample_with_uniforms(logits, 1.0, u)
+    freq = torch.bincount(picks, minlength=5).double() / 20000
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double(), -1), atol=0.01, rtol=0)
+    hot = torch.bincount(sample_with_uniforms(logits, 0.25, u), minlength=5).double() / 20000
+    assert hot[0] > 0.95  # a low temperature sharpens it
+
+
+def test_samples_are_seeded_and_laid_out_by_global_row():
+    """Rank k's row r takes global row r * world + k: two ranks with 2 prompts each sample what one process with
+    the 4 prompts samples (same seed), whatever their batch neighbours."""
+    model = _model(0).float().train()
+    prompts = [[1, 5, 9], [1, 7], [1, 3, 3, 8], [1, 2]]
+    kw = dict(max_new_tokens=12, temperature=1.0, pad_id=0, stop_ids=[])
+    one = sample_completions(model, prompts, seed=5, rows=range(4), width=4, **kw)
+    assert model.training and not model.caches_are_enabled()  # back to training, no KV cache left
+    assert one == sample_completions(model, prompts, seed=5, rows=range(4), width=4, **kw)
+    assert one != sample_completions(model, prompts, seed=6, rows=range(4), width=4, **kw)
+    rank0 = sample_completions(model, prompts[0::2], seed=5, rows=[0, 2], width=4, **kw)
+    rank1 = sample_completions(model, prompts[1::2], seed=5, rows=[1, 3], width=4, **kw)
+    assert [rank0[0], rank1[0], rank0[1], rank1[1]] == one
+    assert all(len(c) == 12 and max(c) < 61 for c in one)
+    assert max(max(c) for c in sample_completions(model, prompts, seed=5, rows=range(4), width=4, vocab_size=10,
+                                                  **kw)) < 10
+
+
+# ---------------------------------------------------------------------------------------- the loss
+
+
+@pytest.mark.parametrize("kind", ref.KINDS)
+@pytest.mark.parametrize("head", ["plain", "lora"])
+def test_on_policy_loss_is_the_divergence_on_completion_tokens(kind, head):
+    """On fixed samples, the recipe's on-policy loss (kd_and_ce at kd_ratio 1 over completion_batch's labels) is the
+    reference divergence summed over completion tokens, with the same gradients; the fused driver (plain head)
+    and the checkpointed one (LoRA head) alike."""
+    lora = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "lm_head")) if head == "lora" else None
+    student, teacher = _model(1, lora), _model(0)
+    if lora is not None:
+        with torch.no_grad():  # LoRA B starts at 0: make the adapters count
+            for n, p in student.named_parameters():
+                if "lora_b" in n:
+                    p.normal_(0, 0.3)
+    kd_cfg = OmegaConf.create({"temperature": 1.5, **ref.OPTIONS.get(kind, {})})
+    loss_fn = on_policy_kd_loss(OnPolicySettings(loss=kind), kd_cfg)
+    b = completion_batch(PROMPTS, COMPLETIONS, pad_id=0)
+    with torch.no_grad():
+        t_hidden = _hidden(teacher, b["tokens"])
+    hidden = _hidden(student, b["tokens"]).detach().requires_grad_(True)
+    parts = kd_and_ce(hidden, student.output, b["labels"], LiveTeacher(t_hidden, teacher.output), loss_fn, 1.0,
+                      num_chunks=3)
+    parts["loss"].backward()
+
+    h_ref = hidden.detach().clone().requires_grad_(True)
+    s_logits, t_logits = student.output(h_ref).flatten(0, 1), teacher.output(t_hidden).flatten(0, 1)
+    expected = ref.divergence(kind, s_logits, t_logits, b["labels"].flatten(), 1.5, **ref.OPTIONS.get(kind, {}))
+    expected.backward()
+    assert int(parts["n"]) == sum(map(len, COMPLETIONS))
+    torch.testing.assert_close(parts["loss"].detach(), expected.detach(), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(hidden.grad, h_ref.grad, rtol=1e-7, atol=1e-10)
+    assert parts["loss"] > 0
+
+
+def test_only_completion_tokens_carry_loss():
+    """The gradient w.r.t. the student's logits is zero at every position whose next token is a prompt token or
+    padding, and non-zero where the next token was sampled."""
+    student, teacher = _model(1), _model(0)
+    b = completion_batch(PROMPTS, COMPLETIONS, pad_id=0)
+    with torch.no_grad():
+        t_hidden = _hidden(teacher, b["tokens"])
+        s_logits = student(b["tokens"])
+    logits = s_logits.clone().requires_grad_(True)  # the loss's "hidden" = the logits, its head the identity
+    parts = kd_and_ce(logits, torch.nn.Identity(), b["labels"], LiveTeacher(t_hidden, teacher.output),
+                      build_kd_loss("reverse_kl"), 1.0, num_chunks=2)
+    parts["loss"].backward()
+    carries = logits.grad.abs().sum(-1) > 0
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+        expected = [len(p) - 1 <= t < len(p) + len(c) - 1 for t in range(b["tokens"].shape[1])]
+        assert carries[i].tolist() == expected, i
+
+
+def test_on_policy_kd_loss_takes_the_kd_options_its_kind_reads():
+    kd = OmegaConf.create({"loss": "jsd", "temperature": 2.0, "beta": 0.3, "alpha": None, "ratio": None})
+    assert on_policy_kd_loss(OnPolicySettings(), kd) == build_kd_loss("reverse_kl", 2.0)
+    assert on_policy_kd_loss(OnPolicySettings(loss="jsd"), kd) == build_kd_loss("jsd", 2.0, beta=0.3)
+    assert set(KD_LOSSES) == set(ref.KINDS)
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def _cfg(**over):
+    base = {"teacher": {"checkpoint_dir": "t", "logits_dir": None}, "dataset": {"max_seq_len": 128, "format": "text"},
+            "kd": {"on_policy": {"fraction": 0.5}}}
+    return OmegaConf.merge(base, OmegaConf.create(over))
+
+
+def test_settings_defaults_and_cross_key_errors():
+    assert on_policy_settings(OmegaConf.create({"kd": {"on_policy": None}})) is None
+    assert on_policy_settings(_cfg()) == OnPolicySettings(fraction=0.5)
+    with pytest.raises(RecipeError, match=r"needs a live teacher.*teacher.logits_dir"):
+        on_policy_settings(_cfg(teacher={"logits_dir": "cache"}))
+    with pytest.raises(RecipeError, match=r"kd.on_policy.max_new_tokens=128 must be below dataset.max_seq_len=128"):
+        on_policy_settings(_cfg(kd={"on_policy": {"max_new_tokens": 128}}))
+    with pytest.raises(RecipeError, match=r"dataset.train_on_input=true"):
+        on_policy_settings(_cfg(dataset={"format": "chat", "train_on_input": True}))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kd.on_policy.fraction=-0.1", "key 'kd.on_policy.fraction' must be a number in [0, 1], got -0.1"),
+    ("kd.on_policy.fraction=1.5", "key 'kd.on_policy.fraction' must be a number in [0, 1], got 1.5"),
+    ("kd.on_policy.max_new_tokens=0", "key 'kd.on_policy.max_new_tokens' must be an int >= 1, got 0"),
+    ("kd.on_policy.temperature=0", "key 'kd.on_policy.temperature' must be a number > 0, got 0"),
+    ("kd.on_policy.loss=kl", "key 'kd.on_policy.loss' must be one of forward_kl, reverse_kl"),
+    ("kd.on_policy.top_k=5", "unknown key 'kd.on_policy.top_k'"),
+])
+def test_validate_names_the_key(tmp_path, override, message):
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", "--recipe",
+                           "kd", override], capture_output=True, text=True, env=rc.cli_env(), cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    assert message in line, line
+
+
+# ---------------------------------------------------------------------------------------- the kd recipe
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, embedded_model_dir) -> tuple[Path, Path]:
+    """A teacher and a different student (tiny, random, SmolLM2's tokenizer; peaked heads)."""
+    from llm_recipe.components.models import save_model
+
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2})
+    root = tmp_path_factory.mktemp("on_policy_models")
+    for name, seed in (("teacher", 0), ("student", 1)):
+        torch.manual_seed(seed)
+        model = build_model(args)
+        with torch.no_grad():
+            model.output.weight.mul_(8.0)
+        save_model(model, args, root / name, tokenizer_dir=embedded_model_dir)
+    return root / "teacher", root / "student"
+
+
+def _kd(models, *extra: str) -> list[str]:
+    teacher, student = models
+    return [*rc.COMMON, "dataset.max_seq_len=48", "dataset.limit=16", "dataset.shuffle=false", "student.every=null",
+            "student.prune=null", f"teacher.checkpoint_dir={teacher}", f"student.checkpoint_dir={student}",
+            "kd.kd_ratio=0.5", "optimizer.lr=1e-3", "lr_scheduler.name=constant", "kd.on_policy.fraction=0.5",
+            "kd.on_policy.max_new_tokens=8", "kd.on_policy.prompt_tokens=8", "kd.on_policy.held_out=3",
+            "kd.on_policy.temperature=0.5", *extra]
+
+
+TIMINGS = ("tokens_per_s", "sampled_tokens_per_s", "sampling_share", "peak_memory_gib")
+ON_POLICY_KEYS = {"on_policy_loss", "on_policy_batches", "on_policy_rkl", "sampled_tokens_per_s", "sampling_share"}
+
+
+@pytest.mark.parametrize("student", [
+    "full",
+    pytest.param("lora", marks=pytest.mark.slow),
+    pytest.param("qat", marks=pytest.mark.slow),
+])
+def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, models, student):
+    extra = {"full": ["student.keep_layers=[0,3]"],  # pruned, full, fused loss
+             "lora": ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, lm_head]}"],  # checkpointed loss
+             "qat": ["qat={scheme: 8da4w, group_size: 32}"]}[student]  # KD-QAT
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *extra), "max_steps=4",
+                                                       f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 4, {"loss", "lr", *ON_POLICY_KEYS})
+    on = [r for r in rows if r["on_policy_batches"]]
+    assert len(on) == 2 and all(r["on_policy_batches"] == 1 for r in on)  # fraction 0.5 of 4 micro-batches
+    for r in on:
+        assert r["on_policy_rkl"] > 0 and r["sampled_tokens_per_s"] > 0 and 0 < r["sampling_share"] < 1
+        assert r["ce_loss"] is None and r["on_policy_loss"] == pytest.approx(r["loss"])
+    for r in rows:
+        if not r["on_policy_batches"]:
+            assert r["on_policy_rkl"] is None and r["on_policy_loss"] == 0 and r["ce_loss"] > 0
+    held = json.loads((out / "on_policy_eval.json").read_text())
+    assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0 and held["sampled_tokens"] > 0
+
+
+def test_held_out_rows_never_train(models):
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.tokenizer import Tokenizer
+    from llm_recipe.components.on_policy import OnPolicy
+    from llm_recipe.components.runtime import Runtime
+
+    tok = Tokenizer.from_dir(models[0])
+    data = build_dataset(tok, "transfer:passages", max_seq_len=48, packed=True, limit=16)
+    cfg = OmegaConf.create({"kd": {"loss": "forward_kl"}, "dataset": {"max_seq_len": 48}, "batch_size": 2})
+    op = OnPolicy(OnPolicySettings(max_new_tokens=8, held_out=3), cfg, Runtime(torch.device("cpu"), torch.float32),
+                  tok, None, 4)
+    train = op.hold_out(data)
+    assert list(train) + op.held == list(data) and len(op.held) == 3 and train.packed
+    with pytest.raises(RecipeError, match=r"kd.on_policy.held_out=16 leaves no training rows"):
+        OnPolicy(OnPolicySettings(held_out=len(data)), cfg, Runtime(torch.device("cpu"), torch.float32), tok, None,
+                 4).hold_out(data)
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path, models):
+    """Killed after a checkpoint and resumed: the same samples (nothing saved for them: seed, step and micro-batch
+    fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit."""
+    args = [*_kd(models), "max_steps=6", "gradient_accumulation_steps=2", "lr_scheduler.name=cosine",
+            "lr_scheduler.warmup_steps=2"]
+    ref_out, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={ref_out}"]) == 0
+    ckpt = [*args, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
+    killed_at = rc.run_and_kill("kd", "kd/smollm2_demo", ckpt, crashed, cwd=tmp_path)
+    assert 1 <= killed_at < 6
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*ckpt, "resume=true"]) == 0
+    rc.assert_same_weights(crashed / "model", ref_out / "model")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
+    resumed, uninterrupted = rc.read_metrics(crashed), rc.read_metrics(ref_out)
+    assert strip(resumed) == strip(uninterrupted)
+    assert sum(r["on_policy_batches"] for r in resumed) == 6  # half of 12 micro-batches, sampled the same way
+    assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
+
+
+@pytest.mark.slow  # ~1 min: a torchrun launch of 2 processes and the 1-process reference
+def test_two_processes_match_one_with_twice_the_batch(tmp_path, models):
+    """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
+    process with the 2-row batches of both does: the same on-policy steps, losses, reverse KL and weights."""
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard"), "max_steps=3", "max_grad_norm=1.0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
+                           "kd", "--config", "kd/smollm2_demo", *args, "batch_size=2", f"output_dir={two}"],
+                          cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
+    rc.assert_ok(proc)
+    a, b = rc.read_metrics(one), rc.read_metrics(two)
+    assert [r["on_policy_batches"] for r in a] == [r["on_policy_batches"] for r in b] and sum(
+        r["on_policy_batches"] for r in a) >= 1
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
+            assert (rb[k] is None and ra[k] is None) or rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (k, ra, rb)
+    wa, wb = rc.weights(one / "model"), rc.weights(two / "model")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=2e-5, rtol=1e-4, msg=k)
+    ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
+    assert hb["sampled_tokens"] == ha["sampled_tokens"]
+    assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
+
+
+def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_path, models):
+    """kd.on_policy.fraction=0: the off-policy baseline of a comparison, with the same held-out rows and score."""
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "kd.on_policy.fraction=0", "max_steps=2",
+                                                       f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 2, {"loss", "ce_loss", "kd_loss", *ON_POLICY_KEYS})
+    assert all(r["on_policy_batches"] == 0 and r["on_policy_rkl"] is None and r["ce_loss"] > 0 for r in rows)
+    held = json.loads((out / "on_policy_eval.json").read_text())
+    assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
