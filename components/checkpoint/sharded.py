@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import atomic_directory
-from llm_recipe.components.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
-from llm_recipe.components.checkpoint.state import (
+from ..errors import RecipeError
+from .atomic import atomic_directory
+from .manifest import MANIFEST, verify_manifest, write_manifest
+from .state import (
     STATE_DIR,
     _remove,
     checkpoint_dir,
@@ -45,7 +46,6 @@ from llm_recipe.components.checkpoint.state import (
     load_recipe_state,
     write_recipe_state,
 )
-from llm_recipe.components.errors import RecipeError
 
 SHARDED_DIR = "sharded"
 META_FILE = "sharded.json"
@@ -152,8 +152,8 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from llm_recipe.components.models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
-    from llm_recipe.components.models.loader import merge_lora_state_dict
+    from ..models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
+    from ..models.loader import merge_lora_state_dict
 
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_recipe.components.checkpoint.atomic import atomic_directory
-from llm_recipe.components.checkpoint.manifest import write_manifest
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
+from .atomic import atomic_directory
+from .manifest import write_manifest
 
 STATE_DIR = "recipe_state"
 _TENSORS = "tensors.safetensors"

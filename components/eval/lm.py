@@ -31,7 +31,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,11 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
     `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
     (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
-    from llm_recipe.components.models import (
+    from ..models import (
         load_model,  # lazy: keeps `import llm_recipe.components.eval` light
     )
-    from llm_recipe.components.models.args import check_weight_shapes
-    from llm_recipe.components.models.tokenizer import Tokenizer, check_tokenizer_fits
+    from ..models.args import check_weight_shapes
+    from ..models.tokenizer import Tokenizer, check_tokenizer_fits
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").is_file():
@@ -88,7 +88,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     check_tokenizer_fits(ckpt_dir, tokenizer)  # before the weights load
     qcfg = saved_quantization(ckpt_dir)
     if qcfg is not None and qcfg.get("quant_method") == "torchao":
-        from llm_recipe.components.quantization.export_hf import load_hf_torchao
+        from ..quantization.export_hf import load_hf_torchao
 
         model, _ = load_hf_torchao(ckpt_dir, device=device)
     else:
@@ -97,7 +97,7 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
             if qcfg.get("method") != "qat" or "scheme" not in qcfg:
                 raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
                                   "quantization_config in config.json or a QAT quantization.json")
-            from llm_recipe.components.quantization import quantize_model, read_qat_metadata
+            from ..quantization import quantize_model, read_qat_metadata
 
             # Converting a QAT run is PTQ of its trained weights with the scheme it trained for.
             meta = read_qat_metadata(ckpt_dir)
@@ -456,7 +456,7 @@ class RecipeLM(TemplateLM):
                         break
             finally:
                 if use_cache:
-                    from llm_recipe.components.models.generation import delete_kv_caches
+                    from ..models.generation import delete_kv_caches
 
                     delete_kv_caches(self.model)
         return [tokens[i, plen: plen + finished_at[i]].tolist() for i in range(b)]

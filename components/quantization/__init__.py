@@ -1,7 +1,7 @@
 """Quantization: QAT (torchao QATConfig), PTQ, and exports that other tools load (HF torchao, GGUF, ExecuTorch)."""
 
-from llm_recipe.components.quantization.ptq import quantize_model, size_on_disk, summarize_sizes
-from llm_recipe.components.quantization.qat import (
+from .ptq import quantize_model, size_on_disk, summarize_sizes
+from .qat import (
     QAT_METADATA_FILE,
     compile_fake_quantizers,
     convert_qat,
@@ -14,7 +14,7 @@ from llm_recipe.components.quantization.qat import (
     set_fake_quant_enabled,
     write_qat_metadata,
 )
-from llm_recipe.components.quantization.schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
+from .schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
 
 __all__ = [
     "QAT_METADATA_FILE",

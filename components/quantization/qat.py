@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.quantization.schemes import (
+from ..errors import RecipeError
+from .schemes import (
     QAT_SCHEMES,
     _is_lora,
     base_config,
@@ -208,7 +208,7 @@ def load_for_convert(model_dir: str | Path, device: str | torch.device = "cpu",
     """A QAT run's saved `model/` folder (merged float weights + quantization.json) as a plain, fake-quantized
     model ready for `convert_qat`: what a run sharded over many processes converts on rank 0, since its live
     model holds only each rank's shards. Returns `(model, ModelArgs)`."""
-    from llm_recipe.components.models import load_model
+    from ..models import load_model
 
     meta = read_qat_metadata(model_dir)
     model, args = load_model(model_dir, dtype=dtype, device=device)
