@@ -15,17 +15,14 @@ from pathlib import Path
 from ..components.config import (
     config_source,
     configs_dir,
-    configure_logging,
     load_recipe_config,
-    print_error,
-    recipe_argparser,
     resolve_config_path,
-    run_recipe_script,
     shipped_configs,
 )
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
 from .recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
+from .script import configure_logging, print_error, recipe_argparser, run_recipe_script
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from .config import COMPONENT
+from .component import COMPONENT
 from .data.dataset import build_dataset, build_loader
 from .data.formats import FORMATS
 from .data.loader import StatefulLoader

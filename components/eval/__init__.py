@@ -11,11 +11,11 @@ from typing import Any
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
-__all__ = ["TASKS_DIR", "RecipeLM", "evaluate", "load_checkpoint", "offline_task_names", "task_manager"]
+__all__ = ["TASKS_DIR", "RecipeLM", "evaluate", "offline_task_names", "task_manager"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RecipeLM", "load_checkpoint"):
+    if name == "RecipeLM":
         from . import lm
 
         return getattr(lm, name)

@@ -1,5 +1,7 @@
-"""Quantization: QAT (torchao QATConfig), PTQ, and exports that other tools load (HF torchao, GGUF, ExecuTorch)."""
+"""Quantization: QAT (torchao QATConfig), PTQ, exports that other tools load (HF torchao, GGUF, ExecuTorch), and
+`load_checkpoint`, which loads any model folder these write (float, QAT-trained or torchao-quantized)."""
 
+from .load import load_checkpoint
 from .ptq import quantize_model, size_on_disk, summarize_sizes
 from .qat import (
     QAT_METADATA_FILE,
@@ -25,6 +27,7 @@ __all__ = [
     "compile_fake_quantizers",
     "convert_qat",
     "fake_quant_enabled_at",
+    "load_checkpoint",
     "load_for_convert",
     "prepare_qat",
     "prepare_qat_student",
