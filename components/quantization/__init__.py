@@ -5,13 +5,17 @@ from .load import load_checkpoint
 from .ptq import quantize_model, size_on_disk, summarize_sizes
 from .qat import (
     QAT_METADATA_FILE,
+    QAT_SCHEMA,
+    QATSettings,
     compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
     load_for_convert,
     prepare_qat,
     prepare_qat_student,
+    prepare_qat_training,
     qat_metadata,
+    qat_settings,
     read_qat_metadata,
     set_fake_quant_enabled,
     write_qat_metadata,
@@ -20,7 +24,9 @@ from .schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
 
 __all__ = [
     "QAT_METADATA_FILE",
+    "QAT_SCHEMA",
     "QAT_SCHEMES",
+    "QATSettings",
     "SCHEMES",
     "base_config",
     "check_device",
@@ -31,7 +37,9 @@ __all__ = [
     "load_for_convert",
     "prepare_qat",
     "prepare_qat_student",
+    "prepare_qat_training",
     "qat_metadata",
+    "qat_settings",
     "quantize_model",
     "read_qat_metadata",
     "set_fake_quant_enabled",
