@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 9's GPU measurements on the lent device machine, staged into its 10-minute calls (see bench/README.md).
 #
-#   bash bench/device_kd.sh shipped [ROWS]  # carry .whl .carry/tt .carry/tok: the shipped-config rows (issue 19)
-#                                          # beside torchtune's, in the background; then `wait`
+#   bash bench/device_kd.sh shipped [ROWS [QAT]]  # carry .whl .carry/tt .carry/tok: the shipped-config rows (issue 19)
+#                                          # beside torchtune's, in the background, then QAT's cost for each compile
+#                                          # setting in QAT (e.g. "false true"); then `wait`
 #   bash bench/device_kd.sh start [ROWS [MORE]]  # carry .whl .carry/tt .carry/tok .carry/g1: wheels, random HF
 #                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
 #                                          # prints what is done after ~8 min
@@ -35,7 +36,7 @@ wait_for() {  # seconds: poll until the background runner exits, then print what
     grep -c "Mismatch dtype" $B/runs/*/log.txt 2>/dev/null  # RMSNorm's slow-path warning: 0 expected for ours
     if [[ -n ${OUT:-} ]]; then
         cp /tmp/runner.log $B/results.jsonl "$OUT/" 2>/dev/null
-        (cd $B && tar czf "$OUT/logs.tgz" runs/*/log.txt ./*.log qat/metrics.jsonl 2>/dev/null)
+        (cd $B && tar czf "$OUT/logs.tgz" runs/*/log.txt ./*.log qat_compile_*/metrics.jsonl 2>/dev/null)
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 }
@@ -48,6 +49,23 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
+qat_cost() {  # compile (false|true): the shipped QAT config's cost (its batch 4 x 2048 x 2 accumulation; paths, a
+              # run length and the schedule changed), steps 1-10 plain, 11-30 with 8da4w fake quantization, one run
+    local c=$1 dir=$B/qat_compile_$1
+    ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$dir \
+        dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false \
+        max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
+        save_every_n_steps=null overwrite=true compile=$c >$dir.log 2>&1
+    python3 - "$dir" "$c" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if l.strip()]
+plain = statistics.median(r["tokens_per_s"] for r in rows if 3 <= r["step"] <= 10)
+fq = statistics.median(r["tokens_per_s"] for r in rows if r["step"] >= 14)
+print(json.dumps({"qat_compile": sys.argv[2], "qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s": fq,
+                  "cost": plain / fq, "peak_gib": max(r.get("peak_memory_gib") or 0 for r in rows)}))
+PY
+}
+
 case $stage in
 start)
     prepare
@@ -57,7 +75,7 @@ start)
     ;;
 shipped)  # issue 19: the shipped 8B -> 1B config as users run it (only paths changed), torchtune in the same call
     prepare
-    cd /tmp/repo && setsid nohup bash bench/device_kd.sh shipped_runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
+    cd /tmp/repo && setsid nohup bash bench/device_kd.sh shipped_runner "${2:-}" "${3:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 300
     ;;
@@ -65,24 +83,14 @@ shipped_runner)  # the shipped rows twice for a warm compile cache; TORCH_LOGS s
     rows=${2:-tt_lora_compile,tt_lora_compile_teacher,shipped_lora,shipped_lora,shipped_lora_bf16_teacher,tt_full_eager,tt_full_compile_teacher,shipped_full,shipped_lora_torchao_sr,shipped_full_torchao_sr}
     TORCH_LOGS=recompiles ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt \
         --timeout 420 --steps 12 --warmup 3
+    for c in ${3:-}; do qat_cost "$c"; done  # e.g. "false true": QAT's cost without and with compiled layers
     ;;
 runner)  # the measurements, one after another (the GPU is never shared between two of them); the rows that the
          # issues' "Done when" name come first, so a short lease still measures them
     rows=${2:-tt_lora_compile,ours_lora_compile,ours_lora_compile_fp8,tt_full_eager,ours_full_eager,ours_lora_cache}
     ours python3 bench/kd_throughput.py run --out $B --rows "$rows" --tt-path /tmp/tt --timeout 420
     ours python3 bench/loss_path.py
-    # QAT cost: steps 1-10 plain, 11-30 with 8da4w fake quantization (compiled fake quantizers), same run.
-    ours python3 -m llm_recipe.cli.main run qat --config qat/llama3_2_1b model.checkpoint_dir=$B/student_1b output_dir=$B/qat \
-        dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false dataset.max_seq_len=1024 \
-        batch_size=4 gradient_accumulation_steps=1 max_steps=30 qat.fake_quant_after_n_steps=10 qat.convert=false \
-        save_every_n_steps=null overwrite=true >$B/qat.log 2>&1
-    python3 - <<'EOF'
-import json, statistics
-rows = [json.loads(l) for l in open("/tmp/kdb/qat/metrics.jsonl") if l.strip()]
-plain = statistics.median(r["tokens_per_s"] for r in rows if 3 <= r["step"] <= 10)
-fq = statistics.median(r["tokens_per_s"] for r in rows if r["step"] >= 14)
-print(json.dumps({"qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s": fq, "cost": plain / fq}))
-EOF
+    qat_cost false
     ours python3 bench/kd_throughput.py run --out $B --rows "${3:-tt_lora_eager,ours_lora_eager,ours_full_compile_fp8}" \
         --tt-path /tmp/tt --timeout 420
     ;;

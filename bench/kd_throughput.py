@@ -67,6 +67,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "shipped_full_torchao_sr": ("shipped", "full", ["optimizer={_component_: torchao.optim._AdamW, lr: 1.0e-4, "
                                                     "weight_decay: 0.0, bf16_stochastic_round: true}"]),
     "shipped_lora_no_compile": ("shipped", "lora", ["compile=false"]),
+    "shipped_lora_dense_mask": ("shipped", "lora", ["DENSE_MASK"]),  # packed rows through SDPA's dense mask
+    "shipped_lora_bf16_dense_mask": ("shipped", "lora", ["teacher.quantize=null", "DENSE_MASK"]),
+    "shipped_full_dense_mask": ("shipped", "full", ["DENSE_MASK"]),
 }
 
 
@@ -169,13 +172,20 @@ def run_row(a, name: str) -> dict:
                 return {"name": name, "side": side, "student": student, "rc": cache_info["cache_rc"], **cache_info,
                         "error": (a.out / f"{cache.name}.log").read_text()[-1500:]}
             extra = [e for e in extra if e != "CACHE"] + [f"teacher.logits_dir={cache}"]
+        dense = "DENSE_MASK" in extra  # the same command through bench/dense_mask_run.py
+        extra = [e for e in extra if e != "DENSE_MASK"]
         cmd = (_shipped_cmd if side == "shipped" else _ours_cmd)(a, student, extra, out_dir)
+        if dense:
+            i = cmd.index("llm_recipe.cli.main")
+            cmd[i - 1:i + 1] = [str(ROOT / "bench" / "dense_mask_run.py")]
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             timeout=a.timeout).returncode
     row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
            "cmd": " ".join(cmd[1:]), "device": a.device, **cache_info}
+    for heavy in ("checkpoints", "model", "adapter"):  # a full student's checkpoints fill the disk in a few rows
+        shutil.rmtree(out_dir / heavy, ignore_errors=True)
     if rc != 0:
         row["error"] = (out_dir / "log.txt").read_text()[-1500:]
         return row

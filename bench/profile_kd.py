@@ -30,19 +30,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("/tmp/kdb"))
     p.add_argument("--row", default="ours_lora_compile", choices=[k for k, v in kd_throughput.ROWS.items()
-                                                                  if v[0] == "ours" and "CACHE" not in v[2]])
+                                                                  if v[0] in ("ours", "shipped") and "CACHE" not in v[2]
+                                                                  and "DENSE_MASK" not in v[2]] + ["qat"])
     p.add_argument("--skip", type=int, default=8)
     p.add_argument("--active", type=int, default=4)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: SmolLM2 shapes, CPU op times")
     a = p.parse_args()
-    _, student, extra = kd_throughput.ROWS[a.row]
+    side, student, extra = kd_throughput.ROWS.get(a.row, ("qat", "full", []))
     gpu = a.device == "cuda"
     row_args = argparse.Namespace(nproc=1, shapes="llama" if gpu else "smollm2", out=a.out, device=a.device,
                                   dtype="bf16" if gpu else "fp32", batch_size=4 if gpu else 2,
                                   seq_len=1024 if gpu else 128, data_limit=None if gpu else 64,
                                   steps=a.active + 1, warmup=a.skip)
-    cmd = kd_throughput._ours_cmd(row_args, student, extra, a.out / "runs" / f"profile_{a.row}")
+    out_dir = a.out / "runs" / f"profile_{a.row}"
+    if side == "qat":  # the shipped QAT config on the 1B folder, fake quantization from the first step
+        cmd = ["python", "-m", "llm_recipe.cli.main", "run", "qat", "--config", "qat/llama3_2_1b",
+               f"model.checkpoint_dir={a.out / 'student_1b'}", f"output_dir={out_dir}", "overwrite=true",
+               "dataset.source=transfer:passages", "dataset.format=text", "dataset.use_chat_template=false",
+               f"max_steps={a.skip + a.active + 1}", "qat.fake_quant_after_n_steps=null", "qat.convert=false",
+               "save_every_n_steps=null", "compile=true"]
+    elif side == "shipped":  # the shipped 8B -> 1B config, paths only (optimizer steps of 8 micro-batches)
+        cmd = kd_throughput._shipped_cmd(row_args, student, extra, out_dir) + ["overwrite=true"]
+    else:
+        cmd = kd_throughput._ours_cmd(row_args, student, extra, out_dir)
     argv = cmd[cmd.index("llm_recipe.cli.main") + 1:]
 
     from llm_recipe.cli.main import main as recipe_main

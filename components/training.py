@@ -26,6 +26,7 @@ from .data.loader import StatefulLoader
 from .errors import RecipeError
 from .losses import kd_and_ce
 from .models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from .models.attention import packed_attention_mask
 from .models.loader import merged_state_dict
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
@@ -175,8 +176,12 @@ def windows(loader: StatefulLoader, accum: int) -> Iterator[list[dict]]:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch's tensors on `device` (non-blocking copies)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch's tensors on `device` (non-blocking copies); packed rows (with `input_pos`) get their attention
+    mask there: a flex-attention BlockMask on a GPU, else dense (components/models/attention.py says why)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "input_pos" in out:
+        out["mask"] = packed_attention_mask(out["input_pos"])
+    return out
 
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:

@@ -78,8 +78,9 @@ def main(cfg: DictConfig) -> None:
                                  max_seq_len=cfg.dataset.max_seq_len)
         if lora is not None:
             freeze_all_but_adapters(model)
-        # QAT: fake-quantized linears (torchao QATConfig), and quantization.json for the final folder
-        qat_files = prepare_qat_training(model, qat, rt.device) if qat is not None else None
+        qat_files = None  # QAT: fake-quantized linears (torchao QATConfig) and quantization.json for the end
+        if qat is not None:  # on a GPU the quantizers compile on their own, or inside the layers with compile: true
+            qat_files = prepare_qat_training(model, qat, rt.device, compiled_model=cfg.get("compile", False))
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 

@@ -21,6 +21,7 @@ from llm_recipe.components.data import (
     transfer_set_path,
 )
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.models.attention import document_mask
 from llm_recipe.components.models.tokenizer import Tokenizer
 
 CHATML = (
@@ -278,14 +279,16 @@ def test_packing_blocks_cross_document_attention_and_matches_unpacked_targets(tm
     packed = build_dataset(tok, str(p), max_seq_len=64, packed=True)
     assert packed.packed and all(len(x["tokens"]) == 64 for x in packed)
     batch = collate(list(packed), pad_id=tok.pad_id)
-    assert batch["mask"].shape == (len(packed), 64, 64) and batch["mask"].dtype == torch.bool
+    assert "mask" not in batch  # built on the device from input_pos (components/models/attention.py)
+    mask = document_mask(batch["input_pos"])
+    assert mask.shape == (len(packed), 64, 64) and mask.dtype == torch.bool
     doc_iter = iter(unpacked)
     for r, row in enumerate(packed):
         start = 0
         for k, n in enumerate(row["seq_lens"]):
             pos = batch["input_pos"][r, start : start + n]
             assert pos.tolist() == list(range(n))  # restarts per document
-            m = batch["mask"][r]
+            m = mask[r]
             assert torch.equal(m[start : start + n, start : start + n], torch.ones(n, n, dtype=torch.bool).tril())
             assert not m[start : start + n, :start].any() and not m[start : start + n, start + n :].any()
             is_pad = k == len(row["seq_lens"]) - 1 and sum(row["seq_lens"][:-1]) + n == 64 and \

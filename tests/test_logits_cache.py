@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llm_recipe.components.models.attention import document_mask
+
 _spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
 rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
 if "recipes_common" not in sys.modules:
@@ -62,7 +64,8 @@ def test_cache_holds_the_teachers_top_k_within_200_bytes_per_token(cache, teache
     model, _ = load_model(teacher)
     batch = ds.collate([ds[2], ds[3]])  # shard 1
     with torch.no_grad():
-        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"]).flatten(0, 1)
+        logits = model(batch["tokens"], mask=document_mask(batch["input_pos"]),
+                       input_pos=batch["input_pos"]).flatten(0, 1)
     ref_v, ref_i, ref_t = teacher_topk(logits[batch["labels"].flatten() != -100], 32)
     shard = load_file(str(cache / "shard_00001.safetensors"))
     assert torch.equal(unpack_ids(shard["ids"]), ref_i)
@@ -205,7 +208,8 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
     def logp(folder: Path) -> torch.Tensor:
         model, _ = load_model(folder)
         with torch.no_grad():
-            return model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])[valid].log_softmax(-1)
+            return model(batch["tokens"], mask=document_mask(batch["input_pos"]),
+                         input_pos=batch["input_pos"])[valid].log_softmax(-1)
 
     t = logp(embedded_model_dir)
 

@@ -5,7 +5,6 @@ Items are `{"tokens", "labels"}` (labels -100 where no loss is taken); `collate`
 
 from .collate import (
     PackedDataset,
-    block_causal_mask,
     collate,
     collate_packed,
     shift_labels,
@@ -34,7 +33,6 @@ __all__ = [
     "StatefulLoader",
     "TextFormat",
     "TokenizedDataset",
-    "block_causal_mask",
     "build_dataset",
     "build_loader",
     "chat_segments",

@@ -1,4 +1,4 @@
-"""Batch collation (padding, label shifting) and sequence packing with block-causal masks.
+"""Batch collation (padding, label shifting) and sequence packing.
 
 Labels leave here already shifted: `labels[:, t]` is the target for the logits at position t; the last position
 of every sequence (and, when packed, of every document) is IGNORE_INDEX, so no target crosses a document.
@@ -19,7 +19,7 @@ def shift_labels(labels: Sequence[int], ignore_index: int = IGNORE_INDEX) -> lis
 
 
 def collate(batch: Sequence[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """Pad a list of items to the longest and shift labels; packed items (with `seq_lens`) also get mask and input_pos."""
+    """Pad a list of items to the longest and shift labels; packed items (with `seq_lens`) also get input_pos."""
     if not batch:
         raise ValueError("collate got an empty batch")
     if "seq_lens" in batch[0]:
@@ -34,21 +34,15 @@ def collate(batch: Sequence[dict], pad_id: int, ignore_index: int = IGNORE_INDEX
     return {"tokens": tokens, "labels": labels}
 
 
-def block_causal_mask(seq_lens: Sequence[int]) -> torch.Tensor:
-    """Bool [s, s]: True where row i may attend to column j (same document, j <= i)."""
-    doc = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(list(seq_lens)))
-    s = doc.numel()
-    causal = torch.ones(s, s, dtype=torch.bool).tril_()
-    return causal & (doc[:, None] == doc[None, :])
-
-
 def input_positions(seq_lens: Sequence[int]) -> torch.Tensor:
     """Long [s]: position within each document, restarting at 0."""
     return torch.cat([torch.arange(n, dtype=torch.long) for n in seq_lens])
 
 
 def collate_packed(batch: Sequence[dict], ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """Stack packed rows (already padded to one length) into tokens, per-document shifted labels, mask, input_pos."""
+    """Stack packed rows (already padded to one length) into tokens, per-document shifted labels and input_pos
+    (positions restart at 0 at each document; the attention mask is built from them on the device:
+    llm_recipe.components.models.attention)."""
     tokens = torch.tensor([item["tokens"] for item in batch], dtype=torch.long)
     labels = []
     for item in batch:
@@ -60,7 +54,6 @@ def collate_packed(batch: Sequence[dict], ignore_index: int = IGNORE_INDEX) -> d
     return {
         "tokens": tokens,
         "labels": torch.tensor(labels, dtype=torch.long),
-        "mask": torch.stack([block_causal_mask(item["seq_lens"]) for item in batch]),
         "input_pos": torch.stack([input_positions(item["seq_lens"]) for item in batch]),
     }
 

@@ -29,6 +29,7 @@ from ..data.collate import collate
 from ..errors import RecipeError
 from ..losses import chunked_cross_entropy
 from ..schema import Choice, ListOf, ModelDir, Range
+from .attention import packed_attention_mask
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
@@ -130,8 +131,13 @@ def calibration_batches(dataset: Sequence[dict], tokens: int, batch_size: int, p
         seen += len(item["tokens"])
         if seen >= tokens:
             break
-    return [{k: v.to(device) for k, v in collate(items[i : i + batch_size], pad_id).items()}
-            for i in range(0, len(items), batch_size)]
+    batches = []
+    for i in range(0, len(items), batch_size):
+        batch = {k: v.to(device) for k, v in collate(items[i : i + batch_size], pad_id).items()}
+        if "input_pos" in batch:  # packed rows: each document attends only to itself
+            batch["mask"] = packed_attention_mask(batch["input_pos"])
+        batches.append(batch)
+    return batches
 
 
 def save_scores(path: str | Path, scores: dict, kept: Sequence[int], method: str, table: str) -> Path:

@@ -1,0 +1,96 @@
+"""Packed rows on a GPU attend through a flex-attention BlockMask: the same mask as the collator's dense one, and
+(on a GPU) the same model outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_recipe.components.data.collate import collate_packed
+from llm_recipe.components.models.attention import document_block_mask, document_mask, use_flex_attention
+from llm_recipe.components.training import to_device
+
+
+def _packed_rows(length: int = 256) -> list[dict]:
+    """Two packed rows: several documents of uneven lengths, the second ending in padding (its own document)."""
+    rows = []
+    for lens in ([100, 3, 60, 93], [200, 1, 40, 15]):
+        tokens = list(range(1, length + 1))
+        rows.append({"tokens": tokens, "labels": tokens, "seq_lens": lens})
+    return rows
+
+
+def _reference_mask(seq_lens_per_row: list[list[int]]) -> torch.Tensor:
+    """[b, s, s]: causal inside each document of each row, nothing across, written from the documents' lengths."""
+    rows = []
+    for lens in seq_lens_per_row:
+        s = sum(lens)
+        m, start = torch.zeros(s, s, dtype=torch.bool), 0
+        for n in lens:
+            m[start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            start += n
+        rows.append(m)
+    return torch.stack(rows)
+
+
+def test_dense_and_block_masks_are_the_documents_masks():
+    """From positions alone: the dense mask, and every (query, key) pair the BlockMask allows, are exactly the
+    block-causal mask of the rows' documents (the padding at the end of a row is a document of its own)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    rows = _packed_rows()
+    batch = collate_packed(rows)
+    reference = _reference_mask([r["seq_lens"] for r in rows])
+    assert torch.equal(document_mask(batch["input_pos"]), reference)
+    bm = document_block_mask(batch["input_pos"])
+    b, s = batch["tokens"].shape
+    assert torch.equal(create_mask(bm.mask_mod, b, 1, s, s, device="cpu")[:, 0], reference)
+
+
+def test_block_mask_skips_blocks_across_documents():
+    """Documents of 128, 128 and 256 tokens in a 512-token row: of the 10 causal 128 x 128 blocks, only the 5
+    inside a document are computed (the dense mask makes SDPA compute all 16)."""
+    tokens = list(range(1, 513))
+    batch = collate_packed([{"tokens": tokens, "labels": tokens, "seq_lens": [128, 128, 256]}])
+    bm = document_block_mask(batch["input_pos"])
+    assert int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum()) == 5
+
+
+def test_cpu_batches_get_the_dense_mask():
+    rows = _packed_rows()
+    batch = collate_packed(rows)
+    assert "mask" not in batch and not use_flex_attention(torch.device("cpu"))
+    moved = to_device(batch, torch.device("cpu"))
+    assert torch.equal(moved["mask"], _reference_mask([r["seq_lens"] for r in rows]))
+
+
+@pytest.mark.gpu
+def test_flex_and_dense_masks_give_the_same_outputs_and_gradients():
+    """A small random Llama on the GPU (bf16): logits and the gradients of a loss through them agree between the
+    dense mask (SDPA) and the BlockMask (flex attention) to bf16 precision."""
+    from llm_recipe.components.models import ModelArgs, build_model
+
+    device = torch.device("cuda")
+    assert use_flex_attention(device)
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(args, max_seq_len=256).to(torch.bfloat16)
+    batch = collate_packed(_packed_rows())
+    flex = to_device(batch, device)
+    assert not isinstance(flex["mask"], torch.Tensor)
+    dense = {k: v.to(device) for k, v in batch.items()}
+    dense["mask"] = document_mask(dense["input_pos"])
+    results = []
+    for b in (dense, flex):
+        model.zero_grad(set_to_none=True)
+        logits = model(b["tokens"] % 1000, mask=b["mask"], input_pos=b["input_pos"])
+        logits.float().logsumexp(-1).mean().backward()
+        grad = model.layers[0].attn.q_proj.weight.grad.float().clone()
+        results.append((logits.float(), grad))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(g1, g0, atol=2e-2 * g0.abs().max().item(), rtol=5e-2)
