@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from llm_recipe.components.errors import RecipeError
+from ..components.errors import RecipeError
 
 TASK = "recipe_lambada_openai"
 
@@ -53,8 +53,8 @@ def _forward_tokens_per_s(model: torch.nn.Module, vocab: int, batch: int = 4, se
 
 
 def _measure(name: str, model, tokenizer, size_bytes: int, limit: int, out: Path) -> Row:
-    from llm_recipe.components.eval.run import evaluate
-    from llm_recipe.components.eval.stats import loglikelihood_task_stats, per_item
+    from ..components.eval.run import evaluate
+    from ..components.eval.stats import loglikelihood_task_stats, per_item
 
     print(f"\n== evaluating {name} (first {limit} items of LAMBADA)", flush=True)
     # bootstrap_iters=0: lm-eval would bootstrap the perplexity's SE 100000 times; llm_recipe.components.eval.stats has it
@@ -97,7 +97,7 @@ def compare(before: Row, after: Row) -> dict:
     independent samples (sqrt(se_a^2 + se_b^2), the stricter test); `se_paired` uses the per-item differences.
     `beats_by_2se` holds when the improvement exceeds 2 unpaired standard errors on both metrics.
     """
-    from llm_recipe.components.eval.stats import paired_difference
+    from ..components.eval.stats import paired_difference
 
     out = {"items": None}
     for metric, key, sign in (("acc", "lambada_acc", 1.0), ("nll", "lambada_nll", -1.0)):
@@ -130,17 +130,17 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     `teacher_limit` items the teacher and the quantized student (context rows). `kd_overrides` are extra
     `key=value` overrides for kd/smollm2_demo (tests use them to shrink the run).
     """
-    from llm_recipe.cli.recipes import load_recipe
-    from llm_recipe.components.assets import ensure_assets
-    from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-    from llm_recipe.components.config import load_config, validate_config
-    from llm_recipe.components.folders import prepared_run
-    from llm_recipe.components.models import load_model, save_model
-    from llm_recipe.components.models.prune import student_layers
-    from llm_recipe.components.models.tokenizer import Tokenizer
-    from llm_recipe.components.quantization import quantize_model, size_on_disk
-    from llm_recipe.components.quantization.export_gguf import export_gguf
-    from llm_recipe.components.quantization.export_hf import export_hf_torchao
+    from ..components.assets import ensure_assets
+    from ..components.checkpoint.atomic import atomic_write_bytes
+    from ..components.config import load_config, validate_config
+    from ..components.folders import prepared_run
+    from ..components.models import load_model, save_model
+    from ..components.models.prune import student_layers
+    from ..components.models.tokenizer import Tokenizer
+    from ..components.quantization import quantize_model, size_on_disk
+    from ..components.quantization.export_gguf import export_gguf
+    from ..components.quantization.export_hf import export_hf_torchao
+    from .recipes import load_recipe
 
     start = time.perf_counter()
     out = Path(output_dir).resolve()

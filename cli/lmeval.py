@@ -35,7 +35,7 @@ lm-eval's options follow.
 
 def tasks_dir() -> Path:
     """The offline task pack's folder (`recipe_*.yaml`)."""
-    from llm_recipe.components.eval import TASKS_DIR
+    from ..components.eval import TASKS_DIR
 
     return TASKS_DIR
 
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     if argv == ["--tasks-path"]:
         print(tasks_dir())
         return 0
-    from llm_recipe.components.eval import quiet
+    from ..components.eval import quiet
 
     tasks = _task_names(argv)
     # before lm-eval imports datasets / huggingface_hub: they read the offline switches once, at import

@@ -12,20 +12,17 @@ import sys
 import traceback
 from pathlib import Path
 
-from llm_recipe.cli.recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
-from llm_recipe.components.config import (
+from ..components.config import (
     config_source,
     configs_dir,
-    configure_logging,
     load_recipe_config,
-    print_error,
-    recipe_argparser,
     resolve_config_path,
-    run_recipe_script,
     shipped_configs,
 )
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.folders import prepared_run
+from ..components.errors import RecipeError
+from ..components.folders import prepared_run
+from .recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
+from .script import configure_logging, print_error, recipe_argparser, run_recipe_script
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -370,7 +367,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     cfg = load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
     with prepared_run(cfg, module.SCHEMA, lock=False):
         if "overwrite" in module.SCHEMA and "output_dir" in cfg:  # a training recipe: one run per output_dir
-            from llm_recipe.components.runs import check_new_run
+            from ..components.runs import check_new_run
 
             check_new_run(cfg)
     file = recipe_file(recipe)[1]
@@ -380,7 +377,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from llm_recipe.components.hub import download
+    from ..components.hub import download
 
     path = download(
         args.repo_id,
@@ -395,7 +392,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 def cmd_assets(args: argparse.Namespace) -> int:
     try:
-        from llm_recipe.components.assets import ensure_assets
+        from ..components.assets import ensure_assets
     except ModuleNotFoundError as e:
         if e.name == "llm_recipe.components.assets":
             raise RecipeError("llm_recipe.components.assets is missing from this install: reinstall llm-recipe") from e
@@ -406,7 +403,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from llm_recipe.cli.demo import run_demo
+    from .demo import run_demo
 
     run_demo(args.output_dir, limit=args.limit, teacher_limit=args.teacher_limit, steps=args.steps)
     return 0
@@ -440,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(argv[lead + 1 :], lead > 0, parser)
         if lead < len(argv) and argv[lead] == "lm_eval":
             # everything after the verb is lm-eval's (its own --help, options and subcommands)
-            from llm_recipe.cli.lmeval import main as lm_eval_main
+            from .lmeval import main as lm_eval_main
 
             debug = lead > 0
             return lm_eval_main(argv[lead + 1 :])
@@ -461,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print_error(e, debug or lead > 0)
         return 1
     except (RuntimeError, MemoryError) as e:  # `recipe demo` runs a recipe in this process: the same line
-        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
+        from ..components.oom import is_out_of_memory, out_of_memory_message
 
         if not is_out_of_memory(e):
             raise

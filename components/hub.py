@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_recipe.components.errors import RecipeError
+from .errors import RecipeError
 
 __all__ = ["download"]
 

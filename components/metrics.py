@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.errors import RecipeError
+from .checkpoint.atomic import atomic_write_bytes
+from .errors import RecipeError
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"

@@ -35,14 +35,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.data.dataset import TokenizedDataset
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
-from llm_recipe.components.models.generation import generate_batch
-from llm_recipe.components.runtime import Runtime
-from llm_recipe.components.schema import Choice, Range
-from llm_recipe.components.training import hidden_states, to_device
+from .checkpoint.atomic import atomic_write_bytes
+from .data.dataset import TokenizedDataset
+from .errors import RecipeError
+from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
+from .models.generation import generate_batch
+from .runtime import Runtime
+from .schema import Choice, Range
+from .training import hidden_states, to_device
 
 IGNORE_INDEX = -100
 EVAL_FILE = "on_policy_eval.json"  # held_out_eval's result, in output_dir

@@ -122,7 +122,7 @@ def out_of_memory_message(err: BaseException, cfg: Any = None) -> str:
     details.append(_peak(where.get("device")))
     msg = f"out of memory {what}".rstrip() + f" ({', '.join(details)}{_tried(err)})"
     if training:
-        from llm_recipe.components.checkpoint.state import latest_checkpoint
+        from .checkpoint.state import latest_checkpoint
 
         ckpt = latest_checkpoint(cfg.output_dir) if Path(str(cfg.output_dir)).is_dir() else None
         if ckpt is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
-from llm_recipe.components.errors import RecipeError
+from .errors import RecipeError
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.checkpoint.state import STATE_DIR, list_checkpoints
-from llm_recipe.components.errors import RecipeError
+from .checkpoint.atomic import atomic_write_bytes
+from .checkpoint.state import STATE_DIR, list_checkpoints
+from .errors import RecipeError
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
@@ -119,7 +119,7 @@ def _config_sha256(cfg: DictConfig) -> str:
 
 
 def _write_run(out: Path, cfg: DictConfig, run_id: str | None = None) -> str:
-    from llm_recipe.components.config import config_source
+    from .config import config_source
 
     run_id = run_id or uuid.uuid4().hex
     record = {RUN_ID_KEY: run_id, "config": config_source(cfg).display,

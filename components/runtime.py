@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llm_recipe.components.errors import RecipeError
+from .errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Runtime:
             # cost a full copy per GPU.
             model.to(self.device)
         if activation_checkpointing == "auto":
-            from llm_recipe.components.memory import needs_checkpointing
+            from .memory import needs_checkpointing
 
             shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
@@ -161,7 +161,7 @@ class Runtime:
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
             return
-        from llm_recipe.components.optim import load_optimizer_state
+        from .optim import load_optimizer_state
 
         load_optimizer_state(optimizer, sd)
 

@@ -12,8 +12,8 @@ A SCHEMA maps each key a recipe reads to a spec. Plain Python types (`int`, `flo
     "output_dir": OutputDir()                      # a string; `recipe run` checks it and locks it
 
 `recipe validate` and `recipe run` check every spec before anything is built, so a bad value is one line naming
-the key, where it was set and what is allowed. Folders are checked by `recipe run` only (`preflight` in
-llm_recipe.components.config): a config may name a folder that exists only on the machine it will run on.
+the key, where it was set and what is allowed. Folders are checked by `recipe run` only (`prepared_run` in
+llm_recipe.components.folders): a config may name a folder that exists only on the machine it will run on.
 """
 
 from __future__ import annotations

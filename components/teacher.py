@@ -9,13 +9,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.logits_cache import LogitsCache
-from llm_recipe.components.losses import same_tokenizer, shared_vocab
-from llm_recipe.components.models import ModelArgs, load_model
-from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
-from llm_recipe.components.runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
-from llm_recipe.components.schema import Choice, ModelDir
+from .errors import RecipeError
+from .logits_cache import LogitsCache
+from .losses import same_tokenizer, shared_vocab
+from .models import ModelArgs, load_model
+from .quantization.teacher import TEACHER_QUANT, quantize_teacher
+from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
+from .schema import Choice, ModelDir
 
 # kd's `teacher:` section
 TEACHER_SCHEMA = {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
@@ -27,9 +27,9 @@ def check_teacher_and_student(cfg: DictConfig, student_dir: str | Path, tokenize
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
     vocabulary errors are the ones `loss_vocab` would raise later."""
-    from llm_recipe.components.logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
-    from llm_recipe.components.models import read_model_args
-    from llm_recipe.components.models.args import check_weight_shapes
+    from .logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
+    from .models import read_model_args
+    from .models.args import check_weight_shapes
 
     t = cfg.teacher
     sargs = read_model_args(student_dir)

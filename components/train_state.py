@@ -19,26 +19,26 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from llm_recipe.components.checkpoint.manifest import verify_manifest
-from llm_recipe.components.checkpoint.sharded import (
+from .checkpoint.manifest import verify_manifest
+from .checkpoint.sharded import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from llm_recipe.components.checkpoint.state import (
+from .checkpoint.state import (
     capture_rng,
     latest_checkpoint,
     load_recipe_state,
     restore_rng,
     save_checkpoint,
 )
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models import ModelArgs, save_model
-from llm_recipe.components.models.hf_io import copy_tokenizer_files
-from llm_recipe.components.models.loader import dtype_name, lora_rank_alpha, merged_state_dict
-from llm_recipe.components.oom import is_out_of_memory, note_step
-from llm_recipe.components.runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
-from llm_recipe.components.runtime import Runtime
+from .errors import RecipeError
+from .models import ModelArgs, save_model
+from .models.hf_io import copy_tokenizer_files
+from .models.loader import dtype_name, lora_rank_alpha, merged_state_dict
+from .oom import is_out_of_memory, note_step
+from .runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
+from .runtime import Runtime
 
 
 def start_or_resume_run(cfg: DictConfig) -> Path | None:

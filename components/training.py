@@ -19,25 +19,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from llm_recipe.components.config import COMPONENT
-from llm_recipe.components.data.dataset import build_dataset, build_loader
-from llm_recipe.components.data.formats import FORMATS
-from llm_recipe.components.data.loader import StatefulLoader
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses import kd_and_ce
-from llm_recipe.components.models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
-from llm_recipe.components.models.attention import packed_attention_mask
-from llm_recipe.components.models.loader import merged_state_dict
-from llm_recipe.components.models.tokenizer import Tokenizer
-from llm_recipe.components.oom import is_out_of_memory, note_step
-from llm_recipe.components.optim import (
+from .component import COMPONENT
+from .data.dataset import build_dataset, build_loader
+from .data.formats import FORMATS
+from .data.loader import StatefulLoader
+from .errors import RecipeError
+from .losses import kd_and_ce
+from .models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from .models.attention import packed_attention_mask
+from .models.loader import merged_state_dict
+from .models.tokenizer import Tokenizer
+from .oom import is_out_of_memory, note_step
+from .optim import (
     SCHEDULERS,
     build_optimizer,
     build_scheduler,
     warn_if_bf16_updates_round_away,
 )
-from llm_recipe.components.runtime import DTYPES, Runtime
-from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
+from .runtime import DTYPES, Runtime
+from .schema import DEVICE, Choice, ListOf, OutputDir, Range
 
 IGNORE_INDEX = -100
 OPT_INT = (int, type(None))

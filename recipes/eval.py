@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from llm_recipe.components.config import run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range

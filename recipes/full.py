@@ -1,20 +1,33 @@
 """Fine-tuning on next-token cross-entropy: every weight (full), or with a `lora:` section LoRA / DoRA / QLoRA
-adapters on a frozen base (NF4-quantized for QLoRA). `recipe run lora --config lora/...` runs this recipe.
+adapters on a frozen base (NF4-quantized for QLoRA); with a `qat:` section quantization-aware training (QAT).
+`recipe run lora --config lora/...` and `recipe run qat --config qat/...` run this recipe.
 
 setup (runtime, tokenizer, model, data, optimizer, resume) -> the loop below (accumulate micro-batches, backward,
 clip, step, log, checkpoint) -> output_dir/model (a plain HF folder, adapters merged) and with LoRA
-output_dir/adapter (PEFT format).
+output_dir/adapter (PEFT format). QAT trains through torchao fake quantizers (off for the first
+`qat.fake_quant_after_n_steps` steps), writes quantization.json beside the trained weights, then converts them
+into output_dir/quantized (a torchao HF folder).
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from llm_recipe.components.config import run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import load_model
 from llm_recipe.components.oom import Where
+from llm_recipe.components.quantization import (
+    QAT_SCHEMA,
+    convert_qat,
+    fake_quant_enabled_at,
+    load_for_convert,
+    prepare_qat_training,
+    qat_settings,
+    set_fake_quant_enabled,
+)
+from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import ModelDir
 from llm_recipe.components.setup_log import SetupLog
@@ -40,7 +53,12 @@ from llm_recipe.components.training import (
     write_final_model,
 )
 
-SCHEMA = {**TRAIN_SCHEMA, "model": {"checkpoint_dir": ModelDir()}, "lora": LORA_SCHEMA}  # lora null: full
+SCHEMA = {
+    **TRAIN_SCHEMA,
+    "model": {"checkpoint_dir": ModelDir()},
+    "lora": LORA_SCHEMA,  # null: every weight trains
+    "qat": QAT_SCHEMA,  # null: no fake quantization
+}
 
 
 def main(cfg: DictConfig) -> None:
@@ -48,6 +66,7 @@ def main(cfg: DictConfig) -> None:
     base_dir = cfg.model.checkpoint_dir
     tokenizer = load_tokenizer(base_dir)
     lora = lora_settings(cfg.get("lora"))
+    qat = qat_settings(cfg.get("qat"))
 
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype); LoRA keeps its
     # base from model.checkpoint_dir and restores only the adapters, with the rest of the state below.
@@ -59,6 +78,9 @@ def main(cfg: DictConfig) -> None:
                                  max_seq_len=cfg.dataset.max_seq_len)
         if lora is not None:
             freeze_all_but_adapters(model)
+        qat_files = None  # QAT: fake-quantized linears (torchao QATConfig) and quantization.json for the end
+        if qat is not None:  # on a GPU the quantizers compile on their own, or inside the layers with compile: true
+            qat_files = prepare_qat_training(model, qat, rt.device, compiled_model=cfg.get("compile", False))
         rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
                          compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
 
@@ -73,7 +95,8 @@ def main(cfg: DictConfig) -> None:
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's cross-entropy, summed
     # over its target tokens (the output projection applied chunk by chunk), is divided by the target tokens of
     # the whole window on all ranks, times world_size (FSDP averages gradients over ranks): a step does not
-    # depend on how tokens fall into micro-batches or ranks.
+    # depend on how tokens fall into micro-batches or ranks. QAT switches fake quantization on at optimizer step
+    # `fake_quant_after_n_steps` (a local flag: every rank flips it at the same step, so it is safe under torchrun).
     accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
     save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
     model.train()
@@ -85,6 +108,8 @@ def main(cfg: DictConfig) -> None:
             if step >= steps:
                 break
             where.at(f"at step {step + 1}")
+            if qat is not None:  # off for steps 1..fake_quant_after_n_steps
+                set_fake_quant_enabled(model, fake_quant_enabled_at(step, qat.fake_quant_after_n_steps))
             clock.begin()
             n, loss_sum = count_targets(window, rt), 0.0
             for batch in window:
@@ -106,12 +131,23 @@ def main(cfg: DictConfig) -> None:
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
 
-    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir))
+    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir),
+                              extra_files=qat_files)
     if rt.is_main:
-        if lora is None:
+        if qat is not None:
+            print(f"model (QAT-trained weights + quantization.json): {final}")
+        elif lora is None:
             print(f"model: {final}")
         else:
             print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter")
+        if qat is not None and qat.convert:  # the fake quantizers become real quantized weights
+            if rt.world_size > 1:  # the live model holds FSDP shards: convert the merged weights just saved
+                model, args = load_for_convert(final, rt.device, rt.dtype)
+            set_fake_quant_enabled(model, True)
+            convert_qat(model, qat.scheme, qat.group_size)
+            out = export_hf_torchao(model, args, base_dir, f"{cfg.output_dir}/quantized", qat.scheme,
+                                    qat.group_size, qat.include_output)
+            print(f"quantized ({qat.scheme}): {out}")
         print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 

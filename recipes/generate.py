@@ -11,10 +11,10 @@ import time
 import torch
 from omegaconf import DictConfig
 
-from llm_recipe.components.config import run_recipe_script
-from llm_recipe.components.eval.lm import load_checkpoint
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.models.generation import generate
 from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.quantization import load_checkpoint
 from llm_recipe.components.schema import DEVICE, Choice, ModelDir, Range
 
 SCHEMA = {

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from llm_recipe.components.config import config_source, run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.config import config_source
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.losses import KD_LOSSES, CachedTeacher, LiveTeacher, build_kd_loss, kd_and_ce

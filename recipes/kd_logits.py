@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from llm_recipe.components.config import run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.data.dataset import build_dataset, loss_tokens
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows

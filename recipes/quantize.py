@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from llm_recipe.components.config import run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
 from llm_recipe.components.models import load_model

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from llm_recipe.components.config import run_recipe_script
+from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.eval.lm import load_checkpoint
 from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.quantization import load_checkpoint
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import DEVICE, Choice, ModelDir, OutputDir, Range
 

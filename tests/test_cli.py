@@ -283,7 +283,7 @@ def test_usage_errors_exit_2_and_help_has_examples(tree):
 def _help_examples() -> list[list[str]]:
     """Every `recipe ...` example line of `recipe --help`, each verb's --help and a recipe script's --help."""
     from llm_recipe.cli.main import build_parser
-    from llm_recipe.components.config import recipe_argparser
+    from llm_recipe.cli.script import recipe_argparser
 
     parser = build_parser()
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -4,11 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.component import COMPONENT, instantiate
 from llm_recipe.components.config import (
-    COMPONENT,
-    instantiate,
     load_config,
-    run_recipe_script,
     validate_config,
 )
 from llm_recipe.components.errors import RecipeError

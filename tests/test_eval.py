@@ -165,7 +165,7 @@ def test_loglikelihood_rolling_windows_match_hf(model_dir, hf, one_thread):
 
 
 def ours_model(model_dir):
-    from llm_recipe.components.eval.lm import load_checkpoint
+    from llm_recipe.components.quantization import load_checkpoint
 
     return load_checkpoint(model_dir)[0]
 

@@ -27,9 +27,9 @@ import pytest
 from llm_recipe.cli import main as cli_main
 from llm_recipe.cli.lmeval import USAGE as LM_EVAL_USAGE
 from llm_recipe.cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_file
+from llm_recipe.cli.script import recipe_argparser
 from llm_recipe.components.config import (
     load_recipe_config,
-    recipe_argparser,
     resolve_config_path,
     shipped_configs,
 )

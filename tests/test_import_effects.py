@@ -101,3 +101,16 @@ def test_importing_every_module_changes_nothing(tmp_path):
     baseline = _probe(tmp_path, ours["modules"])
     extra = sorted(set(ours["effects"]) - set(baseline["effects"]))
     assert not extra, "importing our modules did more than the libraries they import:\n" + "\n".join(extra)
+
+
+def test_loading_a_model_folder_does_not_import_lm_eval(tmp_path):
+    """`generate` and `transfer` load their model with quantization.load_checkpoint, not through the lm-eval
+    adapter (components/eval/lm.py), so lm-eval stays out of their processes."""
+    code = ("import sys\nimport llm_recipe.recipes.generate, llm_recipe.recipes.transfer\n"
+            "from llm_recipe.components.quantization import load_checkpoint\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lm_eval'))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from llm_recipe.cli.recipes import discover_recipes, load_recipe
-from llm_recipe.components.config import COMPONENT, load_config, validate_config
+from llm_recipe.components.component import COMPONENT
+from llm_recipe.components.config import load_config, validate_config
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.schema import Choice, ListOf, ModelDir, OutputDir, Pattern, Range, spec_problem
 

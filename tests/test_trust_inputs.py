@@ -152,7 +152,7 @@ def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, e
 
 def test_eval_of_a_model_smaller_than_its_tokenizer_is_one_line(embedded_model_dir, tmp_path):
     from llm_recipe.components.errors import RecipeError
-    from llm_recipe.components.eval import load_checkpoint
+    from llm_recipe.components.quantization import load_checkpoint
 
     small = _small_vocab_model(tmp_path / "small", embedded_model_dir)
     with pytest.raises(RecipeError) as e:

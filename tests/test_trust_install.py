@@ -141,7 +141,7 @@ def test_missing_logger_packages_are_refused_before_anything_loads(override, row
     """Checked with the folders, before the recipe's main runs (it used to fail after 20 s of layer scoring)."""
     import importlib.util as iu
 
-    from llm_recipe.components.config import run_recipe_script
+    from llm_recipe.cli.script import run_recipe_script
     from llm_recipe.recipes import full
 
     real = iu.find_spec

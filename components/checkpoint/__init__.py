@@ -1,8 +1,8 @@
 """Checkpoints: atomic directory writes, file checksums (manifest) and recipe state (optimizer, scheduler, data position, RNG) save/resume."""
 
-from llm_recipe.components.checkpoint.atomic import atomic_directory, atomic_write_bytes
-from llm_recipe.components.checkpoint.manifest import verify_manifest, write_manifest
-from llm_recipe.components.checkpoint.state import (
+from .atomic import atomic_directory, atomic_write_bytes
+from .manifest import verify_manifest, write_manifest
+from .state import (
     capture_rng,
     checkpoint_dir,
     latest_checkpoint,

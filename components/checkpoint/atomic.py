@@ -17,8 +17,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.interrupt import note_written
+from ..errors import RecipeError
+from ..interrupt import note_written
 
 
 def current_umask() -> int:

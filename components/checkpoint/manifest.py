@@ -20,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 MANIFEST = "manifest.json"
 _ALGORITHM = "xxh3_128"

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -35,17 +33,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import atomic_directory
-from llm_recipe.components.checkpoint.manifest import MANIFEST, verify_manifest, write_manifest
-from llm_recipe.components.checkpoint.state import (
+from ..errors import RecipeError
+from .atomic import atomic_directory
+from .manifest import MANIFEST, verify_manifest, write_manifest
+from .state import (
     STATE_DIR,
-    _remove,
+    check_keep_last_n,
     checkpoint_dir,
-    list_checkpoints,
     load_recipe_state,
+    prepare_checkpoints_folder,
+    prune_checkpoints,
     write_recipe_state,
 )
-from llm_recipe.components.errors import RecipeError
 
 SHARDED_DIR = "sharded"
 META_FILE = "sharded.json"
@@ -93,8 +92,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
     """
     import torch.distributed.checkpoint as dcp
 
-    if keep_last_n is not None and int(keep_last_n) < 1:
-        raise RecipeError(f"keep_last_n={keep_last_n} must be >= 1 (or null to keep every checkpoint)")
+    check_keep_last_n(keep_last_n)
     target = checkpoint_dir(output_dir, step)
     tensors, from_base, others = _split(*_state_dicts(model, optimizer))
     if not runtime.is_main:
@@ -102,11 +100,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
         dcp.save(tensors, checkpoint_id=tmp / SHARDED_DIR)
         runtime.barrier()  # rank 0 renames and prunes
         return target
-    root = target.parent
-    root.mkdir(parents=True, exist_ok=True)
-    for p in root.glob(".step_*"):  # leftovers of crashed saves are never valid checkpoints
-        if re.search(r"\.(tmp|old|del)-", p.name):
-            shutil.rmtree(p, ignore_errors=True)
+    prepare_checkpoints_folder(target.parent)
     with atomic_directory(target) as tmp:
         runtime.broadcast_object(str(tmp))
         dcp.save(tensors, checkpoint_id=tmp / SHARDED_DIR)  # returns once every rank's shards are written
@@ -117,12 +111,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: nn.Module,
         write_recipe_state(tmp / STATE_DIR, {**recipe_state, "step": recipe_state.get("step", step),
                                               _OPTIM_META: others})
         write_manifest(tmp)  # last: dcp.save above returned after every rank's shards were written
-    if keep_last_n is not None:
-        complete = list_checkpoints(output_dir)
-        keep = {p for _, p in complete[-int(keep_last_n):]} | {target}
-        for _, p in complete:
-            if p not in keep:
-                _remove(p)
+    prune_checkpoints(output_dir, keep_last_n, target)
     runtime.barrier()
     return target
 
@@ -152,8 +141,8 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from llm_recipe.components.models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
-    from llm_recipe.components.models.loader import merge_lora_state_dict
+    from ..models import hf_to_tune_names, load_hf_state_dict, read_model_args, save_model
+    from ..models.loader import merge_lora_state_dict
 
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_recipe.components.checkpoint.atomic import atomic_directory
-from llm_recipe.components.checkpoint.manifest import write_manifest
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
+from .atomic import atomic_directory
+from .manifest import write_manifest
 
 STATE_DIR = "recipe_state"
 _TENSORS = "tensors.safetensors"
@@ -260,6 +260,33 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def check_keep_last_n(keep_last_n: int | None) -> None:
+    """`keep_last_n` is null (keep every checkpoint) or >= 1: checked before a save writes anything."""
+    if keep_last_n is not None and int(keep_last_n) < 1:
+        raise RecipeError(f"keep_last_n={keep_last_n} must be >= 1 (or null to keep every checkpoint)")
+
+
+def prepare_checkpoints_folder(root: Path) -> None:
+    """Create `output_dir/checkpoints` and delete the leftovers of crashed saves and prunes there (hidden temp
+    folders `.step_*.tmp-*`, `.old-*`, `.del-*`), which are never valid checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.glob(".step_*"):
+        if re.search(r"\.(tmp|old|del)-", p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, keep_last_n: int | None, target: Path) -> None:
+    """Delete all but the `keep_last_n` newest complete checkpoints, never `target` (the one just written);
+    null keeps every one."""
+    if keep_last_n is None:
+        return
+    complete = list_checkpoints(output_dir)
+    keep = {p for _, p in complete[-int(keep_last_n) :]} | {target}
+    for _, p in complete:
+        if p not in keep:
+            _remove(p)
+
+
 def save_checkpoint(
     output_dir: str | os.PathLike,
     step: int,
@@ -274,17 +301,11 @@ def save_checkpoint(
     (pass the `Runtime` as `runtime`; every rank calls this and waits at a barrier). Afterwards all but the
     `keep_last_n` newest complete checkpoints are deleted (never the one just written).
     """
-    if keep_last_n is not None and int(keep_last_n) < 1:
-        raise RecipeError(f"keep_last_n={keep_last_n} must be >= 1 (or null to keep every checkpoint)")
+    check_keep_last_n(keep_last_n)
     target = checkpoint_dir(output_dir, step)
     is_main = runtime is None or runtime.is_main
     if is_main:
-        root = target.parent
-        root.mkdir(parents=True, exist_ok=True)
-        # Leftovers of crashed saves/prunes (hidden temp dirs) are never valid checkpoints.
-        for p in root.glob(".step_*"):
-            if re.search(r"\.(tmp|old|del)-", p.name):
-                shutil.rmtree(p, ignore_errors=True)
+        prepare_checkpoints_folder(target.parent)
         state = {**recipe_state, "step": recipe_state.get("step", step)}
         try:
             with atomic_directory(target) as tmp:
@@ -295,12 +316,7 @@ def save_checkpoint(
             prev = latest_checkpoint(output_dir)
             raise RecipeError(f"{e}; the newest complete checkpoint is still {prev}" if prev is not None
                               else f"{e}; no checkpoint of this run was written yet") from e
-        if keep_last_n is not None:
-            complete = list_checkpoints(output_dir)
-            keep = {p for _, p in complete[-int(keep_last_n) :]} | {target}
-            for _, p in complete:
-                if p not in keep:
-                    _remove(p)
+        prune_checkpoints(output_dir, keep_last_n, target)
     if runtime is not None:
         runtime.barrier()
     return target

@@ -3,14 +3,14 @@
 Items are `{"tokens", "labels"}` (labels -100 where no loss is taken); `collate` returns labels already shifted.
 """
 
-from llm_recipe.components.data.collate import (
+from .collate import (
     PackedDataset,
     collate,
     collate_packed,
     shift_labels,
 )
-from llm_recipe.components.data.dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
-from llm_recipe.components.data.formats import (
+from .dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
+from .formats import (
     IGNORE_INDEX,
     ChatFormat,
     InstructFormat,
@@ -19,9 +19,9 @@ from llm_recipe.components.data.formats import (
     make_format,
     tokenize_segments,
 )
-from llm_recipe.components.data.loader import StatefulLoader
-from llm_recipe.components.data.sources import Rows, load_rows
-from llm_recipe.components.data.transfer import transfer_set_path
+from .loader import StatefulLoader
+from .sources import Rows, load_rows
+from .transfer import transfer_set_path
 
 __all__ = [
     "DATASET_KEYS",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llm_recipe.components.data.formats import IGNORE_INDEX
+from .formats import IGNORE_INDEX
 
 
 def shift_labels(labels: Sequence[int], ignore_index: int = IGNORE_INDEX) -> list[int]:

@@ -7,14 +7,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llm_recipe.components.data.collate import PackedDataset, collate
-from llm_recipe.components.data.formats import IGNORE_INDEX, RowError, make_format
-from llm_recipe.components.data.loader import StatefulLoader
-from llm_recipe.components.data.sources import load_rows
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
+from .collate import PackedDataset, collate
+from .formats import IGNORE_INDEX, RowError, make_format
+from .loader import StatefulLoader
+from .sources import load_rows
 
 if TYPE_CHECKING:
-    from llm_recipe.components.models.tokenizer import Tokenizer
+    from ..models.tokenizer import Tokenizer
 
 
 log = logging.getLogger(__name__)

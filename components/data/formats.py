@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 if TYPE_CHECKING:  # runtime import would pull in llm_recipe.components.models (torch) for nothing
-    from llm_recipe.components.models.tokenizer import Tokenizer
+    from ..models.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 
 def _item_len(item: dict) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError, read_utf8, utf8_error
+from ..errors import RecipeError, read_utf8, utf8_error
 
 TRANSFER_PREFIX = "transfer:"
 _SPLIT_RE = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*([^:\]]*)\s*:\s*([^\]]*)\s*\])?\s*$")
@@ -174,7 +174,7 @@ def _load_hf(source: str, split_name: str, name: str | None, data_files: Any) ->
 def resolve_source(source: str) -> str:
     """Expand `transfer:NAME` to the shipped file; other sources are returned unchanged."""
     if source.startswith(TRANSFER_PREFIX):
-        from llm_recipe.components.data.transfer import transfer_set_path
+        from .transfer import transfer_set_path
 
         return str(transfer_set_path(source[len(TRANSFER_PREFIX):]))
     return source

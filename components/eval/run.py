@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.eval import quiet
+from ..errors import RecipeError
+from . import quiet
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +22,14 @@ def task_manager() -> Any:
     process (indexing lm-eval's thousands of stock YAMLs takes seconds)."""
     from lm_eval.tasks import TaskManager
 
-    from llm_recipe.components.eval import TASKS_DIR
+    from . import TASKS_DIR
 
     return TaskManager(include_path=str(TASKS_DIR))
 
 
 def offline_task_names() -> list[str]:
     """Names of the tasks in the offline pack (usable with no network)."""
-    from llm_recipe.components.eval import TASKS_DIR
+    from . import TASKS_DIR
 
     return sorted(p.stem for p in TASKS_DIR.glob("recipe_*.yaml"))
 
@@ -38,7 +38,7 @@ def _as_lm(model_or_checkpoint: Any, batch_size: int, device: str | None, dtype:
            max_length: int | None) -> Any:
     from lm_eval.api.model import LM
 
-    from llm_recipe.components.eval.lm import RecipeLM
+    from .lm import RecipeLM
 
     if isinstance(model_or_checkpoint, LM):
         return model_or_checkpoint

@@ -1,14 +1,14 @@
 """The offline teacher: a sharded cache of the teacher's top-k log-probabilities over a transfer set (written by
 `recipe run kd_logits`, read by `kd` with `teacher.logits_dir`). Format and checks: manifest.py."""
 
-from llm_recipe.components.logits_cache.manifest import (
+from .manifest import (
            bytes_per_token,
            run_fields,
            teacher_fingerprint,
            tokenizer_fingerprint,
 )
-from llm_recipe.components.logits_cache.reader import CachedDataset, LogitsCache
-from llm_recipe.components.logits_cache.writer import CacheWriter, teacher_rows
+from .reader import CachedDataset, LogitsCache
+from .writer import CacheWriter, teacher_rows
 
 __all__ = ["CacheWriter", "CachedDataset", "LogitsCache", "bytes_per_token", "run_fields", "teacher_fingerprint",
            "teacher_rows", "tokenizer_fingerprint"]

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.errors import RecipeError
+from ..checkpoint.atomic import atomic_write_bytes
+from ..errors import RecipeError
 
 FORMAT = "recipe-logits-cache/1"
 MANIFEST = "manifest.json"

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from llm_recipe.components.data.collate import collate
-from llm_recipe.components.data.dataset import TokenizedDataset
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.logits_cache.manifest import (
+from ..data.collate import collate
+from ..data.dataset import TokenizedDataset
+from ..errors import RecipeError
+from ..models import ModelArgs
+from .manifest import (
     MANIFEST,
     RUN_FIELDS,
     data_fingerprint,
@@ -30,7 +31,6 @@ from llm_recipe.components.logits_cache.manifest import (
     teacher_fingerprint,
     unpack_ids,
 )
-from llm_recipe.components.models import ModelArgs
 
 IGNORE_INDEX = -100
 _CONFIG_KEY = {"temperature": "kd.temperature", "tokenizer": "tokenizer (tokenizer.json + chat template)",

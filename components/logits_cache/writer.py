@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.logits_cache.manifest import (
+from ..checkpoint.atomic import atomic_write_bytes
+from ..errors import RecipeError
+from ..losses.topk import teacher_topk
+from .manifest import (
     FORMAT,
     MANIFEST,
     bytes_per_token,
@@ -32,7 +33,6 @@ from llm_recipe.components.logits_cache.manifest import (
     shard_problem,
     write_manifest,
 )
-from llm_recipe.components.losses.topk import teacher_topk
 
 _RECORDS = ("shards", "complete", "tokens", "bytes_per_token")  # what changes as shards are written
 

@@ -2,7 +2,7 @@
 cached top-k); ``chunked_cross_entropy`` for evaluation; the KD divergences as plain functions, bound to a config
 by ``build_kd_loss``; and the student/teacher vocabulary checks."""
 
-from llm_recipe.components.losses.divergences import (
+from .divergences import (
     IGNORE_INDEX,
     KD_LOSSES,
     forward_kl,
@@ -12,10 +12,10 @@ from llm_recipe.components.losses.divergences import (
     skew_reverse_kl,
     symmetric_kl,
 )
-from llm_recipe.components.losses.kd_loss import KDLoss, build_kd_loss
-from llm_recipe.components.losses.objective import chunked_cross_entropy, kd_and_ce
-from llm_recipe.components.losses.teachers import CachedTeacher, LiveTeacher
-from llm_recipe.components.losses.vocab import same_tokenizer, shared_vocab
+from .kd_loss import KDLoss, build_kd_loss
+from .objective import chunked_cross_entropy, kd_and_ce
+from .teachers import CachedTeacher, LiveTeacher
+from .vocab import same_tokenizer, shared_vocab
 
 __all__ = [
     "IGNORE_INDEX",

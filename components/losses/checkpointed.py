@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.divergences import IGNORE_INDEX
+from ..errors import RecipeError
+from .divergences import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from llm_recipe.components.losses.kd_loss import KDLoss
-    from llm_recipe.components.losses.teachers import Teacher
+    from .kd_loss import KDLoss
+    from .teachers import Teacher
 
 __all__ = ["checkpointed_sums", "ce_sum", "project"]
 

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.checkpointed import ce_sum
-from llm_recipe.components.losses.divergences import IGNORE_INDEX
-from llm_recipe.components.losses.kd_loss import blend
+from ..errors import RecipeError
+from .checkpointed import ce_sum
+from .divergences import IGNORE_INDEX
+from .kd_loss import blend
 
 if TYPE_CHECKING:
-    from llm_recipe.components.losses.kd_loss import KDLoss
-    from llm_recipe.components.losses.teachers import Teacher
+    from .kd_loss import KDLoss
+    from .teachers import Teacher
 
 __all__ = ["forward_kl_ce_chunk", "fusable_head_weight", "fused_loss"]
 

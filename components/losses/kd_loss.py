@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.divergences import KD_LOSSES
+from ..errors import RecipeError
+from .divergences import KD_LOSSES
 
 __all__ = ["KDLoss", "blend", "build_kd_loss"]
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses.checkpointed import checkpointed_sums
-from llm_recipe.components.losses.divergences import IGNORE_INDEX
-from llm_recipe.components.losses.fused import fusable_head_weight, fused_loss
-from llm_recipe.components.losses.kd_loss import KDLoss, blend
-from llm_recipe.components.losses.teachers import Teacher
+from ..errors import RecipeError
+from .checkpointed import checkpointed_sums
+from .divergences import IGNORE_INDEX
+from .fused import fusable_head_weight, fused_loss
+from .kd_loss import KDLoss, blend
+from .teachers import Teacher
 
 __all__ = ["chunked_cross_entropy", "kd_and_ce"]
 

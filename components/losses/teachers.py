@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from llm_recipe.components.losses.checkpointed import Projection, project
-from llm_recipe.components.losses.fused import Kernel, forward_kl_ce_chunk
-from llm_recipe.components.losses.topk import bucket_divergence, forward_kl_topk_ce_chunk
+from .checkpointed import Projection, project
+from .fused import Kernel, forward_kl_ce_chunk
+from .topk import bucket_divergence, forward_kl_topk_ce_chunk
 
 if TYPE_CHECKING:
-    from llm_recipe.components.losses.kd_loss import KDLoss
+    from .kd_loss import KDLoss
 
 __all__ = ["CachedTeacher", "LiveTeacher", "Teacher"]
 

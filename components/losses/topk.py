@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from llm_recipe.components.losses.kd_loss import KDLoss
+    from .kd_loss import KDLoss
 
 __all__ = ["bucket_divergence", "forward_kl_topk_ce_chunk", "student_buckets", "teacher_buckets", "teacher_topk"]
 

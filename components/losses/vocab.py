@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llm_recipe.components.errors import RecipeError, read_utf8
+from ..errors import RecipeError, read_utf8
 
 __all__ = ["same_tokenizer", "shared_vocab"]
 

@@ -4,16 +4,16 @@ The only package that imports torchtune, and only when a function needs it: thro
 which first aliases torchao's moved NF4 module. Importing this package imports neither (tune.py says why).
 """
 
-from llm_recipe.components.models.args import ModelArgs, read_model_args
-from llm_recipe.components.models.builder import (
+from .args import ModelArgs, read_model_args
+from .builder import (
     LORA_TARGETS,
     LoRASettings,
     build_model,
     output_weight,
 )
-from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
-from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
-from llm_recipe.components.models.loader import (
+from .convert import hf_to_tune_names, tune_to_hf_names
+from .hf_io import load_hf_state_dict, write_hf_folder
+from .loader import (
     keep_every,
     load_model,
     lora_modules,
@@ -22,7 +22,7 @@ from llm_recipe.components.models.loader import (
     resolve_dtype,
     save_model,
 )
-from llm_recipe.components.models.peft_adapter import adapter_state_dict, save_peft_adapter
+from .peft_adapter import adapter_state_dict, save_peft_adapter
 
 __all__ = [
     "LORA_TARGETS",

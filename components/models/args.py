@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llm_recipe.components.errors import RecipeError, read_utf8
+from ..errors import RecipeError, read_utf8
 
 # model_type -> family. All are Llama-style decoders; they differ in biases and RoPE details.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -160,7 +160,7 @@ def check_weight_shapes(ckpt_dir: str | Path, args: ModelArgs | None = None) -> 
     """Compare every tensor's shape in the safetensors headers with what `config.json` says, before anything is
     built or read: a RecipeError names the tensor, the config key and both shapes (a config.json copied from
     another model size, a vocab_size edited by hand). Layers past num_hidden_layers are errors too."""
-    from llm_recipe.components.models.hf_io import safetensors_shapes
+    from .hf_io import safetensors_shapes
 
     args = args or read_model_args(ckpt_dir)
     shapes = safetensors_shapes(ckpt_dir)

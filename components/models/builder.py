@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models.args import ModelArgs
-from llm_recipe.components.models.rope import rotary_embedding
-from llm_recipe.components.models.tune import import_torchtune
+from ..errors import RecipeError
+from .args import ModelArgs
+from .rope import rotary_embedding
+from .tune import import_torchtune
 
 if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder

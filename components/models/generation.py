@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_recipe.components.models.tune import import_torchtune
+from .tune import import_torchtune
 
 if TYPE_CHECKING:
     from torchtune.modules.transformer import TransformerDecoder

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from llm_recipe.components.checkpoint import atomic_directory
-from llm_recipe.components.errors import RecipeError
+from ..checkpoint import atomic_directory
+from ..errors import RecipeError
 
 # llama.cpp tensor names -> Hugging Face Llama names. `{}` is the layer index.
 _LAYER_NAMES = {

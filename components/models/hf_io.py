@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from llm_recipe.components.checkpoint import atomic_directory
-from llm_recipe.components.errors import RecipeError
+from ..checkpoint import atomic_directory
+from ..errors import RecipeError
 
 # Files that travel with the weights so the folder is self-contained for transformers, lm-eval and us.
 TOKENIZER_FILES = (

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models.args import ModelArgs, check_weight_shapes, read_model_args
-from llm_recipe.components.models.builder import LoRASettings, build_model
-from llm_recipe.components.models.convert import hf_to_tune_names, tune_to_hf_names
-from llm_recipe.components.models.hf_io import load_hf_state_dict, write_hf_folder
-from llm_recipe.components.models.tune import import_torchtune
+from ..errors import RecipeError
+from .args import ModelArgs, check_weight_shapes, read_model_args
+from .builder import LoRASettings, build_model
+from .convert import hf_to_tune_names, tune_to_hf_names
+from .hf_io import load_hf_state_dict, write_hf_folder
+from .tune import import_torchtune
 
 if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llm_recipe.components.checkpoint import atomic_directory
-from llm_recipe.components.models.builder import LoRASettings
-from llm_recipe.components.models.convert import tune_to_hf_key
+from ..checkpoint import atomic_directory
+from .builder import LoRASettings
+from .convert import tune_to_hf_key
 
 _SUFFIX = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 

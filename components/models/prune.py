@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
-from llm_recipe.components.data.collate import collate
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.losses import chunked_cross_entropy
-from llm_recipe.components.models.attention import packed_attention_mask
-from llm_recipe.components.schema import Choice, ListOf, ModelDir, Range
+from ..checkpoint.atomic import atomic_write_bytes
+from ..data.collate import collate
+from ..errors import RecipeError
+from ..losses import chunked_cross_entropy
+from ..schema import Choice, ListOf, ModelDir, Range
+from .attention import packed_attention_mask
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
@@ -175,10 +175,10 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
     With `out_dir`, writes `out_dir/layer_importance.json` (scores + kept layers) and `.txt` (the table) and
     prints the table through `log`.
     """
-    from llm_recipe.components.data.dataset import build_dataset
-    from llm_recipe.components.models.args import read_model_args
-    from llm_recipe.components.models.loader import load_model
-    from llm_recipe.components.models.tokenizer import Tokenizer, check_tokenizer_fits
+    from ..data.dataset import build_dataset
+    from .args import read_model_args
+    from .loader import load_model
+    from .tokenizer import Tokenizer, check_tokenizer_fits
 
     method, keep, tokens = prune_settings(prune)
     layers = read_model_args(model_dir).num_layers
@@ -207,8 +207,8 @@ def student_layers(student, model_dir: str | Path, dataset: dict, batch_size: in
     that matter most, measured on the first tokens of `dataset`; skipped with `score=False`, e.g. when a full
     student resumes its own weights), or all of them (None). Cheap checks come first, before any model loads;
     `where` names the config line of `keep_layers` in errors."""
-    from llm_recipe.components.models.args import read_model_args
-    from llm_recipe.components.models.loader import keep_every
+    from .args import read_model_args
+    from .loader import keep_every
 
     keep_layers = student.get("keep_layers")
     if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):

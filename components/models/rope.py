@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from llm_recipe.components.models.tune import import_torchtune
+from .tune import import_torchtune
 
 
 def rotary_embedding(dim: int, max_seq_len: int, base: float, scaling: dict | None = None) -> nn.Module:

@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llm_recipe.components.errors import RecipeError, read_utf8
+from ..errors import RecipeError, read_utf8
 
 # End-of-turn markers of the common chat formats (ChatML, Llama 3, Phi-3, Gemma). Generation stops on any
 # of them that exists in the vocabulary, besides the eos ids the checkpoint declares.
@@ -216,7 +216,7 @@ def check_tokenizer_fits(model_dir: str | os.PathLike, tokenizer: Tokenizer, voc
     """A model whose embedding has fewer rows (config.json `vocab_size`) than its tokenizer has ids cannot read the
     tokens it is given: say so before any forward pass (it would end in an IndexError deep in the model)."""
     if vocab_size is None:
-        from llm_recipe.components.models.args import read_model_args
+        from .args import read_model_args
 
         vocab_size = read_model_args(model_dir).vocab_size
     if vocab_size < tokenizer.vocab_size:

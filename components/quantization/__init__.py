@@ -1,34 +1,45 @@
-"""Quantization: QAT (torchao QATConfig), PTQ, and exports that other tools load (HF torchao, GGUF, ExecuTorch)."""
+"""Quantization: QAT (torchao QATConfig), PTQ, exports that other tools load (HF torchao, GGUF, ExecuTorch), and
+`load_checkpoint`, which loads any model folder these write (float, QAT-trained or torchao-quantized)."""
 
-from llm_recipe.components.quantization.ptq import quantize_model, size_on_disk, summarize_sizes
-from llm_recipe.components.quantization.qat import (
+from .load import load_checkpoint
+from .ptq import quantize_model, size_on_disk, summarize_sizes
+from .qat import (
     QAT_METADATA_FILE,
+    QAT_SCHEMA,
+    QATSettings,
     compile_fake_quantizers,
     convert_qat,
     fake_quant_enabled_at,
     load_for_convert,
     prepare_qat,
     prepare_qat_student,
+    prepare_qat_training,
     qat_metadata,
+    qat_settings,
     read_qat_metadata,
     set_fake_quant_enabled,
     write_qat_metadata,
 )
-from llm_recipe.components.quantization.schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
+from .schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
 
 __all__ = [
     "QAT_METADATA_FILE",
+    "QAT_SCHEMA",
     "QAT_SCHEMES",
+    "QATSettings",
     "SCHEMES",
     "base_config",
     "check_device",
     "compile_fake_quantizers",
     "convert_qat",
     "fake_quant_enabled_at",
+    "load_checkpoint",
     "load_for_convert",
     "prepare_qat",
     "prepare_qat_student",
+    "prepare_qat_training",
     "qat_metadata",
+    "qat_settings",
     "quantize_model",
     "read_qat_metadata",
     "set_fake_quant_enabled",

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import honour_umask, write_failure
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
-from llm_recipe.components.quantization.schemes import _is_torchao_tensor
+from ..checkpoint.atomic import honour_umask, write_failure
+from ..errors import RecipeError
+from ..models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
+from .schemes import _is_torchao_tensor
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def _read_json(path: Path) -> dict:
 
 def _pre_tokenizer_name(tok: dict) -> str:
     """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json pre-tokenizer (the splits we know how to name)."""
-    from llm_recipe.components.models.gguf_import import _LLAMA3_SPLIT, _QWEN2_SPLIT
+    from ..models.gguf_import import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
     pre = tok.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -250,7 +250,7 @@ def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: 
 
 def _rope_freq_factors(args: ModelArgs) -> torch.Tensor:
     """Llama 3.x RoPE scaling as llama.cpp stores it: per-frequency divisors in a `rope_freqs` tensor."""
-    from llm_recipe.components.models.rope import _scale_frequencies
+    from ..models.rope import _scale_frequencies
 
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
     return (inv / _scale_frequencies(inv, args.rope_scaling)).float()

@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from llm_recipe.components.checkpoint import atomic_directory
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models import ModelArgs, tune_to_hf_names
-from llm_recipe.components.models.hf_io import copy_tokenizer_files
-from llm_recipe.components.models.loader import dtype_name
-from llm_recipe.components.quantization.ptq import quantize_model
-from llm_recipe.components.quantization.schemes import _is_torchao_tensor, base_config
+from ..checkpoint import atomic_directory
+from ..errors import RecipeError
+from ..models import ModelArgs, tune_to_hf_names
+from ..models.hf_io import copy_tokenizer_files
+from ..models.loader import dtype_name
+from .ptq import quantize_model
+from .schemes import _is_torchao_tensor, base_config
 
 
 def torchao_quantization_config(scheme: str, group_size: int = 32, include_output: bool = False) -> dict:
@@ -81,7 +81,7 @@ def load_hf_torchao(model_dir: str | Path, device: str | torch.device = "cpu") -
     from safetensors import safe_open
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
-    from llm_recipe.components.models import build_model, hf_to_tune_names, read_model_args
+    from ..models import build_model, hf_to_tune_names, read_model_args
 
     model_dir = Path(model_dir)
     path = model_dir / "model.safetensors"

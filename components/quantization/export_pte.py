@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_recipe.components.checkpoint.atomic import honour_umask
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.quantization.ptq import quantize_model
-from llm_recipe.components.quantization.schemes import _is_torchao_tensor
+from ..checkpoint.atomic import honour_umask
+from ..errors import RecipeError
+from .ptq import quantize_model
+from .schemes import _is_torchao_tensor
 
 
 def _require_executorch() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.quantization.schemes import (
+from ..errors import RecipeError
+from .schemes import (
     _is_lora,
     base_config,
     check_device,

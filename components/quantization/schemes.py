@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
+from ..errors import RecipeError
 
 # name -> (needs, qat): needs is "any" (CPU or GPU), "cuda" or "cuda_sm89" (float8 kernels: Ada/Hopper+).
 _SCHEMES: dict[str, tuple[str, bool]] = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.quantization.schemes import base_config, check_device, linear_filter
+from ..errors import RecipeError
+from .schemes import base_config, check_device, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llm_recipe.components.errors import RecipeError
+from ...errors import RecipeError
 
 TRANSFER_DIR = Path(__file__).resolve().parent
 TRANSFER_SETS = {"passages": "passages.jsonl", "chat": "chat.jsonl"}

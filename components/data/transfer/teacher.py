@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from llm_recipe.components.data.transfer import transfer_set_path
-from llm_recipe.components.data.transfer.build_transfer_set import ngrams
-from llm_recipe.components.errors import RecipeError
+from ...errors import RecipeError
+from . import transfer_set_path
+from .build_transfer_set import ngrams
 
 KINDS = ("passages", "chat")
 
@@ -143,7 +143,7 @@ def write_teacher_rows(
 ) -> dict:
     """Generate the prompts not yet in `out_path`, batch by batch, appending rows (and dropped ids to
     `out_path.dropped`). Returns counts: rows written now, dropped (eval-pack overlap, empty), skipped (done)."""
-    from llm_recipe.components.models.generation import generate_batch
+    from ...models.generation import generate_batch
 
     if sampling.batch_size < 1:
         raise RecipeError(f"generation.batch_size must be >= 1, got {sampling.batch_size}")

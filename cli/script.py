@@ -1,0 +1,106 @@
+"""A recipe file's command line: `python recipe.py --config X [key=value ...] [~key] [--debug]`, which is also
+what `recipe run NAME` does in-process and what torchrun starts on every rank.
+
+Every shipped recipe ends with `if __name__ == "__main__": run_recipe_script(SCHEMA, main)`. The config itself
+(loading, overrides, validation with file:line errors) is components/config.py's; this module holds what only
+a command line does: argparse, logging set-up, and turning errors into one line and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ..components.config import load_recipe_config, shipped_configs
+from ..components.errors import RecipeError
+from ..components.folders import prepared_run
+from ..components.interrupt import interrupted_message, reset
+from ..components.oom import is_out_of_memory, out_of_memory_message
+
+__all__ = ["configure_logging", "print_error", "recipe_argparser", "run_recipe_script"]
+
+
+def print_error(err: BaseException, debug: bool) -> None:
+    """Print `recipe: error: <one line>` on stderr, preceded by the traceback when debugging."""
+    if debug:
+        traceback.print_exception(err)
+    msg = " ".join(str(err).split("\n"))
+    print(f"recipe: error: {msg}", file=sys.stderr)
+
+
+def recipe_argparser(prog: str) -> argparse.ArgumentParser:
+    """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
+    name = prog.rsplit(" ", 1)[-1]
+    shipped = shipped_configs().get(name, [])
+    example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
+        "~ deletes a key so the recipe's default applies).",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="shipped config name (kd/smollm2_demo) or path to a .yaml")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.add_argument("overrides", nargs="*", help="key.path=value sets a key, ~key.path deletes it")
+    return p
+
+
+def configure_logging(debug: bool = False) -> None:
+    """Our notes (`recipe.*`, `components.*`) at INFO on stderr; silence import-time noise users cannot act on
+    (torchao's optional CUDA extensions on CPU builds, torch's pytree deprecation notes)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # "recipe": the recipes' own loggers; the other is our package's top level (its loggers are named by module)
+    for name in ("recipe", __name__.split(".")[0]):
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
+    if not debug:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def run_recipe_script(
+    schema: Mapping[str, Any],
+    main: Callable[[DictConfig], None],
+    argv: list[str] | None = None,
+    name: str | None = None,
+) -> None:
+    """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
+
+    The folders the config names are checked and the output folder locked first (folders.prepared_run).
+    A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug), as
+    does running out of memory (`recipe: error: out of memory ...`: llm_recipe.components.oom); Ctrl-C prints `recipe: interrupted...` and exits 130.
+    """
+    if name is None:
+        module = getattr(main, "__module__", "") or ""
+        name = Path(sys.argv[0]).stem if module == "__main__" else module.rsplit(".", 1)[-1]
+    args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
+    configure_logging(args.debug)
+    reset()
+    cfg = None
+    try:
+        cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
+        with prepared_run(cfg, schema):
+            main(cfg)
+    except RecipeError as e:
+        print_error(e, args.debug)
+        raise SystemExit(1) from None
+    except (RuntimeError, MemoryError) as e:  # out of memory: where, and what to change (components/oom.py)
+        if not is_out_of_memory(e):
+            raise
+        if args.debug:
+            traceback.print_exception(e)
+        print_error(RecipeError(out_of_memory_message(e, cfg)), False)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
+        if args.debug:
+            traceback.print_exception(e)
+        print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
+        raise SystemExit(130) from None
