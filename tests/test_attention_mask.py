@@ -67,9 +67,10 @@ def test_cpu_batches_get_the_dense_mask():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
-    """A small random Llama on the GPU (bf16): logits and the gradients of a loss through them agree between the
-    dense mask (SDPA, eager) and the BlockMask: eager, torchtune's flex call; compiled layers, our in-graph flex
-    call with grouped-query heads (components/models/builder.py, `Attention`)."""
+    """A small random Llama on the GPU in fp32: logits and the gradients of a loss through them are the same with
+    the dense mask (SDPA, eager) and with the BlockMask: eager (torchtune's flex call) and in compiled layers (our
+    in-graph flex call with grouped-query heads, components/models/builder.py `Attention`). fp32, because compiled
+    and eager bf16 differ by their own rounding (measured on an H200: the same for dense and flex masks)."""
     from llm_recipe.components.models import ModelArgs, build_model
 
     device = torch.device("cuda")
@@ -80,7 +81,8 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(args, max_seq_len=256).to(torch.bfloat16)
+        model = build_model(args, max_seq_len=256)
+    torch.backends.cuda.matmul.allow_tf32 = False
     batch = collate_packed(_packed_rows())
     flex = to_device(batch, device)
     assert not isinstance(flex["mask"], torch.Tensor)
@@ -93,9 +95,8 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
                 layer.compile()
         model.zero_grad(set_to_none=True)
         logits = model(b["tokens"] % 1000, mask=b["mask"], input_pos=b["input_pos"])
-        logits.float().logsumexp(-1).mean().backward()
-        grad = model.layers[0].attn.q_proj.weight.grad.float().clone()
-        results.append((logits.float(), grad))
+        logits.logsumexp(-1).mean().backward()
+        results.append((logits.detach(), model.layers[0].attn.q_proj.weight.grad.clone()))
     (l0, g0), (l1, g1) = results
-    torch.testing.assert_close(l1, l0, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(g1, g0, atol=2e-2 * g0.abs().max().item(), rtol=5e-2)
+    torch.testing.assert_close(l1, l0, atol=1e-3 * l0.abs().max().item(), rtol=1e-3)
+    torch.testing.assert_close(g1, g0, atol=1e-3 * g0.abs().max().item(), rtol=1e-3)
