@@ -164,15 +164,19 @@ def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime,
     return optimizer, scheduler
 
 
-def windows(loader: StatefulLoader, accum: int) -> Iterator[list[dict]]:
-    """Endless stream of accumulation windows (lists of `accum` micro-batches), epoch after epoch."""
+def windows(loader: StatefulLoader, accum: int, count: int) -> Iterator[list[dict]]:
+    """`count` accumulation windows (lists of `accum` micro-batches), epoch after epoch. It stops without taking
+    another micro-batch from the loader, so a finished run's checkpoint resumes exactly after its last step."""
     window: list[dict] = []
-    while True:
+    while count > 0:
         for batch in loader:
             window.append(batch)
             if len(window) == accum:
                 yield window
                 window = []
+                count -= 1
+                if count == 0:
+                    return
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

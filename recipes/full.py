@@ -104,9 +104,7 @@ def main(cfg: DictConfig) -> None:
                        start_step=start) as logger,
           StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
           Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
-        for window in windows(loader, accum):
-            if step >= steps:
-                break
+        for window in windows(loader, accum, steps - start):  # one window per optimizer step
             where.at(f"at step {step + 1}")
             if qat is not None:  # off for steps 1..fake_quant_after_n_steps
                 set_fake_quant_enabled(model, fake_quant_enabled_at(step, qat.fake_quant_after_n_steps))

@@ -75,6 +75,22 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe,
     assert [r["lr"] for r in resumed] == [r["lr"] for r in uninterrupted]
 
 
+def test_extending_a_finished_run_continues_with_the_next_batches(tmp_path, tiny_model_dir):
+    """A finished 3-step run resumed with max_steps=6 trains steps 4-6 on the micro-batches an uninterrupted 6-step
+    run saw there (constant lr, so the schedule does not depend on max_steps): the same losses and weights. The
+    loop used to take one more window from the loader after the last step, so the extension skipped it."""
+    config, overrides = recipe_case("full", tiny_model_dir)
+    overrides = [o for o in overrides if not o.startswith(("max_steps=", "lr_scheduler."))]
+    overrides += ["lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0"]
+    ref, extended = tmp_path / "six", tmp_path / "three_then_six"
+    assert rc.run_in_process("full", config, [*overrides, "max_steps=6", f"output_dir={ref}"]) == 0
+    assert rc.run_in_process("full", config, [*overrides, "max_steps=3", f"output_dir={extended}"]) == 0
+    assert rc.run_in_process("full", config, [*overrides, "max_steps=6", f"output_dir={extended}",
+                                              "resume=true"]) == 0
+    assert [r["loss"] for r in rc.read_metrics(extended)] == [r["loss"] for r in rc.read_metrics(ref)]
+    rc.assert_same_weights(extended / "model", ref / "model")
+
+
 def test_resume_without_checkpoint_is_one_line_error(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     proc = rc.run_cli("full", "full/smollm2", [*rc.COMMON, f"model.checkpoint_dir={tiny_model_dir}",
