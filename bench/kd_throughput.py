@@ -67,6 +67,8 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "shipped_full_torchao_sr": ("shipped", "full", ["optimizer={_component_: torchao.optim._AdamW, lr: 1.0e-4, "
                                                     "weight_decay: 0.0, bf16_stochastic_round: true}"]),
     "shipped_lora_no_compile": ("shipped", "lora", ["compile=false"]),
+    "shipped_lora_chunks32": ("shipped", "lora", ["num_output_chunks=32"]),  # smaller loss chunks: memory
+    "shipped_lora_ac": ("shipped", "lora", ["activation_checkpointing=true"]),  # what checkpointing costs, saves
     "shipped_lora_dense_mask": ("shipped", "lora", ["DENSE_MASK"]),  # packed rows through SDPA's dense mask
     "shipped_lora_bf16_dense_mask": ("shipped", "lora", ["teacher.quantize=null", "DENSE_MASK"]),
     "shipped_full_dense_mask": ("shipped", "full", ["DENSE_MASK"]),
