@@ -9,6 +9,7 @@
 #                                          # prints what is done after ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
 #   bash bench/device_kd.sh profile [ROW]  # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
+#   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
@@ -100,6 +101,13 @@ profile)  # one short call: where the GPU time of one of our rows goes (bench/pr
     python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
     ours python3 bench/profile_kd.py --out $B --row "${2:-ours_lora_compile}" 2>&1 | grep -v "^train" | tee /tmp/profile.txt
     [[ -n ${OUT:-} ]] && cp /tmp/profile.txt "$OUT/"
+    ;;
+memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
+    install_ours
+    copy_repo
+    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
+    ours python3 bench/memory_peak.py --out $B --row "${2:-shipped_lora}" 2>&1 | grep -v "^train" | tee /tmp/memory.txt
+    [[ -n ${OUT:-} ]] && cp /tmp/memory.txt "$OUT/"
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
