@@ -285,10 +285,10 @@ class OnPolicy:
     def metrics(self, values: dict[str, float], step_seconds: float) -> dict[str, float | int | None]:
         """The logged on-policy metrics of a step from its reduced `values`: the loss term, the teacher-scored
         per-token reverse KL on the samples, sampled tokens/s (all ranks) and the share of the step spent
-        sampling (None / 0 on a step without on-policy micro-batches)."""
+        sampling (None, or 0 for the share, on a step without on-policy micro-batches)."""
         sampled, seconds = values.pop("on_policy_sampled"), values.pop("on_policy_seconds") / self.rt.world_size
-        rkl = values.pop("on_policy_rkl_sum")
-        return {"on_policy_loss": values.pop("on_policy_loss"), "on_policy_batches": self._batches_logged,
+        rkl, loss = values.pop("on_policy_rkl_sum"), values.pop("on_policy_loss")
+        return {"on_policy_loss": loss if sampled else None, "on_policy_batches": self._batches_logged,
                 "on_policy_rkl": rkl / sampled if sampled else None,
                 "sampled_tokens_per_s": sampled / seconds if seconds > 0 else None,
                 "sampling_share": seconds / step_seconds if step_seconds > 0 else 0.0}
