@@ -7,11 +7,18 @@
 #   bash bench/device_study2.sh start 540 --scale lease --jobs 10   # call 2 (carry .carry/b): GGUF, assets, driver in
 #                                                              # the background; wait up to 500 s, pack
 #   bash bench/device_study2.sh wait 560                       # calls 3..: wait for the driver, pack the results
+#   bash bench/device_study2.sh restore                        # (carry .carry/study2) before `start`: the transfer
+#                                                              # set and layer scores of an earlier lease
+#
+# A study too long for one lease (`--scale lease20m`) spans leases: each `pack` also writes $OUT/carry_forward.tgz
+# (the teacher-written transfer set, the layer scores and their done-markers, a few MiB); put it in .carry/study2/
+# and the next lease's `restore` call puts it back, so the driver skips both and that lease trains and evaluates
+# other `--rows`. Trained models never leave a machine: a row is trained and evaluated in the same lease.
 #
 # Every stage that touches the study ends by packing the results into $OUT/study.tgz (one file, well under 16 MiB).
 # Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).
 set -euo pipefail
-stage=${1:?stage: install | start SECONDS [DRIVER ARGS] | wait SECONDS}
+stage=${1:?stage: install | restore | start SECONDS [DRIVER ARGS] | wait SECONDS}
 secs=${2:-540}
 shift $(($# < 2 ? $# : 2))
 export PYTHONPATH=/tmp/stub:/tmp/site RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
@@ -55,6 +62,11 @@ pack() {  # numbers, curves, layer scores, log tails -> $OUT/study.tgz (the tool
         logtail layers/*.json transfer/transfer.json kd_logits/manifest.json train/*/metrics.jsonl \
         evals/*/summary.json 2>/dev/null)) || echo "pack: tar failed"
     ls -l "$OUT/study.tgz" 2>/dev/null || true
+    if [[ -f $STUDY/status/transfer.json ]]; then  # what a later lease needs to skip the transfer set and the scores
+        (cd "$STUDY" && tar czf "$OUT/carry_forward.tgz" --ignore-failed-read transfer layers \
+            $(ls status/transfer.json status/layers*.json status/prune*.json 2>/dev/null)) || echo "pack: carry_forward failed"
+        ls -l "$OUT/carry_forward.tgz" 2>/dev/null || true
+    fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt" || true
 }
 
@@ -92,6 +104,9 @@ wait)
     cd /tmp/repo
     wait_for_driver "$secs"
     pack
+    ;;
+restore)  # an earlier lease's transfer set and layer scores (carry .carry/study2/carry_forward.tgz)
+    mkdir -p "$STUDY" && tar xzf .carry/study2/carry_forward.tgz -C "$STUDY" && ls "$STUDY" "$STUDY/status"
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
