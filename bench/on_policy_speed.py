@@ -14,8 +14,9 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `onpolicy_compiled_chat`: the shipped chat transfer set (`transfer:chat`, format chat): prompts of many lengths,
   so several width buckets (one compiled decode graph each).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
-(medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, and how often Dynamo
-recompiled (TORCH_LOGS=recompiles: a recompile per step would show here and in the per-step rates).
+(medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
+recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
+recompile or a recording per step would show here and in the per-step rates).
 
 `decode` row: the 1B student's sampling at batch 32 (bench/decode_speed.py, its own process: generate_batch eager
 and compiled, on-policy KD's sampler, transformers' generate with a static cache (compiled by transformers on CUDA)
@@ -65,7 +66,7 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
     out_dir.mkdir(parents=True)
     cmd = _shipped_cmd(SimpleNamespace(out=a.out, steps=a.steps, warmup=a.warmup), "lora", [], out_dir)
     cmd += [*ROWS[name], f"kd.on_policy.max_new_tokens={a.max_new_tokens}", "save_every_n_steps=null", *a.extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
@@ -93,6 +94,9 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
         peak_gib=max(s.get("peak_memory_gib") or 0 for s in steps),
         first_step_s=float(first.group(1)) if first else None,
         recompiles=text.count("Recompiling function"),
+        cudagraph_recordings=text.count("Recording function="),  # per width bucket: once, not per micro-batch
+        cudagraph_rerecords=text.count("Re-recording function="),
+        cudagraph_skips=text.count("skipping cudagraphs"),
         sampling=sampling.group(1).strip() if sampling else None,
         held_out=json.loads(held.read_text()) if held.exists() else None,
     )
@@ -117,7 +121,8 @@ def table(out: Path) -> str:
     latest = {r["row"]: r for r in rows}
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     lines = ["| row | tokens/s | sampled tokens/s | sampling share | prompts per on-policy micro-batch | peak GiB "
-             "| first step s | recompiles |", "|---|---|---|---|---|---|---|---|"]
+             "| first step s | recompiles, CUDA graphs recorded / re-recorded / skipped |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in latest.values():
         if "tokens_per_s" not in r or r.get("rc", 0) != 0:
             lines.append(f"| {r['row']} | failed: {str(r.get('error', ''))[-120:]!r} |")
@@ -128,7 +133,8 @@ def table(out: Path) -> str:
             continue
         lines.append(f"| {r['row']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['sampled_tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['sampling_share'], '.0%')} | {fmt(r['prompts_per_on_policy_batch'], '.1f')} | "
-                     f"{fmt(r['peak_gib'], '.1f')} | {fmt(r['first_step_s'], '.0f')} | {r['recompiles']} |")
+                     f"{fmt(r['peak_gib'], '.1f')} | {fmt(r['first_step_s'], '.0f')} | {r['recompiles']}, "
+                     f"{r.get('cudagraph_recordings')} / {r.get('cudagraph_rerecords')} / {r.get('cudagraph_skips')} |")
     return "\n".join(lines)
 
 

@@ -243,6 +243,55 @@ def test_compiled_sampling_and_compiled_training_layers_never_recompile_each_oth
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and Inductor's GPU kernels")
+def test_cuda_graph_sampling_is_recorded_once_and_reads_the_trained_weights(monkeypatch):
+    """On a GPU: the on-policy sampler's decode step (StaticDecode, mode reduce-overhead) between training steps of
+    layers compiled with Inductor: no recompile, no CUDA-graph skip, one recording for all samplings (a re-record
+    per micro-batch would show here), and the samples of an uncompiled twin trained the same way."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    from llm_recipe.components.models.generation import StaticDecode
+
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function",
+                        lambda self, *a, **k: recorded.append(1) or record(self, *a, **k))
+    torch._dynamo.reset()
+    counters.clear()
+    model, twin = _model(0).float().cuda(), _model(0).float().cuda()
+    for layer in model.layers:
+        layer.compile()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    static = StaticDecode(6, mode="reduce-overhead")
+    kw = dict(max_new_tokens=24, temperature=1.0, pad_id=0, stop_ids=[], seed=3, width=6)
+
+    def train(width: int, seed: int) -> None:
+        tokens = torch.randint(1, 61, (2, width), generator=torch.Generator().manual_seed(seed)).cuda()
+        for m, opt in zip((model, twin), opts, strict=True):
+            m.train()
+            kd_and_ce(_hidden(m, tokens), m.output, tokens.roll(-1, 1), num_chunks=2)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(12, 0)
+    train(7, 1)
+    samples = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2, 7):
+            n = 1 + step % 3
+            got = sample_completions(model, PROMPTS[:n], rows=range(n), static=static, **kw)
+            assert got == sample_completions(twin, PROMPTS[:n], rows=range(n), **kw)
+            samples.append(got)
+            train(12, step)
+            train(5 + step, 10 + step)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(recorded) == 1, f"{len(recorded)} CUDA graph recordings"
+    assert samples[0] != samples[3]  # same prompts and seed: the weights moved and the graph read them
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------- the loss
 
 
