@@ -9,9 +9,9 @@ Rows: `ours_eager`, `ours_default`, `ours_reduce-overhead` (generate_batch's `co
 (`sample_completions` with a `StaticDecode`: the layers compiled for training as rt.prepare_model does, the model
 in train mode, its decode step compiled over the whole model as a CUDA graph, inverse-CDF sampling from seeded
 uniforms); `hf_static`: transformers' `generate(cache_implementation="static")`, which on CUDA compiles its own
-forward (mode "reduce-overhead", fullgraph) since transformers 4.5x: that is "a static cache + torch.compile" as
-transformers ships it (wrapping `model.forward` in torch.compile on top of it, the old recipe, now fails with
-"accessing tensor output of CUDAGraphs that has been overwritten"); `hf_static_nocompile`: the same with
+forward (mode "reduce-overhead", fullgraph) in recent transformers: "a static cache + torch.compile" as
+transformers ships it (wrapping `model.forward` in torch.compile on top of it, the old recipe, failed on the H200
+with "accessing tensor output of CUDAGraphs that has been overwritten"); `hf_static_nocompile`: the same with
 `disable_compile=True`. `dynamo_graphs` counts the graphs Dynamo compiled for a row (0: it ran eagerly).
 
 Random weights (speed does not depend on them); every row samples exactly `--new` tokens (no stop ids, HF with
