@@ -181,8 +181,9 @@ def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_
     if world_size > 1:
         if s.decode == "compiled":
             raise RecipeError(f"kd.on_policy.decode=compiled runs on one process only: on {world_size} the student "
-                              "is sharded with FSDP2, whose per-layer all-gathers a compiled, CUDA-graphed decode "
-                              "step cannot hold; use decode: auto (eager sampling) or one process")
+                              "is sharded with FSDP2, which gathers each layer's weights in hooks around every "
+                              "decode step, and the compiled, CUDA-graphed step is built for an unsharded model; "
+                              "use decode: auto (eager sampling) or one process")
         return "eager"
     return "compiled" if s.decode == "compiled" or (device.type == "cuda" and compile) else "eager"
 
