@@ -1,8 +1,18 @@
-"""Sampling speed: our batched KV-cache `generate_batch` (eager and with the decode step compiled) against
-transformers' `generate` with a static cache and a compiled forward, same shapes, same GPU (issue 22).
+"""Sampling speed: our batched KV-cache `generate_batch` (eager and with the decode step compiled), on-policy KD's
+sampler, and transformers' `generate` with a static cache, same shapes, same GPU (issue 22).
 
     python bench/decode_speed.py --shape llama1b --batch 32 --new 256 --out results.jsonl
     python bench/decode_speed.py --shape smollm2 --batch 1024 --new 128      # the transfer set's decode
+
+Rows: `ours_eager`, `ours_default`, `ours_reduce-overhead` (generate_batch's `compile_mode`, the transfer recipe's);
+`onpolicy_compiled`: what `recipe run kd` with `kd.on_policy` samples with on one GPU with `compile: true`
+(`sample_completions` with a `StaticDecode`: the layers compiled for training as rt.prepare_model does, the model
+in train mode, its decode step compiled over the whole model as a CUDA graph, inverse-CDF sampling from seeded
+uniforms); `hf_static`: transformers' `generate(cache_implementation="static")`, which on CUDA compiles its own
+forward (mode "reduce-overhead", fullgraph) in recent transformers: "a static cache + torch.compile" as
+transformers ships it; `hf_static_compiled`: `model.forward` wrapped in torch.compile on top of that (the old
+recipe; it failed on the H200 with "accessing tensor output of CUDAGraphs that has been overwritten");
+`hf_static_nocompile`: the static cache with `disable_compile=True`. `dynamo_graphs` counts the graphs Dynamo compiled for a row (0: it ran eagerly).
 
 Random weights (speed does not depend on them); every row samples exactly `--new` tokens (no stop ids, HF with
 min_new_tokens), prompts of `--prompt` tokens. Each row is timed on its second run, so compile time is reported
@@ -42,6 +52,29 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
+    from llm_recipe.components.models import ModelArgs, build_model
+    from llm_recipe.components.models.generation import StaticDecode
+    from llm_recipe.components.on_policy import sample_completions
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(ModelArgs.from_hf_config(hf_config(shape))).to(torch.bfloat16).train()
+    for layer in model.layers:  # as rt.prepare_model compiles a training model's layers
+        layer.compile()
+    prompts = torch.randint(3, 1000, (batch, prompt)).tolist()
+    static = StaticDecode(batch, "reduce-overhead")
+
+    def run():
+        sample_completions(model, prompts, new, 1.0, pad_id=0, stop_ids=[], seed=0, rows=range(batch), width=batch,
+                           static=static)
+
+    first = timed(run)
+    second = timed(run)
+    return {"row": "onpolicy_compiled", "first_s": round(first, 2), "s": round(second, 3),
+            "tokens_per_s": round(batch * new / second)}
+
+
 def ours(shape: str, batch: int, prompt: int, new: int, mode: str | None) -> dict:
     from llm_recipe.components.models import ModelArgs, build_model
     from llm_recipe.components.models.generation import generate_batch
@@ -62,7 +95,7 @@ def ours(shape: str, batch: int, prompt: int, new: int, mode: str | None) -> dic
             "tokens_per_s": round(batch * new / second)}
 
 
-def hf(shape: str, batch: int, prompt: int, new: int, compiled: bool) -> dict:
+def hf(shape: str, batch: int, prompt: int, new: int, row: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -70,18 +103,19 @@ def hf(shape: str, batch: int, prompt: int, new: int, compiled: bool) -> dict:
     cfg.pop("architectures")
     with torch.device("cuda"):
         model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).eval()
-    if compiled:  # transformers' documented recipe: static cache + compiled forward
+    if row == "hf_static_compiled":  # the old recipe: forward compiled by hand on top of transformers' own
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(3, 1000, (batch, prompt), device="cuda")
+    off = {"disable_compile": True} if row == "hf_static_nocompile" else {}  # else transformers compiles itself
 
     def run():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static",
-                       pad_token_id=0)
+                       pad_token_id=0, **off)
 
     first = timed(run)
     second = timed(run)
-    return {"row": f"hf_static{'_compiled' if compiled else ''}", "first_s": round(first, 2),
+    return {"row": row, "first_s": round(first, 2),
             "s": round(second, 3), "tokens_per_s": round(batch * new / second)}
 
 
@@ -91,16 +125,24 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
-    p.add_argument("--rows", default="ours_eager,ours_default,ours_reduce-overhead,hf_static,hf_static_compiled")
+    p.add_argument("--rows", default="ours_eager,ours_reduce-overhead,onpolicy_compiled,hf_static,hf_static_nocompile")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
+    from torch._dynamo.utils import counters
+
     for row in a.rows.split(","):
+        counters.clear()
         try:
             if row.startswith("ours_"):
                 mode = row.removeprefix("ours_")
                 r = ours(a.shape, a.batch, a.prompt, a.new, None if mode == "eager" else mode)
+            elif row == "onpolicy_compiled":
+                r = onpolicy(a.shape, a.batch, a.prompt, a.new)
+            elif row in ("hf_static", "hf_static_nocompile", "hf_static_compiled"):
+                r = hf(a.shape, a.batch, a.prompt, a.new, row)
             else:
-                r = hf(a.shape, a.batch, a.prompt, a.new, row.endswith("_compiled"))
+                raise ValueError(f"unknown row {row}")
+            r["dynamo_graphs"] = counters["stats"]["unique_graphs"]
         except Exception as e:  # one failing row must not cost the others (a GPU lease is short)
             r = {"row": row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         r.update(shape=a.shape, batch=a.batch, prompt=a.prompt, new=a.new, device=torch.cuda.get_device_name(),

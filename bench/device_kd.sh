@@ -11,10 +11,13 @@
 #   bash bench/device_kd.sh profile [ROW]  # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
+#   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
+#                                          # bench/on_policy_speed.py (issue 22: on-policy KD's sampling speed,
+#                                          # eager vs compiled, and the batch-32 decode against transformers)
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
-stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl}
+stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl | onpolicy [ROWS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site "$@"; }
@@ -32,12 +35,12 @@ copy_repo() {  # a fresh copy of this checkout in /tmp/repo, installed (no deps)
 
 wait_for() {  # seconds: poll until the background runner exits, then print what it measured
     local deadline=$((SECONDS + $1))
-    while pgrep -f "^bash bench/device_k[d].sh (shipped_)?runner" >/dev/null && ((SECONDS < deadline)); do sleep 10; done
+    while pgrep -f "^bash bench/device_k[d].sh (shipped_|onpolicy_)?runner" >/dev/null && ((SECONDS < deadline)); do sleep 10; done
     grep -v '^\s*$' /tmp/runner.log | tail -60
     grep -c "Mismatch dtype" $B/runs/*/log.txt 2>/dev/null  # RMSNorm's slow-path warning: 0 expected for ours
     if [[ -n ${OUT:-} ]]; then
-        cp /tmp/runner.log $B/results.jsonl "$OUT/" 2>/dev/null
-        (cd $B && tar czf "$OUT/logs.tgz" runs/*/log.txt ./*.log qat_compile_*/metrics.jsonl 2>/dev/null)
+        cp /tmp/runner.log $B/results.jsonl $B/on_policy_speed.jsonl $B/decode_speed.jsonl "$OUT/" 2>/dev/null
+        (cd $B && tar czf "$OUT/logs.tgz" runs/*/log.txt runs/*/metrics.jsonl ./*.log qat_compile_*/metrics.jsonl 2>/dev/null)
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 }
@@ -94,6 +97,18 @@ runner)  # the measurements, one after another (the GPU is never shared between 
     qat_cost false
     ours python3 bench/kd_throughput.py run --out $B --rows "${3:-tt_lora_eager,ours_lora_eager,ours_full_compile_fp8}" \
         --tt-path /tmp/tt --timeout 420
+    ;;
+onpolicy)  # issue 22: on-policy KD's sampling speed; no torchtune rows, so no .carry/tt
+    install_ours
+    copy_repo
+    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    cd /tmp/repo && setsid nohup bash bench/device_kd.sh onpolicy_runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
+    sleep 5
+    cd /tmp/repo && wait_for 420
+    ;;
+onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config with kd.on_policy (compiled, eager
+                  # sampling), decode_speed.py at batch 32, off-policy, chat data; training rows log Dynamo's recompiles
+    ours python3 bench/on_policy_speed.py --out $B ${2:+--rows "$2"}
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
     install_ours

@@ -10,13 +10,27 @@ The blocks recipes/kd.py calls from its loop:
 - `OnPolicy`: `hold_out` (keeps the dataset's last `held_out` rows out of training), `sample_window` (the chosen
   micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
   `held_out_eval` (the end-of-run metric).
-- plain functions, tested on their own: `is_on_policy`, `prompts_of`, `sample_completions`, `completion_batch`.
+- plain functions, tested on their own: `is_on_policy`, `row_prompts` / `prompts_of`, `sample_completions`,
+  `completion_batch`, `decode_path`.
+
+Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
+the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
+batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not)
+and still holds no more tokens than the loader's micro-batch.
+
+Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
+compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt batch padded to
+batch_size x prompts_per_row rows, the width to a 64 x 2^k bucket, KV caches kept between micro-batches), so the
+graph is recorded once per bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training
+layers never see a KV cache. Elsewhere (CPU, FSDP2 over N processes, `decode: eager`) sampling is eager, under
+`no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
 
 Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch
 index), and so is its sampling noise (a torch.Generator seeded from them), so a resumed run samples exactly what
 the uninterrupted run sampled. The noise is drawn for the global batch (every rank draws the same uniforms) and
-each row takes the uniform of its global row index (the loader deals rows to ranks round-robin: rank k's row r
-is global row r * world_size + k), so N processes sample what one process with N times the batch samples.
+prompt j of a row takes the uniform of slot g * prompts_per_row + j, g being the row's global index (the loader
+deals rows to ranks round-robin: rank k's row r is global row r * world_size + k), so N processes sample what one
+process with N times the batch samples.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from .checkpoint.atomic import atomic_write_bytes
 from .data.dataset import TokenizedDataset
 from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
-from .models.generation import generate_batch
+from .models.generation import StaticDecode, generate_batch
 from .runtime import Runtime
 from .schema import Choice, Range
 from .training import hidden_states, to_device
@@ -47,6 +61,7 @@ from .training import hidden_states, to_device
 IGNORE_INDEX = -100
 EVAL_FILE = "on_policy_eval.json"  # held_out_eval's result, in output_dir
 KD_OPTIONS = ("beta", "alpha", "ratio")
+DECODE_PATHS = ("auto", "compiled", "eager")
 
 
 @dataclass(frozen=True)
@@ -57,9 +72,13 @@ class OnPolicySettings:
     #                        held-out split and score, for the off-policy baseline of a comparison)
     max_new_tokens: int = 64  # tokens the student samples per prompt (fewer when it emits a stop token)
     temperature: float = 1.0  # sampling temperature (1.0 samples the student's own distribution)
-    prompt_tokens: int = 32  # text rows: the first N tokens of the row's first document are the prompt
+    prompt_tokens: int = 32  # text rows: the first N tokens of a document are its prompt
     loss: str = "reverse_kl"  # the divergence on sampled tokens: any kd.loss kind (kd.temperature/beta/... apply)
     held_out: int = 16  # the dataset's last N rows never train; at the end their prompts score the student (0: none)
+    prompts_per_row: int = 8  # a prompt from each document of a row (packed rows hold many), up to N, as long as
+    #                           they and their completions fit in max_seq_len: up to batch_size x N prompts at once
+    decode: str = "auto"  # auto: compiled (CUDA graphs) on one CUDA process with compile: true, else eager |
+    #                       compiled (one process only) | eager
 
 
 # The section's ranges, checked by `recipe validate` / `recipe run` before anything loads (one home per key).
@@ -70,6 +89,8 @@ ON_POLICY_SCHEMA = {
     "prompt_tokens": Range(int, ge=1),
     "loss": Choice(*KD_LOSSES),
     "held_out": Range(int, ge=0),
+    "prompts_per_row": Range(int, ge=1),
+    "decode": Choice(*DECODE_PATHS),
 }
 
 
@@ -107,27 +128,64 @@ def _key(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int) -> list[list[int]]:
-    """Each row's prompt, from its first document (a packed row's documents restart `input_pos` at 0; an unpacked
-    row ends after its last target). `prompt_tokens`: text rows, the document's first N tokens (never its last,
-    the end-of-text); None: instruct/chat rows, the tokens before the first one that carries a loss. At most
-    `budget` tokens (max_seq_len - max_new_tokens): a longer instruct/chat prompt keeps its end."""
+def row_prompts(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int, per_row: int = 1,
+                max_new_tokens: int = 0) -> list[list[list[int]]]:
+    """Each row's prompts, one per document, in order, from the documents that carry a target (a packed row's
+    documents restart `input_pos` at 0, and its trailing padding is a document without targets; an unpacked row
+    is one document, ending after its last target): at most `per_row`, and only while the row's prompts plus
+    `max_new_tokens` each fit in budget + max_new_tokens (max_seq_len: an on-policy micro-batch then holds no more
+    tokens than the loader's); a row's first document always gives one.
+    `prompt_tokens`: text rows, the document's first N tokens (never its last, the end-of-text); None:
+    instruct/chat rows, the tokens before the first one that carries a loss. At most `budget` tokens
+    (max_seq_len - max_new_tokens): a longer instruct/chat prompt keeps its end."""
     tokens, labels, pos = batch["tokens"], batch["labels"], batch.get("input_pos")
-    prompts = []
+    out = []
     for i, row in enumerate(tokens.tolist()):
         if pos is not None:
-            starts = (pos[i, 1:] == 0).nonzero()
-            doc = int(starts[0]) + 1 if len(starts) else len(row)
+            starts = [0, *((pos[i, 1:] == 0).nonzero().flatten() + 1).tolist()]
+            ends = [*starts[1:], len(row)]
         else:
             targets = (labels[i] != IGNORE_INDEX).nonzero()
-            doc = int(targets[-1]) + 2 if len(targets) else len(row)
-        if prompt_tokens is not None:
-            prompts.append(row[: max(1, min(prompt_tokens, doc - 1, budget))])
-        else:
-            targets = (labels[i, :doc] != IGNORE_INDEX).nonzero()
-            first = int(targets[0]) + 1 if len(targets) else doc  # labels[t] is the target of token t + 1
-            prompts.append(row[:first][-budget:])
-    return prompts
+            starts, ends = [0], [int(targets[-1]) + 2 if len(targets) else len(row)]
+        prompts: list[list[int]] = []
+        room = budget + max_new_tokens
+        for start, end in zip(starts, ends):
+            targets = (labels[i, start:end] != IGNORE_INDEX).nonzero()
+            if not len(targets) and start > 0:
+                continue  # padding, or a document whose targets were cut off
+            if prompt_tokens is not None:
+                prompt = row[start : start + max(1, min(prompt_tokens, end - start - 1, budget))]
+            else:  # labels[t] is the target of token t + 1
+                first = start + int(targets[0]) + 1 if len(targets) else end
+                prompt = row[start:first][-budget:]
+            room -= len(prompt) + max_new_tokens
+            if prompts and room < 0:
+                break
+            prompts.append(prompt)
+            if len(prompts) == per_row:
+                break
+        out.append(prompts)
+    return out
+
+
+def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int, per_row: int = 1,
+               max_new_tokens: int = 0) -> list[list[int]]:
+    """`row_prompts`, row after row, in one list."""
+    return [p for prompts in row_prompts(batch, prompt_tokens, budget, per_row, max_new_tokens) for p in prompts]
+
+
+def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_size: int) -> str:
+    """"compiled" or "eager": how the student samples (`kd.on_policy.decode`; module docstring)."""
+    if s.decode == "eager":
+        return "eager"
+    if world_size > 1:
+        if s.decode == "compiled":
+            raise RecipeError(f"kd.on_policy.decode=compiled runs on one process only: on {world_size} the student "
+                              "is sharded with FSDP2, which gathers each layer's weights in hooks around every "
+                              "decode step, and the compiled, CUDA-graphed step is built for an unsharded model; "
+                              "use decode: auto (eager sampling) or one process")
+        return "eager"
+    return "compiled" if s.decode == "compiled" or (device.type == "cuda" and compile) else "eager"
 
 
 def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -> Tensor:
@@ -144,15 +202,17 @@ def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -
 @torch.no_grad()
 def sample_completions(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
                        pad_id: int, stop_ids: Sequence[int], seed: int, rows: Sequence[int], width: int,
-                       vocab_size: int | None = None,
-                       all_done: Callable[[Tensor], bool] | None = None) -> list[list[int]]:
+                       vocab_size: int | None = None, all_done: Callable[[Tensor], bool] | None = None,
+                       static: StaticDecode | None = None) -> list[list[int]]:
     """The student's completion of each prompt, stop token included, sampled with its KV cache from its training
     weights (eval mode, no grad; no copy of the model). Per token, a generator seeded with `seed` draws `width`
-    uniforms and prompt i takes uniform `rows[i]` (its row in the global batch). `vocab_size`: sample only ids
-    below it (a head padded past the tokenizer). `all_done`: see generate_batch."""
+    uniforms and prompt i takes uniform `rows[i]` (its slot in the global batch). `vocab_size`: sample only ids
+    below it (a head padded past the tokenizer). `all_done`: see generate_batch. `static`: the compiled decode
+    step with fixed shapes (generate_batch; its padding rows take uniform 0 and are dropped)."""
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    rows = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+    rows = list(rows) + ([0] * (static.batch - len(rows)) if static is not None else [])
+    rows = torch.as_tensor(rows, dtype=torch.long, device=device)
 
     def pick(logits: Tensor) -> Tensor:
         u = torch.rand(width, generator=gen, device=device)[rows]
@@ -162,7 +222,7 @@ def sample_completions(model: nn.Module, prompts: Sequence[Sequence[int]], max_n
     model.eval()  # no dropout (LoRA) while sampling
     try:
         return generate_batch(model, prompts, max_new_tokens, pad_id, stop_ids=stop_ids, keep_stop=True, pick=pick,
-                              all_done=all_done)
+                              all_done=all_done, static=static)
     finally:
         model.train(training)
 
@@ -191,7 +251,8 @@ class OnPolicy:
     """The on-policy part of a KD run: which micro-batches, their samples, and their metrics (module docstring).
 
     `vocab_size`: the loss's shared vocabulary (None: whole heads), which sampling keeps to; `num_chunks`: the
-    loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens."""
+    loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens.
+    `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`)."""
 
     def __init__(self, s: OnPolicySettings, cfg: DictConfig, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int) -> None:
@@ -202,6 +263,16 @@ class OnPolicy:
         self.batch_size, self.num_chunks, self.vocab = int(cfg.get("batch_size", 4)), num_chunks, vocab_size
         self.prompt_tokens = s.prompt_tokens if cfg.dataset.get("format", "text") == "text" else None
         self.budget = int(cfg.dataset.max_seq_len) - s.max_new_tokens
+        self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
+        self.path = decode_path(s, bool(cfg.get("compile", False)), rt.device, rt.world_size)
+        self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
+                                    max_width=min(self.budget, self.prompt_tokens or self.budget))
+                       if self.path == "compiled" else None)
+        if rt.is_main:
+            how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
+                   else "one compiled decode step" if self.static is not None else "eager decode steps")
+            print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), {how}",
+                  flush=True)
         self.held: list[dict] = []
         self.collate: Callable[[list[dict]], dict] | None = None
         self._batches_logged = 0
@@ -230,7 +301,7 @@ class OnPolicy:
     def _sample(self, model: nn.Module, prompts: list[list[int]], seed: int, rows: Sequence[int],
                 width: int) -> list[list[int]]:
         return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
-                                  self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done)
+                                  self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done, self.static)
 
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by `completion_batch`es of the
@@ -240,12 +311,16 @@ class OnPolicy:
             if not is_on_policy(self.seed, step, micro, self.accum, self.s.fraction):
                 out.append(batch)
                 continue
-            prompts = prompts_of(batch, self.prompt_tokens, self.budget)
             world, rank = self.rt.world_size, self.rt.rank  # the loader deals global row r * world + rank here
-            completions = self._sample(model, prompts, _key(self.seed, step, micro),
-                                       [r * world + rank for r in range(len(prompts))], self.batch_size * world)
+            prompts, slots = [], []  # prompt j of global row g takes uniform g * per_row + j
+            for r, row in enumerate(row_prompts(batch, self.prompt_tokens, self.budget, self.per_row,
+                                                self.s.max_new_tokens)):
+                prompts += row
+                slots += [(r * world + rank) * self.per_row + j for j in range(len(row))]
+            completions = self._sample(model, prompts, _key(self.seed, step, micro), slots, self.rows * world)
             out.append(completion_batch(prompts, completions, self.tokenizer.pad_id))
             self._batches += 1
+            self._prompts += len(prompts)
             self._sampled += sum(map(len, completions))
         if self._batches:
             self._seconds += time.perf_counter() - start
@@ -254,7 +329,7 @@ class OnPolicy:
     # ------------------------------------------------------------------ metrics
     def _reset(self) -> None:
         zero = torch.zeros((), device=self.rt.device)
-        self._loss, self._rkl, self._batches, self._sampled, self._seconds = zero, zero, 0, 0, 0.0
+        self._loss, self._rkl, self._batches, self._prompts, self._sampled, self._seconds = zero, zero, 0, 0, 0, 0.0
 
     def _reverse_kl(self, parts: dict[str, Tensor], hidden: Tensor, head: Any, labels: Tensor,
                     target: LiveTeacher) -> Tensor:
@@ -276,6 +351,7 @@ class OnPolicy:
     def sums(self) -> dict[str, Tensor]:
         """The step's on-policy sums, to reduce over ranks with the step's other values (`step_values`)."""
         out = {"on_policy_loss": self._loss, "on_policy_rkl_sum": self._rkl,
+               "on_policy_prompts": torch.tensor(float(self._prompts), device=self.rt.device),
                "on_policy_sampled": torch.tensor(float(self._sampled), device=self.rt.device),
                "on_policy_seconds": torch.tensor(self._seconds, device=self.rt.device)}
         self._batches_logged = self._batches
@@ -284,11 +360,12 @@ class OnPolicy:
 
     def metrics(self, values: dict[str, float], step_seconds: float) -> dict[str, float | int | None]:
         """The logged on-policy metrics of a step from its reduced `values`: the loss term, the teacher-scored
-        per-token reverse KL on the samples, sampled tokens/s (all ranks) and the share of the step spent
-        sampling (None, or 0 for the share, on a step without on-policy micro-batches)."""
+        per-token reverse KL on the samples, the prompts sampled and sampled tokens/s (all ranks) and the share of
+        the step spent sampling (None, or 0 for the share, on a step without on-policy micro-batches)."""
         sampled, seconds = values.pop("on_policy_sampled"), values.pop("on_policy_seconds") / self.rt.world_size
         rkl, loss = values.pop("on_policy_rkl_sum"), values.pop("on_policy_loss")
         return {"on_policy_loss": loss if sampled else None, "on_policy_batches": self._batches_logged,
+                "on_policy_prompts": int(values.pop("on_policy_prompts")),
                 "on_policy_rkl": rkl / sampled if sampled else None,
                 "sampled_tokens_per_s": sampled / seconds if seconds > 0 else None,
                 "sampling_share": seconds / step_seconds if step_seconds > 0 else 0.0}
@@ -299,18 +376,21 @@ class OnPolicy:
         same sampling as training, seeded from the seed alone; every rank computes the same numbers)."""
         if not self.held:
             return None
-        prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget)
+        prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
+                             self.s.max_new_tokens)
         total, tokens, training = 0.0, 0, student.training
         student.eval()
         try:
-            for i in range(0, len(prompts), self.batch_size):
-                chunk = prompts[i : i + self.batch_size]
+            for i in range(0, len(prompts), self.rows):  # training's sampling batch (and the compiled step's shapes)
+                chunk = prompts[i : i + self.rows]
                 completions = self._sample(student, chunk, _key(self.seed, "held_out"), range(i, i + len(chunk)),
                                            len(prompts))
                 batch = to_device(completion_batch(chunk, completions, self.tokenizer.pad_id), self.rt.device)
                 with torch.inference_mode():
                     target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
-                with torch.no_grad():  # not inference mode: a sharded student's gathered weights stay normal tensors
+                # not inference mode: a sharded student's gathered weights stay normal tensors; eager: the compiled
+                # training layers would compile a no-grad variant for this one pass at the end
+                with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                     parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target,
                                       self.metric, 1.0, num_chunks=self.num_chunks, vocab_size=self.vocab)
                 total += float(parts["kd"])

@@ -102,3 +102,35 @@ def test_batched_sampling_is_reproducible_and_honours_top_k():
     picks = sample_batch(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))
     assert all(int(p) in set(logits[i].topk(3).indices.tolist()) for i, p in enumerate(picks))
     assert torch.equal(sample_batch(logits), logits.argmax(-1))
+
+
+def test_static_decode_pads_rows_and_width_and_keeps_its_caches():
+    """StaticDecode (on-policy KD's compiled sampling): any number of prompts up to its batch runs at that batch
+    and at a bucketed width, with the KV caches of the first call (same tensors, reset) and the model's attention
+    layers left as torchtune built them; the tokens are the plain batched ones. Dynamo with the eager backend: the
+    shapes and guards of torch.compile without Inductor's compile time."""
+    from llm_recipe.components.models.generation import StaticDecode, generate_batch
+
+    model = _model()
+    static = StaticDecode(4, mode="default", backend="eager")
+    assert [static.width(w) for w in (1, 64, 65, 200, 3000)] == [64, 64, 128, 256, 4096]
+    assert StaticDecode(4, max_width=100).width(90) == 128 and StaticDecode(4, max_width=100).width(200) == 200
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]
+    caches = None
+    for n in (3, 1, 2, 3):
+        got = generate_batch(model, prompts[:n], max_new_tokens=10, pad_id=0, static=static)
+        (key,) = static._caches  # one cache length: 64 + 10
+        ptrs = [c.k_cache.data_ptr() for c in static._caches[key]]
+        assert caches is None or ptrs == caches
+        caches = ptrs
+        for layer in model.layers:  # as built: kv_cache None in the instance dict, not a child module
+            assert layer.attn.__dict__["kv_cache"] is None and "kv_cache" not in layer.attn._modules
+            assert not layer.attn.cache_enabled
+        fresh = _model()  # the plain path (torchtune's delete_kv_caches leaves kv_cache a child module of None)
+        assert got == generate_batch(fresh, prompts[:n], max_new_tokens=10, pad_id=0)
+    assert key[0] == 74
+    with pytest.raises(ValueError, match="5 prompts for a StaticDecode of 4 rows"):
+        generate_batch(model, prompts + prompts[:2], max_new_tokens=2, pad_id=0, static=static)
+    stop = got[1][4]  # stop ids end rows as before; the padding rows never hold the loop open
+    cut = generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop], static=static)
+    assert cut == generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop])

@@ -21,10 +21,12 @@ from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.on_policy import (
     OnPolicySettings,
     completion_batch,
+    decode_path,
     is_on_policy,
     on_policy_kd_loss,
     on_policy_settings,
     prompts_of,
+    row_prompts,
     sample_completions,
     sample_with_uniforms,
 )
@@ -92,6 +94,28 @@ def test_prompts_of_text_rows_packed_and_not():
     assert prompts_of(plain, 30, budget=40) == [doc1[:9], doc2[:4]]
 
 
+def test_row_prompts_takes_one_prompt_per_document_while_they_fit():
+    """A packed row's documents each give a prompt, in order, up to `per_row`, skipping its padding and any
+    document without targets, and only while prompts + max_new_tokens completions fit in the row's length."""
+    from llm_recipe.components.data.collate import collate
+
+    docs = [list(range(100 * k, 100 * k + n)) for k, n in ((1, 10), (2, 5), (3, 1), (4, 7))]
+    no_targets = [9] * 4  # e.g. a chat document whose response was cut off: no label
+    row = lambda ds, labels, pad: {"tokens": sum(ds, []) + [0] * pad, "labels": sum(labels, []) + [IGNORE] * pad,  # noqa: E731
+                                   "seq_lens": [len(d) for d in ds] + ([pad] if pad else [])}
+    packed = collate([row(docs, docs, 3), row([docs[1], no_targets, docs[3]], [docs[1], [IGNORE] * 4, docs[3]], 10)], 0)
+    # the 1-token document's shifted labels are all IGNORE: no target, no prompt; neither from the padding
+    assert row_prompts(packed, 4, budget=40, per_row=8) == [[docs[0][:4], docs[1][:4], docs[3][:4]],
+                                                          [docs[1][:4], docs[3][:4]]]
+    assert row_prompts(packed, 4, budget=40, per_row=2) == [[docs[0][:4], docs[1][:4]], [docs[1][:4], docs[3][:4]]]
+    assert prompts_of(packed, 4, budget=40, per_row=2) == [docs[0][:4], docs[1][:4], docs[1][:4], docs[3][:4]]
+    # room: each prompt (4 tokens) and its completion (10) take 14 of budget + max_new_tokens = 30 tokens
+    assert row_prompts(packed, 4, budget=20, per_row=8, max_new_tokens=10) == [[docs[0][:4], docs[1][:4]],
+                                                                             [docs[1][:4], docs[3][:4]]]
+    # the first document always gives one (a prompt is never over budget, so it always fits)
+    assert row_prompts(packed, 30, budget=3, per_row=8, max_new_tokens=60) == [[docs[0][:3]], [docs[1][:3]]]
+
+
 def test_prompts_of_chat_rows_are_the_tokens_before_the_response(embedded_model_dir):
     from llm_recipe.components.data.collate import collate
     from llm_recipe.components.data.formats import make_format
@@ -108,6 +132,9 @@ def test_prompts_of_chat_rows_are_the_tokens_before_the_response(embedded_model_
         assert prompt == row["tokens"][:first] and len(prompt) > 5
         assert tok.decode(prompt).rstrip().endswith("assistant")  # the generation prompt ends it
     assert prompts_of(batch, None, budget=4) == [p[-4:] for p in prompts]  # too long: its end is kept
+    packed = collate([{"tokens": rows[0]["tokens"] + rows[1]["tokens"], "labels": rows[0]["labels"] + rows[1]["labels"],
+                       "seq_lens": [len(rows[0]["tokens"]), len(rows[1]["tokens"])]}], tok.pad_id)
+    assert prompts_of(packed, None, budget=500, per_row=4) == prompts  # each packed chat document's own prompt
 
 
 def test_completion_batch_labels_only_the_sampled_tokens():
@@ -165,6 +192,104 @@ def test_samples_are_seeded_and_laid_out_by_global_row():
     assert all(len(c) == 12 and max(c) < 61 for c in one)
     assert max(max(c) for c in sample_completions(model, prompts, seed=5, rows=range(4), width=4, vocab_size=10,
                                                   **kw)) < 10
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_sampling_and_compiled_training_layers_never_recompile_each_other(checkpointed):
+    """The compiled decode step (StaticDecode) between training steps of layers compiled one by one (as
+    rt.prepare_model does, with activation checkpointing or not): once the training shapes are seen, nothing
+    recompiles (Dynamo's error_on_recompile): the prompt forward runs eagerly, the decode step inlines the layers
+    into its own graph, and the layers' `kv_cache = None` is put back where it was. The step reads the weights the
+    optimizer updates in place: its samples are those of an uncompiled twin trained the same way. Dynamo with the
+    eager backend (its guards decide recompiles; Inductor's kernels and CUDA graphs need a GPU to check)."""
+    import torch._dynamo
+
+    from llm_recipe.components.models.generation import StaticDecode
+    from llm_recipe.components.runtime import _checkpoint_forward
+
+    torch._dynamo.reset()
+    model, twin = _model(0).float(), _model(0).float()
+    for layer in model.layers:
+        if checkpointed:
+            _checkpoint_forward(layer)
+        layer.compile(backend="eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    static = StaticDecode(6, mode="default", backend="eager")
+    kw = dict(max_new_tokens=8, temperature=1.0, pad_id=0, stop_ids=[], seed=3, rows=range(3), width=6)
+
+    def train(width: int, seed: int) -> None:
+        tokens = torch.randint(1, 61, (2, width), generator=torch.Generator().manual_seed(seed))
+        for m, opt in zip((model, twin), opts, strict=True):
+            m.train()
+            kd_and_ce(_hidden(m, tokens), m.output, tokens.roll(-1, 1), num_chunks=2)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    def sample(n: int) -> list[list[int]]:
+        got = sample_completions(model, PROMPTS[:n], **{**kw, "rows": range(n)}, static=static)
+        assert got == sample_completions(twin, PROMPTS[:n], **{**kw, "rows": range(n)})
+        assert model.training and all(layer.attn.kv_cache is None for layer in model.layers)
+        return got
+
+    train(12, 0)
+    train(7, 1)  # a second width: the layers' graph goes dynamic (what Dynamo does for any training run)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the decode step's first compile is no recompile
+        first = sample(3)
+        for step in range(2, 6):
+            train(12, step)
+            train(5 + step, 10 + step)
+            sample(1 + step % 3)
+    assert sample(3) != first  # the weights moved and the compiled step saw it
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and Inductor's GPU kernels")
+def test_cuda_graph_sampling_is_recorded_once_and_reads_the_trained_weights(monkeypatch):
+    """On a GPU: the on-policy sampler's decode step (StaticDecode, mode reduce-overhead) between training steps of
+    layers compiled with Inductor: no recompile, no CUDA-graph skip, one recording for all samplings (a re-record
+    per micro-batch would show here), and the samples of an uncompiled twin trained the same way."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    from llm_recipe.components.models.generation import StaticDecode
+
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function",
+                        lambda self, *a, **k: recorded.append(1) or record(self, *a, **k))
+    torch._dynamo.reset()
+    counters.clear()
+    model, twin = _model(0).float().cuda(), _model(0).float().cuda()
+    for layer in model.layers:
+        layer.compile()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    static = StaticDecode(6, mode="reduce-overhead")
+    kw = dict(max_new_tokens=24, temperature=1.0, pad_id=0, stop_ids=[], seed=3, width=6)
+
+    def train(width: int, seed: int) -> None:
+        tokens = torch.randint(1, 61, (2, width), generator=torch.Generator().manual_seed(seed)).cuda()
+        for m, opt in zip((model, twin), opts, strict=True):
+            m.train()
+            kd_and_ce(_hidden(m, tokens), m.output, tokens.roll(-1, 1), num_chunks=2)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(12, 0)
+    train(7, 1)
+    samples = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2, 7):
+            n = 1 + step % 3
+            got = sample_completions(model, PROMPTS[:n], rows=range(n), static=static, **kw)
+            assert got == sample_completions(twin, PROMPTS[:n], rows=range(n), **kw)
+            samples.append(got)
+            train(12, step)
+            train(5 + step, 10 + step)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(recorded) == 1, f"{len(recorded)} CUDA graph recordings"
+    assert samples[0] != samples[3]  # same prompts and seed: the weights moved and the graph read them
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------- the loss
@@ -231,6 +356,17 @@ def test_on_policy_kd_loss_takes_the_kd_options_its_kind_reads():
 # ---------------------------------------------------------------------------------------- config
 
 
+def test_decode_path_compiles_on_one_cuda_process_with_compile():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto, eager, compiled = (OnPolicySettings(decode=d) for d in ("auto", "eager", "compiled"))
+    assert decode_path(auto, True, cuda, 1) == "compiled"
+    assert [decode_path(auto, c, d, 1) for c, d in ((False, cuda), (True, cpu))] == ["eager", "eager"]
+    assert decode_path(auto, True, cuda, 2) == "eager"  # FSDP2: eager, as before
+    assert decode_path(eager, True, cuda, 1) == "eager" and decode_path(compiled, False, cpu, 1) == "compiled"
+    with pytest.raises(RecipeError, match=r"kd.on_policy.decode=compiled runs on one process only: on 2"):
+        decode_path(compiled, True, cuda, 2)
+
+
 def _cfg(**over):
     base = {"teacher": {"checkpoint_dir": "t", "logits_dir": None}, "dataset": {"max_seq_len": 128, "format": "text"},
             "kd": {"on_policy": {"fraction": 0.5}}}
@@ -255,6 +391,8 @@ def test_settings_defaults_and_cross_key_errors():
     ("kd.on_policy.temperature=0", "key 'kd.on_policy.temperature' must be a number > 0, got 0"),
     ("kd.on_policy.loss=kl", "key 'kd.on_policy.loss' must be one of forward_kl, reverse_kl"),
     ("kd.on_policy.top_k=5", "unknown key 'kd.on_policy.top_k'"),
+    ("kd.on_policy.prompts_per_row=0", "key 'kd.on_policy.prompts_per_row' must be an int >= 1, got 0"),
+    ("kd.on_policy.decode=fast", "key 'kd.on_policy.decode' must be one of auto, compiled, eager"),
 ])
 def test_validate_names_the_key(tmp_path, override, message):
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", "--recipe",
@@ -287,6 +425,22 @@ def models(tmp_path_factory, embedded_model_dir) -> tuple[Path, Path]:
     return root / "teacher", root / "student"
 
 
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> list[str]:
+    """Overrides for a text set of short documents (10-30 words), packed 2-5 to a row of 96 tokens, and 3 prompts
+    per row: on-policy micro-batches of several prompts per row."""
+    import random
+
+    words = ("the river town old bridge north light stone market winter road field music school paper garden "
+             "ship harbor island forest valley station mountain city lake").split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("short_docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(10, 30)))
+                                                + "."}) + "\n" for _ in range(80)))
+    return [f"dataset.source={path}", "dataset.max_seq_len=96", "dataset.limit=null",
+            "kd.on_policy.prompts_per_row=3"]
+
+
 def _kd(models, *extra: str) -> list[str]:
     teacher, student = models
     return [*rc.COMMON, "dataset.max_seq_len=48", "dataset.limit=16", "dataset.shuffle=false", "student.every=null",
@@ -297,7 +451,8 @@ def _kd(models, *extra: str) -> list[str]:
 
 
 TIMINGS = ("tokens_per_s", "sampled_tokens_per_s", "sampling_share", "peak_memory_gib")
-ON_POLICY_KEYS = {"on_policy_loss", "on_policy_batches", "on_policy_rkl", "sampled_tokens_per_s", "sampling_share"}
+ON_POLICY_KEYS = {"on_policy_loss", "on_policy_batches", "on_policy_prompts", "on_policy_rkl", "sampled_tokens_per_s",
+                  "sampling_share"}
 
 
 @pytest.mark.parametrize("student", [
@@ -315,6 +470,7 @@ def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, 
     rows = rc.assert_metrics(out, 4, {"loss", "lr", *ON_POLICY_KEYS})
     on = [r for r in rows if r["on_policy_batches"]]
     assert len(on) == 2 and all(r["on_policy_batches"] == 1 for r in on)  # fraction 0.5 of 4 micro-batches
+    assert all(r["on_policy_prompts"] == 2 for r in on)  # rows of 48 tokens hold one document each
     for r in on:
         assert r["on_policy_rkl"] > 0 and r["sampled_tokens_per_s"] > 0 and 0 < r["sampling_share"] < 1
         assert r["ce_loss"] is None and r["on_policy_loss"] == pytest.approx(r["loss"])
@@ -343,11 +499,13 @@ def test_held_out_rows_never_train(models):
                  4).hold_out(data)
 
 
-def test_resume_after_sigkill_is_bit_identical(tmp_path, models):
+@pytest.mark.parametrize("data", ["one_prompt_per_row", "short_docs"])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, data):
     """Killed after a checkpoint and resumed: the same samples (nothing saved for them: seed, step and micro-batch
-    fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit."""
-    args = [*_kd(models), "max_steps=6", "gradient_accumulation_steps=2", "lr_scheduler.name=cosine",
-            "lr_scheduler.warmup_steps=2"]
+    fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit; with one
+    prompt per row and with several (short documents packed together)."""
+    args = [*_kd(models, *(short_docs if data == "short_docs" else [])), "max_steps=6",
+            "gradient_accumulation_steps=2", "lr_scheduler.name=cosine", "lr_scheduler.warmup_steps=2"]
     ref_out, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={ref_out}"]) == 0
     ckpt = [*args, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
@@ -359,14 +517,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, models):
     resumed, uninterrupted = rc.read_metrics(crashed), rc.read_metrics(ref_out)
     assert strip(resumed) == strip(uninterrupted)
     assert sum(r["on_policy_batches"] for r in resumed) == 6  # half of 12 micro-batches, sampled the same way
+    prompts = sum(r["on_policy_prompts"] for r in resumed)
+    assert prompts == 12 if data == "one_prompt_per_row" else prompts > 18  # 2 rows of 2-3 prompts each
     assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
 
 
 @pytest.mark.slow  # ~1 min: a torchrun launch of 2 processes and the 1-process reference
-def test_two_processes_match_one_with_twice_the_batch(tmp_path, models):
+def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs):
     """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
-    process with the 2-row batches of both does: the same on-policy steps, losses, reverse KL and weights."""
-    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard"), "max_steps=3", "max_grad_norm=1.0"]
+    process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row),
+    losses, reverse KL and weights."""
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs), "max_steps=3",
+            "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
@@ -376,6 +538,8 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models):
     a, b = rc.read_metrics(one), rc.read_metrics(two)
     assert [r["on_policy_batches"] for r in a] == [r["on_policy_batches"] for r in b] and sum(
         r["on_policy_batches"] for r in a) >= 1
+    assert [r["on_policy_prompts"] for r in a] == [r["on_policy_prompts"] for r in b]
+    assert max(r["on_policy_prompts"] for r in a) > 4  # more prompts than rows
     for ra, rb in zip(a, b, strict=True):
         for k in ("loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
             assert (rb[k] is None and ra[k] is None) or rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (k, ra, rb)
@@ -386,6 +550,22 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models):
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
+
+
+@pytest.mark.slow  # ~1-2 min on 2 cores: Inductor compiles the layers and the decode step for the CPU
+def test_compiled_sampling_in_the_kd_recipe(tmp_path, models, short_docs):
+    """`kd.on_policy.decode=compiled` with `compile=true` on CPU: the recipe's wiring of the compiled decode step
+    (Inductor's CPU kernels, not CUDA graphs) between compiled training layers: it samples several prompts per row
+    and the run finishes with the held-out score, the same number of prompts as eager sampling."""
+    runs = {}
+    for decode in ("eager", "compiled"):
+        out = tmp_path / decode
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *short_docs), "max_steps=3", "compile=true",
+                                                           f"kd.on_policy.decode={decode}", f"output_dir={out}"]) == 0
+        runs[decode] = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
+        assert json.loads((out / "on_policy_eval.json").read_text())["sampled_tokens"] > 0
+    prompts = [[r["on_policy_prompts"] for r in runs[d]] for d in ("eager", "compiled")]
+    assert prompts[0] == prompts[1] and max(prompts[0]) > 2
 
 
 def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_path, models):

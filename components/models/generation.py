@@ -1,10 +1,12 @@
 """Token generation with torchtune's KV cache: greedy or sampled (temperature, top-k, top-p), stop tokens,
-and a per-token callback for streaming."""
+and a per-token callback for streaming; `generate_batch` for many prompts at once, eager or with a compiled
+decode step, and `StaticDecode` for a training loop that samples again and again from the weights it trains."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,6 +113,7 @@ def generate_batch(
     keep_stop: bool = False,
     pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
     all_done: Callable[[torch.Tensor], bool] | None = None,
+    static: StaticDecode | None = None,
 ) -> list[list[int]]:
     """Generate for a batch of prompts at once with one KV cache: prompts are left-padded, each row gets its own
     positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id
@@ -120,6 +123,9 @@ def generate_batch(
     `pick(logits [b, v]) -> [b]` replaces the sampling rule (temperature, top_k, top_p, generator are then unused);
     `all_done(done [b]) -> bool` replaces "every row has stopped" (several processes running one sharded model
     must agree on it, or their forward passes, and so their collectives, would differ in number).
+    `static` (a `StaticDecode`, whose compiled step is used): the batch padded to `static.batch` rows (extra rows
+    start finished; `pick` sees them too), the width to `static.width(...)`, its KV caches reused, the prompt's
+    forward run eagerly (see StaticDecode); `compile_mode` is then unused.
 
     Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
     (`[b, steps, vocab]`, tens of GB for a large batch) and finds padding by comparing token ids with `pad_id`.
@@ -130,10 +136,15 @@ def generate_batch(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate_batch: every prompt needs at least one token")
     device = model.tok_embeddings.weight.device
-    b, width = len(prompts), max(len(p) for p in prompts)
-    if compile_mode is not None:  # the compiled step's shapes follow the width: round it up to few distinct ones
+    real_rows, width = len(prompts), max(len(p) for p in prompts)
+    if static is not None:  # one shape per width bucket: rows padded with one-token prompts that start finished
+        if real_rows > static.batch:
+            raise ValueError(f"generate_batch: {real_rows} prompts for a StaticDecode of {static.batch} rows")
+        prompts = [*prompts, *[[pad_id]] * (static.batch - real_rows)]
+        width = static.width(width)
+    elif compile_mode is not None:  # the compiled step's shapes follow the width: round it up to few distinct ones
         width = -(-width // 64) * 64
-    total = width + max_new_tokens
+    b, total = len(prompts), width + max_new_tokens
     tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
     real = torch.zeros((b, total), dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
@@ -142,14 +153,21 @@ def generate_batch(
     masks = get_causal_mask_from_padding_mask(real, target_seq_len=total)  # [b, total, total]
     positions = get_position_ids_from_padding_mask(real)  # [b, total]
     stops = torch.as_tensor(list(stop_ids) or [-1], device=device)
-    with device:  # torchtune allocates the cache buffers (and their positions) on the default device
-        model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    done[real_rows:] = True
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
-    decode = _last_logits if compile_mode is None else _compiled_decode(compile_mode)
-    try:
-        logits = _last_logits(model, tokens, positions[:, :width], masks[:, :width])
+    decode = (static.decode if static is not None else
+              _last_logits if compile_mode is None else _compiled_decode(compile_mode))
+    with contextlib.ExitStack() as stack:
+        if static is not None:
+            stack.enter_context(static.caches(model, total))
+        else:
+            with device:  # torchtune allocates the cache buffers (and their positions) on the default device
+                model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
+            stack.callback(delete_kv_caches, model)
+        with torch.compiler.set_stance("force_eager") if static is not None else contextlib.nullcontext():
+            logits = _last_logits(model, tokens, positions[:, :width], masks[:, :width])
         for t in range(max_new_tokens):
             nxt = sample_batch(logits, temperature, top_k, top_p, generator) if pick is None else pick(logits)
             out[:, t] = nxt
@@ -161,9 +179,7 @@ def generate_batch(
                 break
             pos = width + t
             logits = decode(model, nxt[:, None], positions[:, pos : pos + 1], masks[:, pos : pos + 1])
-    finally:
-        delete_kv_caches(model)
-    return [row[:n].tolist() for row, n in zip(out.cpu(), lengths.cpu().tolist())]
+    return [row[:n].tolist() for row, n in zip(out[:real_rows].cpu(), lengths[:real_rows].cpu().tolist())]
 
 
 def _last_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
@@ -173,6 +189,76 @@ def _last_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: tor
 
 
 @functools.cache
-def _compiled_decode(mode: str) -> Callable[..., torch.Tensor]:
-    """One compiled decode step per mode and process (compiling it again per call would recompile)."""
-    return torch.compile(_last_logits, mode=None if mode == "default" else mode, dynamic=False)
+def _compiled_decode(mode: str, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """One compiled decode step per mode, backend and process (compiling it again per call would recompile)."""
+    return torch.compile(_last_logits, mode=None if mode == "default" else mode, dynamic=False, backend=backend)
+
+
+class StaticDecode:
+    """What lets a training loop sample with a compiled decode step again and again (on-policy KD) without
+    compiling or recording it again: every `generate_batch(..., static=this)` call has the same shapes and the
+    same KV-cache tensors, so the step compiles once per width bucket and its CUDA graph (`mode`
+    "reduce-overhead") is recorded once and then replayed.
+
+    - `batch`: every call runs this many rows (fewer prompts: the rest are one-token rows that start finished).
+    - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width`
+      rounded up to 64: a few shapes for prompts of any length.
+    - `caches(model, total)`: one set of torchtune KV caches per cache length, allocated on first use, reset in
+      place before each call (the same addresses every time, which a recorded CUDA graph needs), attached to the
+      model's attention layers only while it generates. Outside that, the model's attention layers hold
+      `kv_cache = None` exactly as before, so a training forward through separately compiled layers sees what it
+      was compiled for.
+
+    The model's weights are whatever it holds at the call: a training model's own parameters, updated in place by
+    its optimizer (a CUDA graph reads them at their addresses). The prompt's forward runs eagerly (under
+    `torch.compiler.set_stance("force_eager")`), so layers compiled for training (`nn.Module.compile`) never
+    compile a KV-cache variant; the decode step, compiled as one function over the whole model, inlines those
+    layers' code into its own graph and leaves their compiled entries alone."""
+
+    def __init__(self, batch: int, mode: str = "reduce-overhead", max_width: int | None = None,
+                 backend: str = "inductor") -> None:
+        if batch < 1:
+            raise ValueError(f"StaticDecode: batch must be >= 1, got {batch}")
+        self.batch, self.mode = batch, mode
+        self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
+        self.max_width = None if max_width is None else -(-max_width // 64) * 64
+        self._caches: dict[tuple, list[torch.nn.Module]] = {}
+
+    def width(self, width: int) -> int:
+        """The padded prompt width for prompts of up to `width` tokens."""
+        bucket = 64
+        while bucket < width:
+            bucket *= 2
+        return bucket if self.max_width is None else max(width, min(bucket, self.max_width))
+
+    @contextlib.contextmanager
+    def caches(self, model: TransformerDecoder, total: int) -> Iterator[None]:
+        """The model's attention layers use this decoder's KV caches of length `total` (reset) while inside."""
+        import_torchtune()
+        from torchtune.modules.kv_cache import KVCache
+
+        attns = [layer.attn for layer in model.layers]
+        if any(a.kv_cache is not None for a in attns):
+            raise RuntimeError("StaticDecode: the model already has KV caches set up")
+        weight = model.tok_embeddings.weight
+        key = (total, weight.dtype, weight.device)
+        if key not in self._caches:
+            with weight.device:
+                self._caches[key] = [KVCache(self.batch, total, a.num_kv_heads, a.head_dim, weight.dtype)
+                                     for a in attns]
+        # where `kv_cache = None` lives: the instance dict (torchtune's __init__) or, after torchtune's
+        # delete_kv_caches, the child modules; compiled code guards on that path, so it is put back as it was
+        child = ["kv_cache" in a._modules for a in attns]
+        for attn, cache in zip(attns, self._caches[key], strict=True):
+            cache.reset()
+            attn.kv_cache, attn.cache_enabled = cache, True
+        try:
+            yield
+        finally:
+            for attn, was_child in zip(attns, child, strict=True):
+                del attn.kv_cache
+                if was_child:
+                    attn._modules["kv_cache"] = None
+                else:
+                    attn.kv_cache = None
+                attn.cache_enabled = False
