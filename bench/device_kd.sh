@@ -53,6 +53,14 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
+one_row_tool() {  # script row outfile: wheels, repo, random HF folders, then one bench tool on one row
+    install_ours
+    copy_repo
+    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
+    ours python3 "bench/$1" --out $B --row "$2" 2>&1 | grep -v "^train" | tee "$3"
+    [[ -n ${OUT:-} ]] && cp "$3" "$OUT/"
+}
+
 qat_cost() {  # compile (false|true): the shipped QAT config's cost (its batch 4 x 2048 x 2 accumulation; paths, a
               # run length and the schedule changed), steps 1-10 plain, 11-30 with 8da4w fake quantization, one run
     local c=$1 dir=$B/qat_compile_$1
@@ -111,18 +119,10 @@ onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config 
     ours python3 bench/on_policy_speed.py --out $B ${2:+--rows "$2"}
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
-    install_ours
-    copy_repo
-    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
-    ours python3 bench/profile_kd.py --out $B --row "${2:-ours_lora_compile}" 2>&1 | grep -v "^train" | tee /tmp/profile.txt
-    [[ -n ${OUT:-} ]] && cp /tmp/profile.txt "$OUT/"
+    one_row_tool profile_kd.py "${2:-ours_lora_compile}" /tmp/profile.txt
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
-    install_ours
-    copy_repo
-    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
-    ours python3 bench/memory_peak.py --out $B --row "${2:-shipped_lora}" 2>&1 | grep -v "^train" | tee /tmp/memory.txt
-    [[ -n ${OUT:-} ]] && cp /tmp/memory.txt "$OUT/"
+    one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
