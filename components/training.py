@@ -26,7 +26,7 @@ from .data.loader import StatefulLoader
 from .errors import RecipeError
 from .losses import kd_and_ce
 from .models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
-from .models.attention import packed_attention_mask
+from .models.attention import batch_to_device
 from .models.loader import merged_state_dict
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
@@ -180,12 +180,9 @@ def windows(loader: StatefulLoader, accum: int, count: int) -> Iterator[list[dic
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch's tensors on `device` (non-blocking copies); packed rows (with `input_pos`) get their attention
-    mask there: a flex-attention BlockMask on a GPU, else dense (components/models/attention.py says why)."""
-    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if "input_pos" in out:
-        out["mask"] = packed_attention_mask(out["input_pos"])
-    return out
+    """The batch's tensors on `device`; packed rows get their attention mask there: a flex-attention BlockMask on
+    a GPU, else dense (components/models/attention.py says why)."""
+    return batch_to_device(batch, device)
 
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:

@@ -15,6 +15,15 @@ import torch
 from torch import Tensor
 
 
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on `device` (non-blocking copies); packed rows (with `input_pos`) also get their
+    attention mask there (`packed_attention_mask`)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "input_pos" in out:
+        out["mask"] = packed_attention_mask(out["input_pos"])
+    return out
+
+
 def use_flex_attention(device: torch.device) -> bool:
     """Whether packed rows on `device` get a flex-attention BlockMask (CUDA, compute capability 8.0 or newer)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
@@ -30,7 +39,7 @@ def packed_attention_mask(input_pos: Tensor):
 
 def document_mask(input_pos: Tensor) -> Tensor:
     """Bool `[b, s, s]` from positions `[b, s]`: True where token i may attend to token j (same document, j <= i)."""
-    doc = (input_pos == 0).cumsum(-1)  # [b, s]: which document of its row each token belongs to
+    doc = _document_ids(input_pos)
     length = input_pos.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=input_pos.device).tril_()
     return causal & (doc[:, :, None] == doc[:, None, :])
@@ -40,7 +49,7 @@ def document_block_mask(input_pos: Tensor):
     """BlockMask of packed rows from their positions `[b, s]`: causal within each document, nothing across."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = (input_pos == 0).cumsum(-1)  # [b, s]: which document of its row each token belongs to
+    doc = _document_ids(input_pos)
 
     def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (q >= kv) & (doc[b, q] == doc[b, kv])
@@ -48,3 +57,7 @@ def document_block_mask(input_pos: Tensor):
     rows, length = input_pos.shape
     return create_block_mask(same_document_causal, rows, None, length, length, device=input_pos.device)
 
+
+def _document_ids(input_pos: Tensor) -> Tensor:
+    """[b, s]: which document of its row each token belongs to (positions restart at 0 at each document)."""
+    return (input_pos == 0).cumsum(-1)

@@ -29,7 +29,7 @@ from ..data.collate import collate
 from ..errors import RecipeError
 from ..losses import chunked_cross_entropy
 from ..schema import Choice, ListOf, ModelDir, Range
-from .attention import packed_attention_mask
+from .attention import batch_to_device
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
@@ -131,13 +131,8 @@ def calibration_batches(dataset: Sequence[dict], tokens: int, batch_size: int, p
         seen += len(item["tokens"])
         if seen >= tokens:
             break
-    batches = []
-    for i in range(0, len(items), batch_size):
-        batch = {k: v.to(device) for k, v in collate(items[i : i + batch_size], pad_id).items()}
-        if "input_pos" in batch:  # packed rows: each document attends only to itself
-            batch["mask"] = packed_attention_mask(batch["input_pos"])
-        batches.append(batch)
-    return batches
+    return [batch_to_device(collate(items[i : i + batch_size], pad_id), torch.device(device))
+            for i in range(0, len(items), batch_size)]
 
 
 def save_scores(path: str | Path, scores: dict, kept: Sequence[int], method: str, table: str) -> Path:
