@@ -231,6 +231,17 @@ def test_qlora_on_smollm2_sized_projections(tmp_path, embedded_model_dir):
     assert code == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_fp8_base_on_cpu_says_what_to_change(tmp_path, embedded_model_dir, capsys):
+    # lora.quantize_base=fp8 needs fp8 matmuls (sm89+); tests/test_fp8_base.py has the rest
+    model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=1)
+    code = rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, tmp_path / "out", "dtype=bf16",
+                                                                   "max_steps=1", "lora.quantize_base=fp8"))
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "lora.quantize_base=fp8 needs a CUDA GPU" in err and "nf4 or false" in err
+
+
 # ------------------------------------------------------------------------------------------------ kd
 def kd_overrides(out: Path, teacher: Path, student: Path | None, *extra: str) -> list[str]:
     return [*rc.KD_COMMON, f"teacher.checkpoint_dir={teacher}",
