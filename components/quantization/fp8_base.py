@@ -83,16 +83,13 @@ def check_fp8_base(device: torch.device, sharded: bool) -> None:
                           f"but the model is on {where}; use lora.quantize_base: nf4 or false") from None
 
 
-def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = False,
-                       weight_only: bool = False) -> int:
+def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = False) -> int:
     """Store the base weight of every pending LoRA linear as a torchao Float8Tensor (frozen) and give the layer the
-    fp8 forward; returns how many. `weight_only=True` (tests on CPU) keeps the activation in the run dtype and the
-    weight dequantized in the matmul, torchao's float8 weight-only numerics, which run anywhere."""
+    fp8 forward; returns how many."""
     pending = pending_fp8_bases(model)
     if not pending:
         return 0
-    if not weight_only:
-        check_fp8_base(device, sharded)
+    check_fp8_base(device, sharded)
     for fqn, m in pending.items():
         out_features, in_features = m.weight.shape
         if in_features % 16 or out_features % 16:  # torch._scaled_mm's constraint (torchao would silently skip)
@@ -100,13 +97,13 @@ def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = F
                               "by 16 (use lora.quantize_base: nf4 or false)")
         if m.weight.dtype != torch.bfloat16:  # torchao's per-row fp8 quantization takes bf16 weights only
             raise RecipeError(f"{KEY} needs dtype: bf16 (the base is {m.weight.dtype})")
-        m.weight = nn.Parameter(_to_float8(m.weight.detach(), weight_only), requires_grad=False)
+        m.weight = nn.Parameter(_to_float8(m.weight.detach()), requires_grad=False)
         m.__class__ = _fp8_class(type(m))
         del m.fp8_base_pending
     return len(pending)
 
 
-def _to_float8(weight: torch.Tensor, weight_only: bool) -> torch.Tensor:
+def _to_float8(weight: torch.Tensor) -> torch.Tensor:
     from torchao.quantization import quantize_
 
     from .schemes import base_config
@@ -115,5 +112,5 @@ def _to_float8(weight: torch.Tensor, weight_only: bool) -> torch.Tensor:
     # stored tensor, its activation quantization and its matmul are exactly the fp8 teacher's.
     holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     holder.weight = nn.Parameter(weight, requires_grad=False)
-    quantize_(holder, base_config("float8_weight_only" if weight_only else "float8_dynamic"))
+    quantize_(holder, base_config("float8_dynamic"))
     return holder.weight.detach()
