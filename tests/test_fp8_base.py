@@ -186,7 +186,6 @@ def test_resume_state_round_trips_the_adapters(cpu_fp8):
 
 
 # -------------------------------------------------------------------------------------------- refusals
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_cpu_refusal_names_the_key():
     _, model = lora_pair()
     with pytest.raises(RecipeError, match=r"lora.quantize_base=fp8 needs a CUDA GPU with compute capability >= 8.9"):

@@ -231,7 +231,6 @@ def test_qlora_on_smollm2_sized_projections(tmp_path, embedded_model_dir):
     assert code == 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_fp8_base_on_cpu_says_what_to_change(tmp_path, embedded_model_dir, capsys):
     # lora.quantize_base=fp8 needs fp8 matmuls (sm89+); tests/test_fp8_base.py has the rest
     model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=1)
