@@ -90,13 +90,14 @@ def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = F
     if not pending:
         return 0
     check_fp8_base(device, sharded)
-    for fqn, m in pending.items():
+    for fqn, m in pending.items():  # every check before any layer changes
         out_features, in_features = m.weight.shape
         if in_features % 16 or out_features % 16:  # torch._scaled_mm's constraint (torchao would silently skip)
             raise RecipeError(f"{KEY}: {fqn} is {out_features}x{in_features}; fp8 matmuls need both dims divisible "
                               "by 16 (use lora.quantize_base: nf4 or false)")
         if m.weight.dtype != torch.bfloat16:  # torchao's per-row fp8 quantization takes bf16 weights only
             raise RecipeError(f"{KEY} needs dtype: bf16 (the base is {m.weight.dtype})")
+    for m in pending.values():
         m.weight = nn.Parameter(_to_float8(m.weight.detach()), requires_grad=False)
         m.__class__ = _fp8_class(type(m))
         del m.fp8_base_pending
