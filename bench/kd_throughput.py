@@ -60,6 +60,8 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # transfer set instead of the Hub's Alpaca, output_dir), a run length, and for LoRA the LoRA section.
     "shipped_lora": ("shipped", "lora", []),
     "shipped_lora_bf16_teacher": ("shipped", "lora", ["teacher.quantize=null"]),
+    # the frozen student base in fp8 under the LoRA section (lora.quantize_base=fp8): beside shipped_lora
+    "shipped_lora_fp8_base": ("shipped", "lora", ["lora.quantize_base=fp8"]),
     "shipped_full": ("shipped", "full", []),
     # diagnoses: one shipped setting changed
     "shipped_lora_torchao_sr": ("shipped", "lora", ["optimizer={_component_: torchao.optim._AdamW, lr: 1.0e-4, "

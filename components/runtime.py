@@ -87,6 +87,7 @@ class Runtime:
             # FSDP2 moves (sharded) parameters to the mesh device itself; moving the full model first would
             # cost a full copy per GPU.
             model.to(self.device)
+        _quantize_fp8_bases(model, self.device, use_fsdp)
         if activation_checkpointing == "auto":
             from .memory import needs_checkpointing
 
@@ -317,6 +318,15 @@ def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
         for name, b in list(module.named_buffers(recurse=False)):
             if type(b) is torch.Tensor and b.is_floating_point() and b.dtype != dtype:
                 module._buffers[name] = b.to(dtype)
+
+
+def _quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool) -> None:
+    # lora.quantize_base=fp8: the LoRA bases were loaded in the run dtype; now on the GPU, before compile, they are
+    # stored in fp8 (components/quantization/fp8_base.py). Nothing to do (and nothing imported) otherwise.
+    if any(getattr(m, "fp8_base_pending", False) for m in model.modules()):
+        from .quantization.fp8_base import quantize_fp8_bases
+
+        quantize_fp8_bases(model, device, sharded)
 
 
 def _checkpoint_forward(layer: nn.Module) -> None:

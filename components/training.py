@@ -65,7 +65,7 @@ LORA_SCHEMA = {
     "dropout": Range(float, ge=0, lt=1),
     "targets": ListOf(Choice(*LORA_TARGETS), min_len=1, unique=True),
     "use_dora": bool,
-    "quantize_base": bool,
+    "quantize_base": Choice(False, True, "nf4", "fp8"),  # true = nf4
 }
 # A torch/torchao optimizer class (nothing else is imported for a config); the arguments of AdamW-style
 # optimizers whose range is known are checked, others bind to the signature only.

@@ -231,6 +231,33 @@ def test_qlora_on_smollm2_sized_projections(tmp_path, embedded_model_dir):
     assert code == 0
 
 
+def test_fp8_base_on_cpu_says_what_to_change(tmp_path, embedded_model_dir, capsys):
+    # lora.quantize_base=fp8 needs fp8 matmuls (sm89+); tests/test_fp8_base.py has the rest
+    model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=1)
+    code = rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, tmp_path / "out", "dtype=bf16",
+                                                                   "max_steps=1", "lora.quantize_base=fp8"))
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "lora.quantize_base=fp8 needs a CUDA GPU" in err and "nf4 or false" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls)")
+def test_fp8_base_trains_compiled_resumes_and_merges_on_gpu(tmp_path, embedded_model_dir):
+    # lora.quantize_base=fp8 through the recipe: compiled layers, a checkpoint, resume, the merged bf16 model
+    model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=2)
+    out = tmp_path / "out"
+    gpu = ["device=cuda", "dtype=bf16", "compile=true", "lora.quantize_base=fp8", "save_every_n_steps=1"]
+    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, out, *gpu)) == 0
+    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, out, *gpu, "max_steps=3",
+                                                                   "resume=true")) == 0
+    rc.assert_metrics(out, 3, STEP_KEYS)
+    merged = rc.weights(out / "model")
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+
+
 # ------------------------------------------------------------------------------------------------ kd
 def kd_overrides(out: Path, teacher: Path, student: Path | None, *extra: str) -> list[str]:
     return [*rc.KD_COMMON, f"teacher.checkpoint_dir={teacher}",

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # LoRA targets use PEFT/HF module names, so adapter configs read the same in both tools.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# lora.quantize_base values -> the stored form (`true` is the older spelling of nf4, kept working)
+QUANTIZE_BASE = {False: False, True: "nf4", "nf4": "nf4", "fp8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,14 @@ class LoRASettings:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     use_dora: bool = False
-    quantize_base: bool = False  # QLoRA: NF4 base weights (torchao)
+    quantize_base: bool | str = False  # frozen base: false (run dtype), nf4 (QLoRA; true = nf4) or fp8 (e4m3 rows)
 
     def __post_init__(self) -> None:
+        if self.quantize_base not in QUANTIZE_BASE:
+            raise RecipeError(f"lora.quantize_base: {self.quantize_base!r} is not one of false, nf4, fp8 (true = nf4)")
+        object.__setattr__(self, "quantize_base", QUANTIZE_BASE[self.quantize_base])
+        if self.quantize_base == "fp8" and self.use_dora:
+            raise RecipeError("lora.quantize_base=fp8 does not support DoRA; set lora.use_dora: false or use nf4")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad:
             raise RecipeError(f"lora.targets: unknown module(s) {bad}; choose from {list(LORA_TARGETS)}")
@@ -131,9 +138,15 @@ def _linear(name: str, d_in: int, d_out: int, bias: bool, lora: LoRASettings | N
     from torchtune.modules.peft import LoRALinear
 
     cls = tune_layers().DoRA if lora.use_dora else LoRALinear
-    extra = _nf4_block_sizes(d_in * d_out) if lora.quantize_base else {}
-    return cls(d_in, d_out, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, use_bias=bias,
-               quantize_base=lora.quantize_base, **extra)
+    nf4 = lora.quantize_base == "nf4"
+    extra = _nf4_block_sizes(d_in * d_out) if nf4 else {}
+    layer = cls(d_in, d_out, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, use_bias=bias,
+                quantize_base=nf4, **extra)
+    if lora.quantize_base == "fp8" and name != "lm_head":  # the head stays in the run dtype, as the fp8 teacher's
+        # built in the run dtype so the checkpoint loads as usual; Runtime.prepare_model stores it in fp8 on the GPU
+        # (components/quantization/fp8_base.py)
+        layer.fp8_base_pending = True
+    return layer
 
 
 def _nf4_block_sizes(numel: int) -> dict:

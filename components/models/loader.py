@@ -141,7 +141,7 @@ def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) 
 def merged_state_dict(
     model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4 bases dequantized.
+    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4/fp8 bases dequantized.
 
     `state_dict`: a full state dict gathered elsewhere (e.g. from FSDP shards); default `model.state_dict()`.
     """
@@ -149,6 +149,8 @@ def merged_state_dict(
     for k, v in (state_dict if state_dict is not None else model.state_dict()).items():
         if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
             v = v.get_original_weight()
+        elif hasattr(v, "qdata") and hasattr(v, "dequantize"):  # fp8 base weight (torchao Float8Tensor)
+            v = v.dequantize()
         sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
     ra = lora_rank_alpha(model)
     if ra is not None:

@@ -133,8 +133,9 @@ def _qat_lora_class(cls: type) -> type:
 def _prepare_lora(module: nn.Module, fqn: str, base) -> None:
     if hasattr(module, "magnitude"):
         raise RecipeError(f"{fqn}: QAT does not support DoRA adapters; set lora.use_dora: false")
-    if getattr(module, "_quantize_base", False) or type(module.weight.data) is not torch.Tensor:
-        raise RecipeError(f"{fqn}: QAT needs a plain base weight, not a quantized one (QLoRA); "
+    if (getattr(module, "_quantize_base", False) or getattr(module, "fp8_base_pending", False)
+            or type(module.weight.data) is not torch.Tensor):
+        raise RecipeError(f"{fqn}: QAT needs a plain base weight, not a quantized one (nf4 or fp8); "
                           "set lora.quantize_base: false")
     if isinstance(module.dropout, nn.Dropout) and module.dropout.p > 0:
         raise RecipeError(f"{fqn}: QAT with LoRA fake-quantizes the merged weight, which has no place for "
