@@ -1,7 +1,8 @@
 """bench/kd_study2.py (the GPU study of issue 11) runs end to end on CPU with tiny settings: transfer set written
 by the teacher, layers scored once and shared by every student, SFT / KD (ratio 0.5 and 1.0) / KD from the
 teacher's top-32 cache / QAT / KD-QAT trained, every row evaluated with standard errors, KD vs SFT and cache vs
-online KD compared on the same items, the gap and the PTQ loss recovered computed."""
+online KD compared on the same items, the gap and the PTQ loss recovered computed; then, on the same folder, only
+the on-policy rows (issue 22): probes, equal-GPU-time steps, the held-out on-policy metric, paired with kd_r1."""
 
 import json
 import subprocess
@@ -64,3 +65,35 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "plan", "--variant", "x=nope:a=1"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "--variant 'x=nope:a=1'" in bad.stderr
+
+    # The on-policy rows alone (as a lease after `restore` runs them): kd_r1 is their reference, already trained
+    # here; each row's step time is probed, onp50 / onp100 train kd_r1's GPU time, and every one of the three is
+    # scored on the same held-out chat prompts with the same sampling noise, paired prompt by prompt with kd_r1.
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "run", "--tiny", "--teacher",
+                        str(tiny_model_dir), "--out", str(out), "--jobs", "2", "--rows", "onp50,onp100"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*onp*.log")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
+    assert (out / "logs" / "sft.log").stat().st_mtime_ns == sft_log
+    res = json.loads((out / "results.json").read_text())
+    plan = res["on_policy_steps"]
+    assert set(plan["probe"]) == {"kd_r1", "onp50", "onp100"} and all(p["step_s"] > 0 for p in plan["probe"].values())
+    assert plan["probe"]["onp100"]["sampling_share"] > 0 and plan["probe"]["kd_r1"]["sampling_share"] is None
+    for name, fraction in (("onp50", 0.5), ("onp100", 1.0)):
+        steps = plan["steps"][name]
+        assert steps == max(1, round(2 * plan["probe"]["kd_r1"]["step_s"] / plan["probe"][name]["step_s"]))
+        cmd = (out / "logs" / f"{name}.log").read_text().splitlines()[0]
+        assert f"max_steps={steps}" in cmd and f"kd.on_policy.fraction={fraction}" in cmd and "kd.kd_ratio=1.0" in cmd
+        rows = [json.loads(x) for x in (out / "train" / name / "metrics.jsonl").read_text().splitlines() if x]
+        assert rows[-1]["step"] == steps and sum(r["on_policy_batches"] for r in rows) >= 1
+    held = {n: json.loads((out / "evals" / n / "on_policy.json").read_text()) for n in ("kd_r1", "onp50", "onp100")}
+    assert len({tuple(h["items"]) for h in held.values()}) == 1 and held["kd_r1"]["prompts"] == 4
+    for h in held.values():
+        assert min(h["per_prompt"]["tokens"]) > 0 and min(h["per_prompt"]["teacher_nll"]) >= 0
+    for name in ("onp50", "onp100"):
+        assert res["rows"][name]["lambada"]["items"] == 4 and "onp_reverse_kl" in res["rows"][name]["on_policy"]
+        cmp = res[f"{name}_vs_kd_r1"]
+        assert {"lambada_acc", "hellaswag_acc_norm", "onp_reverse_kl", "onp_teacher_nll"} <= set(cmp)
+        assert cmp["onp_reverse_kl"]["items"] == 4 and set(cmp["goal"]) == {"holds", "onp_reverse_kl_z",
+                                                                              "lambada_acc_z"}
+    assert "issue 22's goal" in (out / "table.md").read_text()
