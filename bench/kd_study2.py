@@ -230,11 +230,13 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
             ("qat", str(out / "train/qat/model"), ["--quant", "8da4w"], ["qat"]),
             ("kd_qat", str(out / "train/kd_qat/model"), ["--quant", "8da4w"], ["kd_qat"])]
     quant = {name: extra for name, _, extra, _ in rows}
-    rows += [(name, str(out / "train" / name / "model"), quant[base], [name]) for name, base, _ in parse_variants(s)]
-    rows += [(n, str(out / "train" / n / "model"), [], [n]) for n in onp.selected(s, parse_variants(s)) if n in onp.ONP_ROWS]
-    return onp.eval_jobs(s, out, t, parse_variants(s)) + [Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
-                                         name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
-                deps, "eval") for name, model, extra, deps in rows]
+    variants = parse_variants(s)
+    rows += [(name, str(out / "train" / name / "model"), quant[base], [name]) for name, base, _ in variants]
+    rows += [(n, str(out / "train" / n / "model"), [], [n]) for n in onp.selected(s, variants) if n in onp.ONP_ROWS]
+    return onp.eval_jobs(s, out, t, variants) + [
+        Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
+                                     name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
+            deps, "eval") for name, model, extra, deps in rows]
 
 
 def scale_flags(s: Scale) -> list[str]:
@@ -464,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.phase == "plan":
         keep = _keep(out)
         train = training_jobs(s, out, keep) if keep else []
-        probes = onp.probe_jobs(s, out, next(j for j in train if j.name == onp.REFERENCE), parse_variants(s)) if keep else []
+        ref = next((j for j in train if j.name == onp.REFERENCE), None)
+        probes = onp.probe_jobs(s, out, ref, parse_variants(s)) if ref else []
         jobs = setup_jobs(s, out) + probes + select(train + eval_jobs(s, out), s)
         for j in jobs:
             print(f"# {j.name} (after: {', '.join(j.deps) or '-'})\n{j.recipe_cmd or j.command()}\n")

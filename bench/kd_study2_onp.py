@@ -7,9 +7,10 @@ leaves its lease, and the comparison needs both).
 
 Equal GPU time: on-policy steps cost more (the student samples), so before the trainings each row's step time is
 probed alone on the GPU (`probe`: its training for `onp_probe_steps` steps, each step timed as its metrics line
-appears, the first quarter skipped as warm-up) and the on-policy rows train steps = kd_r1's steps x kd_r1's step
-time / their step time (out/onp_steps.json, in results.json). Equal steps: `--variant NAME=kd_r1:kd.on_policy.
-fraction=0.5,kd.on_policy.held_out=0` (a variant trains its base's steps; it is scored like these rows).
+appears, the first quarter skipped as warm-up, the median over 2-step spans) and the on-policy rows train
+steps = kd_r1's steps x kd_r1's step time / their step time (out/onp_steps.json, in results.json). Equal steps:
+`--variant NAME=kd_r1:kd.on_policy.fraction=0.5,kd.on_policy.held_out=0` (a variant trains its base's steps; it
+is scored like these rows).
 
 The held-out on-policy metric (`eval`), one procedure for every student (pruned, sft, kd_r1, the on-policy rows):
 the student samples an answer to each of the first `onp_prompts` Natural Questions of the shipped chat set
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -140,16 +142,20 @@ def probe(name: str, out: Path, argv: list[str]) -> int:
         return proc.returncode
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     last, first = max(times), max(1, max(times) // 4)
-    if last <= first:
-        raise SystemExit(f"probe {name}: {last} steps; time at least 2 (onp_probe_steps)")
+    if last < first + 2:
+        raise SystemExit(f"probe {name}: {last} steps; time at least 3 (onp_probe_steps)")
     steady = [r for r in rows if r["step"] > first]
 
     def mean(key: str) -> float | None:
         vals = [r[key] for r in steady if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
+    # the median over 2-step spans (fraction 0.5 alternates on- and off-policy steps): a one-off stall, such as a
+    # late recompile, does not move it; the plain mean over the timed steps is kept beside it
+    spans = [(times[k + 2] - times[k]) / 2 for k in range(first, last - 1) if k in times and k + 2 in times]
     result = {"row": name, "steps": last, "timed_steps": f"{first + 1}-{last}",
-              "step_s": max(times[last] - times[first], 1e-9) / (last - first), "tokens_per_s": mean("tokens_per_s"),
+              "step_s": max(statistics.median(spans), 1e-9),
+              "step_s_mean": (times[last] - times[first]) / (last - first), "tokens_per_s": mean("tokens_per_s"),
               "sampling_share": mean("sampling_share"), "sampled_tokens_per_s": mean("sampled_tokens_per_s"),
               "cmd": "recipe " + " ".join(argv[3:])}
     (out / "probe" / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -232,7 +238,8 @@ def merge(out: Path, ev: dict, result: dict, lines: list[str], variants: list[tu
             f"{r} {n}" for r, n in plan["steps"].items()) + f" ({REFERENCE} {plan['reference_steps']})"]
     if table:
         lines += ["", "held-out on-policy metric (student samples, teacher scores; lower is better):",
-                  "| row | reverse KL per token | teacher NLL per token | prompts |", "| --- | --- | --- | --- |", *table]
+                  "| row | reverse KL per token | teacher NLL per token | prompts |", "| --- | --- | --- | --- |",
+                  *table]
     return [(f"{r}_vs_{REFERENCE}", REFERENCE, r) for r in ONP_ROWS if r in ev and REFERENCE in ev]
 
 

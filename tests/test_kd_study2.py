@@ -97,3 +97,59 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
         assert cmp["onp_reverse_kl"]["items"] == 4 and set(cmp["goal"]) == {"holds", "onp_reverse_kl_z",
                                                                               "lambada_acc_z"}
     assert "issue 22's goal" in (out / "table.md").read_text()
+
+
+def _study():
+    sys.path.insert(0, str(ROOT))
+    from bench import kd_study2, kd_study2_onp
+
+    return kd_study2, kd_study2_onp
+
+
+def test_on_policy_rows_get_equal_gpu_time_steps_and_bring_their_reference(tmp_path):
+    """Steps = kd_r1's steps x kd_r1's probed step time / the row's; the rows run only when named, with kd_r1 (its
+    training, evaluation and on-policy metric) and nothing else."""
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path / "teacher"), steps=400, rows=["onp50", "onp100"])
+    every = study.Scale(teacher=s.teacher)  # no --rows: the standard rows only
+    names = {j.name for j in study.select(study.training_jobs(every, tmp_path, [0, 1]) + study.eval_jobs(every,
+                                                                                                        tmp_path), every)}
+    assert "eval:kd_r1" in names and not any("onp" in n for n in names)
+    (tmp_path / "probe").mkdir()
+    for row, step_s in (("kd_r1", 0.1), ("onp50", 0.16), ("onp100", 0.25)):
+        (tmp_path / "probe" / f"{row}.json").write_text(json.dumps({"row": row, "step_s": step_s}))
+    assert onp.equal_time_steps(s, tmp_path)["steps"] == {"onp50": 250, "onp100": 160}
+    jobs = study.select(study.training_jobs(s, tmp_path, [0, 1]) + study.eval_jobs(s, tmp_path), s)
+    assert {j.name for j in jobs} == {"kd_r1", "onp50", "onp100", "eval:kd_r1", "eval:onp50", "eval:onp100",
+                                      "onp_eval:kd_r1", "onp_eval:onp50", "onp_eval:onp100"}
+    by = {j.name: j.argv for j in jobs}
+    assert "max_steps=400" in by["kd_r1"] and not any(a.startswith("kd.on_policy") for a in by["kd_r1"])
+    assert by["onp100"][-3:] == ["max_steps=160", "kd.on_policy.fraction=1.0", "kd.on_policy.held_out=0"]
+    assert [a for a in by["onp50"] if a.startswith("max_steps")] == ["max_steps=250"]
+    ref = {a for a in by["kd_r1"] if not a.startswith(("output_dir=", "max_steps="))}
+    assert ref <= set(by["onp50"])  # kd_r1's training otherwise
+    probes = onp.probe_jobs(s, tmp_path, next(j for j in jobs if j.name == "kd_r1"), [])
+    assert [j.name for j in probes] == ["probe:kd_r1", "probe:onp50", "probe:onp100"]
+    assert f"max_steps={s.onp_probe_steps}" in probes[1].argv and "kd.on_policy.fraction=0.5" in probes[1].argv
+
+
+def test_collect_pairs_the_on_policy_metric_by_prompt(tmp_path):
+    """collect: each row's on-policy metric joins its per-item values, so onp - kd_r1 is paired by prompt (lower
+    is better: z > 0 means on-policy wins) beside LAMBADA, and the goal is read off the z values."""
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path), rows=["onp50"])
+    lam = {"acc": 0.5, "acc_se": 0.1, "ppl": 10.0, "ppl_se": 1.0, "nll": 2.3, "items": 4}
+    for row, rkl, acc in (("kd_r1", [1.0, 1.2, 0.9, 1.1], [1, 0, 1, 0]), ("onp50", [0.5, 0.6, 0.55, 0.7], [1, 0, 1, 1])):
+        d = tmp_path / "evals" / row
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"lambada": lam, "per_item": {
+            "lambada_acc": dict(enumerate(acc)), "lambada_nll": dict(enumerate([-2.0, -2.1, -2.2, -2.3]))}}))
+        (d / "on_policy.json").write_text(json.dumps({"items": [3, 5, 8, 9], "prompts": 4, "eval_s": 1.0,
+                                                      "per_prompt": {"reverse_kl": rkl, "teacher_nll": rkl}}))
+    res = study.collect(s, tmp_path)
+    cmp = res["onp50_vs_kd_r1"]
+    assert cmp["onp_reverse_kl"]["items"] == 4 and cmp["onp_reverse_kl"]["diff"] == pytest.approx(0.4625)
+    assert cmp["onp_reverse_kl"]["z"] > 2 and cmp["lambada_acc"]["diff"] == pytest.approx(0.25)
+    assert cmp["goal"]["holds"] is True
+    assert res["rows"]["onp50"]["on_policy"]["onp_reverse_kl"] == pytest.approx(0.5875)
+    assert "held-out on-policy metric" in (tmp_path / "table.md").read_text()

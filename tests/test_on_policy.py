@@ -348,7 +348,8 @@ def test_score_samples_per_prompt_reverse_kl_and_teacher_nll_whatever_the_batch(
         assert alone[k] == pytest.approx(one[k], rel=1e-5)
     b = completion_batch(prompts, sample_completions(student, prompts, rows=range(4), **kw), pad_id=0)
     with torch.no_grad():
-        s_logits, t_logits = student.output(_hidden(student, b["tokens"])), teacher.output(_hidden(teacher, b["tokens"]))
+        s_logits = student.output(_hidden(student, b["tokens"]))
+        t_logits = teacher.output(_hidden(teacher, b["tokens"]))
     for i in range(len(prompts)):
         labels = b["labels"][i]
         rkl = ref.divergence("reverse_kl", s_logits[i], t_logits[i], labels, 1.0)
