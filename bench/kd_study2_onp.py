@@ -127,6 +127,7 @@ def probe(name: str, out: Path, argv: list[str]) -> int:
     out/probe/<name>.json: its steady-state seconds per step (after the first quarter) and tokens/s."""
     run_dir = Path(next(a for a in argv if a.startswith("output_dir=")).split("=", 1)[1])
     metrics, seen, times = run_dir / "metrics.jsonl", 0, {}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a failed attempt's lines would be read as this one's
     proc = subprocess.Popen(argv, cwd=ROOT)
     while True:
         done = proc.poll() is not None
