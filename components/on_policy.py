@@ -11,7 +11,8 @@ The blocks recipes/kd.py calls from its loop:
   micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
   `held_out_eval` (the end-of-run metric).
 - plain functions, tested on their own: `is_on_policy`, `row_prompts` / `prompts_of`, `sample_completions`,
-  `completion_batch`, `decode_path`.
+  `completion_batch`, `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric per prompt, also
+  what bench/kd_study2_onp.py scores every student of the KD study with).
 
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
