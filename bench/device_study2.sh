@@ -16,6 +16,11 @@
 # and the next lease's `restore` call puts it back, so the driver skips both and that lease trains and evaluates
 # other `--rows`. Trained models never leave a machine: a row is trained and evaluated in the same lease.
 #
+# On-policy rows (issue 22): `start 540 --scale lease --rows onp50,onp100 --jobs 10` (after `restore` if a carried
+# transfer set of that scale exists): the driver retrains kd_r1 beside them (their reference, paired in the same
+# lease), probes the three step times one at a time before any training, and packs evals/*/on_policy.json,
+# onp_steps.json and probe/*.json too (bench/README.md, "On-policy rows").
+#
 # Every stage that touches the study ends by packing the results into $OUT/study.tgz (one file, well under 16 MiB).
 # Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).
 set -euo pipefail
@@ -61,7 +66,7 @@ pack() {  # numbers, curves, layer scores, log tails -> $OUT/study.tgz (the tool
     cp /tmp/study2.log "$STUDY/logtail/driver.log" 2>/dev/null || true
     (cd "$STUDY" && tar czf "$OUT/study.tgz" --ignore-failed-read $(ls -d results.json table.md scale.json status \
         logtail layers/*.json transfer/transfer.json kd_logits/manifest.json train/*/metrics.jsonl \
-        evals/*/summary.json 2>/dev/null)) || echo "pack: tar failed"
+        evals/*/summary.json evals/*/on_policy.json onp_steps.json probe/*.json 2>/dev/null)) || echo "pack: tar failed"
     ls -l "$OUT/study.tgz" 2>/dev/null || true
     if [[ -f $STUDY/status/transfer.json ]]; then  # what a later lease needs to skip the transfer set and the scores
         (cd "$STUDY" && tar czf "$OUT/carry_forward.tgz" --ignore-failed-read transfer layers \

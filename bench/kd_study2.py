@@ -11,7 +11,9 @@ every cell carries a standard error. Rows:
   `teacher.logits_dir`) from it, same data, steps and tokens; kd_ptq: 8da4w PTQ of the kd student;
 - qat: plain QAT fine-tune of the teacher (8da4w fake quantizers, CE only); kd_qat: the same student distilled
   from the bf16 teacher (KD-QAT: kd recipe with `qat:`, kd_ratio 1.0); both at lr 1e-4, converted/evaluated as
-  8da4w, with the fraction of the PTQ loss they recover: (row - ptq) / (teacher - ptq).
+  8da4w, with the fraction of the PTQ loss they recover: (row - ptq) / (teacher - ptq);
+- onp50, onp100 (issue 22, only when named in --rows): kd_r1 with on-policy KD at equal GPU time, scored by the
+  held-out on-policy metric too (bench/kd_study2_onp.py).
 
     python bench/kd_study2.py plan                  # the commands (the layer list once `prune` has run)
     python bench/kd_study2.py run --jobs 6          # transfer set -> layer scores -> trainings -> evals -> table
@@ -32,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import kd_study2_onp as onp  # noqa: E402
 from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
 
 LAMBADA = "recipe_lambada_openai"
@@ -40,6 +43,7 @@ CHOICE_TASKS = {"hellaswag": "recipe_hellaswag", "arc_easy": "recipe_arc_easy", 
 ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq", "qat", "kd_qat")
 STUDENTS = ("sft", "kd", "kd_r1", "kd_cache")  # the pruned students, all trained from the same layer list
 TRAINED = (*STUDENTS, "qat", "kd_qat")
+LOWER_IS_BETTER = ("lambada_nll", *onp.METRICS)  # paired differences of these are negated: > 0 is better
 
 
 @dataclass
@@ -72,6 +76,11 @@ class Scale:
     variants: list[str] = field(default_factory=list)
     rows: list[str] | None = None  # run only these rows (their evaluations and the jobs they need); None: all
     pairs: list[str] = field(default_factory=list)  # extra paired comparisons "BASE:ROW" (collect)
+    onp_probe_steps: int = 40  # on-policy rows: steps of each row's timing probe (the first quarter is warm-up)
+    onp_prompts: int = 512  # held-out chat prompts of the on-policy metric
+    onp_new_tokens: int = 64  # tokens each student samples per prompt there (kd.on_policy's default)
+    onp_batch: int = 256  # prompts sampled at once there
+    onp_overrides: list[str] = field(default_factory=list)  # appended to the on-policy rows' training
 
     @property
     def tokens_per_run(self) -> int:
@@ -80,7 +89,8 @@ class Scale:
 
 TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
             max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, eval_limit=4, eval_batch_size=4, device="cpu",
-            compile=False)
+            compile=False, onp_probe_steps=3, onp_prompts=4, onp_new_tokens=4, onp_batch=4,
+            onp_overrides=["kd.on_policy.max_new_tokens=8", "kd.on_policy.prompt_tokens=8"])
 # One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 400 steps x
 # 32 x 512 = 6.6M tokens per training run (the issue's 20.5M does not fit with six trainings, two of them 30-layer
 # QAT runs, at the first study's measured GPU rate) over ~3-4.5M teacher-written tokens (4 continuations of each of
@@ -174,6 +184,7 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
             else:
                 argv.append(o)
         jobs.append(Job(name, "train", argv, deps, job.group, shlex.join(["recipe", *argv[3:]])))
+    jobs += onp.training_jobs(s, out, next(j for j in jobs if j.name == onp.REFERENCE))
     # the most expensive first, so the longest runs start at once and the cheap ones fill in around them
     order = ["kd_qat", "qat", "kd", "kd_r1", "kd_logits", "sft", "kd_cache"]
     return sorted(jobs, key=lambda j: order.index(j.name) if j.name in order else len(order))
@@ -185,7 +196,7 @@ def parse_variants(s: Scale) -> list[tuple[str, str, list[str]]]:
     for v in s.variants:
         name, _, rest = v.partition("=")
         base, _, overrides = rest.partition(":")
-        if not name.isidentifier() or name in ROWS or base not in TRAINED or not overrides:
+        if not name.isidentifier() or name in (*ROWS, *onp.ONP_ROWS) or base not in TRAINED or not overrides:
             raise SystemExit(f"--variant {v!r}: expected NAME=BASE:key=value[,key=value] with a new NAME and BASE "
                              f"one of {', '.join(TRAINED)}")
         out.append((name, base, overrides.split(",")))
@@ -194,11 +205,12 @@ def parse_variants(s: Scale) -> list[tuple[str, str, list[str]]]:
 
 def select(jobs: list[Job], s: Scale) -> list[Job]:
     """Only the jobs `Scale.rows` needs: each row's evaluation and, through deps, the trainings behind it."""
-    if s.rows is None:
+    rows = onp.with_reference(s, parse_variants(s))  # on-policy rows bring their off-policy reference
+    if rows is None:
         return jobs
     by_name = {j.name: j for j in jobs}
     want: set[str] = set()
-    todo = [f"eval:{r}" for r in s.rows]
+    todo = [f"{kind}:{r}" for r in rows for kind in ("eval", "onp_eval")]
     while todo:
         name = todo.pop()
         if name in by_name and name not in want:
@@ -218,10 +230,13 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
             ("qat", str(out / "train/qat/model"), ["--quant", "8da4w"], ["qat"]),
             ("kd_qat", str(out / "train/kd_qat/model"), ["--quant", "8da4w"], ["kd_qat"])]
     quant = {name: extra for name, _, extra, _ in rows}
-    rows += [(name, str(out / "train" / name / "model"), quant[base], [name]) for name, base, _ in parse_variants(s)]
-    return [Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
-                                         name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
-                deps, "eval") for name, model, extra, deps in rows]
+    variants = parse_variants(s)
+    rows += [(name, str(out / "train" / name / "model"), quant[base], [name]) for name, base, _ in variants]
+    rows += [(n, str(out / "train" / n / "model"), [], [n]) for n in onp.selected(s, variants) if n in onp.ONP_ROWS]
+    return onp.eval_jobs(s, out, t, variants) + [
+        Job(f"eval:{name}", "eval", [sys.executable, str(ROOT / "bench" / "kd_study2.py"), "eval-one", "--name",
+                                     name, "--model", model, "--out", str(out), *extra, *scale_flags(s)],
+            deps, "eval") for name, model, extra, deps in rows]
 
 
 def scale_flags(s: Scale) -> list[str]:
@@ -325,7 +340,7 @@ def collect(s: Scale, out: Path) -> dict:
     variants = parse_variants(s)
     base_of = {name: base for name, base, _ in variants}
     ev = {}
-    for name in [*ROWS, *base_of]:
+    for name in [*ROWS, *onp.ONP_ROWS, *base_of]:
         p = out / "evals" / name / "summary.json"
         if p.is_file():
             ev[name] = json.loads(p.read_text())
@@ -337,7 +352,7 @@ def collect(s: Scale, out: Path) -> dict:
              "| train tokens/s | train wall s | eval s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     train: dict = {}
-    for name in [*TRAINED, "kd_logits", *base_of, *(f"kd_logits_{v}" for v in base_of)]:
+    for name in [*TRAINED, *onp.ONP_ROWS, "kd_logits", *base_of, *(f"kd_logits_{v}" for v in base_of)]:
         st = _status_path(out, name)
         wall = json.loads(st.read_text()).get("wall_s") if st.is_file() else None
         stats = _run_stats(out / "train" / name) or {}
@@ -363,15 +378,17 @@ def collect(s: Scale, out: Path) -> dict:
     # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
     pairs = [("kd_vs_sft", "sft", "kd"), ("kd_r1_vs_sft", "sft", "kd_r1"), ("cache_vs_online", "kd", "kd_cache"),
              ("kd_qat_vs_qat", "qat", "kd_qat"), *((f"{v}_vs_{b}", b, v) for v, b in base_of.items()),
-             *((f"{row}_vs_{base}", base, row) for base, _, row in (p.partition(":") for p in s.pairs))]
+             *((f"{row}_vs_{base}", base, row) for base, _, row in (p.partition(":") for p in s.pairs)),
+             *onp.merge(out, ev, result, lines, variants)]  # the on-policy metric per prompt joins per_item
     for key, base, row in pairs:
         if base in ev and row in ev:
             a, b = ev[base]["per_item"], ev[row]["per_item"]
-            cmp = {k: _paired(a[k], b[k], -1.0 if k == "lambada_nll" else 1.0) for k in a if k in b}
+            cmp = {k: _paired(a[k], b[k], -1.0 if k in LOWER_IS_BETTER else 1.0) for k in a if k in b}
             result[key] = cmp
             lines += ["", f"{row.upper()} - {base.upper()} on the same items (paired; z = improvement / SE; > 2 wins, "
-                          "|z| < 1 within one SE; lambada_nll: NLL lower by):",
+                          "|z| < 1 within one SE; lambada_nll, onp_*: lower by):",
                       *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
+    lines += onp.goal_lines(result)
 
     def fraction_lines(title: str, fr: dict) -> list[str]:
         return ["", title, *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}"
@@ -391,37 +408,6 @@ def collect(s: Scale, out: Path) -> dict:
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
-
-
-def plot(out: Path) -> Path:
-    """out/loss_curves.png: every training row's CE on the transfer data and the KD rows' divergence, smoothed."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 4.5))
-    ce_ax, kd_ax = fig.subplots(1, 2)
-    for path in sorted((out / "train").glob("*/metrics.jsonl")):
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        steps = [r["step"] for r in rows]
-        for ax, key in ((ce_ax, "ce_loss"), (kd_ax, "kd_loss")):
-            ys = [r.get(key, r["loss"] if key == "ce_loss" else None) for r in rows]
-            if any(y is None for y in ys):
-                continue  # qat logs one loss (its CE)
-            w = 20  # moving average over 20 steps: one step's loss is one batch's
-            smooth = [sum(ys[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
-            name = path.parent.name
-            untrained = key == "kd_loss" and name.startswith("sft")  # sft logs the divergence, does not train on it
-            ax.plot(steps, smooth, label=name + (" (logged only)" if untrained else ""), linewidth=1.2,
-                    linestyle="--" if untrained else "-")
-    ce_ax.set(title="CE on the transfer data (20-step mean)", xlabel="step", ylabel="nats/token")
-    kd_ax.set(title="KD loss: forward KL to the teacher (20-step mean)", xlabel="step", ylabel="nats/token")
-    for ax in (ce_ax, kd_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    dest = out / "loss_curves.png"
-    FigureCanvasAgg(fig).print_png(str(dest))
-    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,22 +458,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase == "prune":
         prune(s, out)
     elif args.phase == "plot":
+        from bench.kd_study2_plot import plot
+
         print(plot(out))
     elif args.phase == "eval-one":
         eval_one(args.name, args.model, out, args.quant, args.pruned, s)
     elif args.phase == "plan":
         keep = _keep(out)
-        jobs = setup_jobs(s, out) + select((training_jobs(s, out, keep) if keep else []) + eval_jobs(s, out), s)
+        train = training_jobs(s, out, keep) if keep else []
+        ref = next((j for j in train if j.name == onp.REFERENCE), None)
+        probes = onp.probe_jobs(s, out, ref, parse_variants(s)) if ref else []
+        jobs = setup_jobs(s, out) + probes + select(train + eval_jobs(s, out), s)
         for j in jobs:
             print(f"# {j.name} (after: {', '.join(j.deps) or '-'})\n{j.recipe_cmd or j.command()}\n")
         if not keep:
             print("# sft, kd, kd_r1, kd_logits, kd_cache, kd_qat, qat: printed once `prune` has written the layer "
                   "list")
+        if onp.selected(s, parse_variants(s)) and not (out / onp.STEPS_FILE).is_file():
+            print("# onp50, onp100: printed once the probes have run (their steps match kd_r1's GPU time)")
     elif args.phase == "run":
         out.mkdir(parents=True, exist_ok=True)
         (out / "scale.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
         if run_jobs(setup_jobs(s, out), out, args.jobs):
             return 1
+        ref = next(j for j in training_jobs(s, out, _keep(out)) if j.name == onp.REFERENCE)
+        if run_jobs(onp.probe_jobs(s, out, ref, parse_variants(s)), out, 1):  # one at a time: alone on the GPU
+            return 1
+        onp.equal_time_steps(s, out)
         failed = run_jobs(select(training_jobs(s, out, _keep(out)) + eval_jobs(s, out), s), out, args.jobs)
         collect(s, out)
         return 1 if failed else 0

@@ -11,7 +11,8 @@ The blocks recipes/kd.py calls from its loop:
   micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
   `held_out_eval` (the end-of-run metric).
 - plain functions, tested on their own: `is_on_policy`, `row_prompts` / `prompts_of`, `sample_completions`,
-  `completion_batch`, `decode_path`.
+  `completion_batch`, `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric per prompt, also
+  what bench/kd_study2_onp.py scores every student of the KD study with).
 
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
@@ -240,6 +241,51 @@ def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
     return {"tokens": tokens, "labels": labels, "prompt_lens": torch.tensor([len(p) for p in prompts])}
 
 
+def score_samples(student: nn.Module, teacher: nn.Module, prompts: Sequence[Sequence[int]],
+                  sample: Callable[[list[list[int]], range], list[list[int]]], batch: int, pad_id: int,
+                  num_chunks: int = 8, vocab_size: int | None = None) -> dict[str, list[float]]:
+    """Per prompt: the summed reverse KL(student || teacher) at T = 1 over the student's sampled completion, the
+    teacher's summed NLL of it, and its token count. `sample(chunk, rows)` samples a chunk of `batch` prompts
+    (`rows`: their indices in `prompts`, which fix their sampling noise). The held-out metric of a KD run
+    (`OnPolicy.held_out_eval`) and of a study's evaluation of any trained student (bench/kd_study2_onp.py)."""
+    metric, device = build_kd_loss("reverse_kl", 1.0), student.tok_embeddings.weight.device
+    out: dict[str, list[float]] = {"reverse_kl_sum": [], "teacher_nll_sum": [], "tokens": []}
+    training = student.training
+    student.eval()
+    try:
+        for i in range(0, len(prompts), batch):  # training's sampling batch (and the compiled step's shapes)
+            chunk = [list(p) for p in prompts[i : i + batch]]
+            b = to_device(completion_batch(chunk, sample(chunk, range(i, i + len(chunk))), pad_id), device)
+            with torch.inference_mode():
+                t_hidden = hidden_states(teacher, b)
+            # not inference mode: a sharded student's gathered weights stay normal tensors; eager: the compiled
+            # training layers would compile a no-grad variant for this one pass at the end
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                s_hidden = hidden_states(student, b)
+                for r in range(len(chunk)):  # one prompt at a time: its own sums (a row is one prompt's sample)
+                    labels, t = b["labels"][r : r + 1], t_hidden[r : r + 1]
+                    parts = kd_and_ce(s_hidden[r : r + 1], student.output, labels, LiveTeacher(t, teacher.output),
+                                      metric, 1.0, num_chunks=num_chunks, vocab_size=vocab_size)
+                    nll = kd_and_ce(t, teacher.output, labels, num_chunks=num_chunks, vocab_size=vocab_size)["ce"]
+                    out["reverse_kl_sum"].append(float(parts["kd"]))
+                    out["teacher_nll_sum"].append(float(nll))
+                    out["tokens"].append(int(parts["n"]))
+    finally:
+        student.train(training)
+    return out
+
+
+def per_prompt_summary(scores: dict[str, list[float]]) -> dict[str, Any]:
+    """`score_samples`' sums as per-prompt means per sampled token (rounded: the file stays small), their means
+    over prompts (each prompt weighs the same, as in a paired comparison across prompts) and the prompt count."""
+    n = [max(int(k), 1) for k in scores["tokens"]]
+    rkl = [round(v / k, 6) for v, k in zip(scores["reverse_kl_sum"], n, strict=True)]
+    nll = [round(v / k, 6) for v, k in zip(scores["teacher_nll_sum"], n, strict=True)]
+    return {"prompts": len(n), "reverse_kl_mean": sum(rkl) / max(len(rkl), 1),
+            "teacher_nll_mean": sum(nll) / max(len(nll), 1),
+            "per_prompt": {"reverse_kl": rkl, "teacher_nll": nll, "tokens": [int(k) for k in scores["tokens"]]}}
+
+
 def on_policy_kd_loss(s: OnPolicySettings, kd: DictConfig) -> KDLoss:
     """The divergence on sampled tokens: `s.loss` at kd.temperature with the kd.beta / alpha / ratio it takes."""
     takes = inspect.signature(KD_LOSSES[s.loss]).parameters
@@ -373,32 +419,20 @@ class OnPolicy:
     # ------------------------------------------------------------------ held-out prompts
     def held_out_eval(self, student: nn.Module, teacher: nn.Module) -> dict[str, Any] | None:
         """The teacher-scored per-token reverse KL of the student's samples on the held-out rows' prompts (the
-        same sampling as training, seeded from the seed alone; every rank computes the same numbers)."""
+        same sampling as training, seeded from the seed alone; every rank computes the same numbers), overall and
+        per prompt: prompt i's noise depends on (seed, i) only, so two runs with the same seed and held_out sample
+        their held-out prompts with the same noise and compare prompt by prompt."""
         if not self.held:
             return None
         prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
                              self.s.max_new_tokens)
-        total, tokens, training = 0.0, 0, student.training
-        student.eval()
-        try:
-            for i in range(0, len(prompts), self.rows):  # training's sampling batch (and the compiled step's shapes)
-                chunk = prompts[i : i + self.rows]
-                completions = self._sample(student, chunk, _key(self.seed, "held_out"), range(i, i + len(chunk)),
-                                           len(prompts))
-                batch = to_device(completion_batch(chunk, completions, self.tokenizer.pad_id), self.rt.device)
-                with torch.inference_mode():
-                    target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
-                # not inference mode: a sharded student's gathered weights stay normal tensors; eager: the compiled
-                # training layers would compile a no-grad variant for this one pass at the end
-                with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                    parts = kd_and_ce(hidden_states(student, batch), student.output, batch["labels"], target,
-                                      self.metric, 1.0, num_chunks=self.num_chunks, vocab_size=self.vocab)
-                total += float(parts["kd"])
-                tokens += int(parts["n"])
-        finally:
-            student.train(training)
-        return {"held_out_rows": len(prompts), "sampled_tokens": tokens, "reverse_kl_per_token": total / tokens,
-                "chosen_as": "the dataset's last kd.on_policy.held_out rows (after packing), never trained on"}
+        seed = _key(self.seed, "held_out")
+        scores = score_samples(student, teacher, prompts, lambda chunk, rows: self._sample(
+            student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab)
+        return {"held_out_rows": len(prompts), "sampled_tokens": sum(scores["tokens"]),
+                "reverse_kl_per_token": sum(scores["reverse_kl_sum"]) / max(sum(scores["tokens"]), 1),
+                "chosen_as": "the dataset's last kd.on_policy.held_out rows (after packing), never trained on",
+                **per_prompt_summary(scores)}
 
     def report_held_out(self, student: nn.Module, teacher: nn.Module, output_dir: str | Path) -> dict[str, Any] | None:
         """`held_out_eval`, printed and written to output_dir/on_policy_eval.json by rank 0."""

@@ -1,7 +1,8 @@
 """bench/kd_study2.py (the GPU study of issue 11) runs end to end on CPU with tiny settings: transfer set written
 by the teacher, layers scored once and shared by every student, SFT / KD (ratio 0.5 and 1.0) / KD from the
 teacher's top-32 cache / QAT / KD-QAT trained, every row evaluated with standard errors, KD vs SFT and cache vs
-online KD compared on the same items, the gap and the PTQ loss recovered computed."""
+online KD compared on the same items, the gap and the PTQ loss recovered computed; then, on the same folder, only
+the on-policy rows (issue 22): probes, equal-GPU-time steps, the held-out on-policy metric, paired with kd_r1."""
 
 import json
 import subprocess
@@ -64,3 +65,91 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "plan", "--variant", "x=nope:a=1"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "--variant 'x=nope:a=1'" in bad.stderr
+
+    # The on-policy rows alone (as a lease after `restore` runs them): kd_r1 is their reference, already trained
+    # here; each row's step time is probed, onp50 / onp100 train kd_r1's GPU time, and every one of the three is
+    # scored on the same held-out chat prompts with the same sampling noise, paired prompt by prompt with kd_r1.
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "run", "--tiny", "--teacher",
+                        str(tiny_model_dir), "--out", str(out), "--jobs", "2", "--rows", "onp50,onp100"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*onp*.log")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
+    assert (out / "logs" / "sft.log").stat().st_mtime_ns == sft_log
+    res = json.loads((out / "results.json").read_text())
+    plan = res["on_policy_steps"]
+    assert set(plan["probe"]) == {"kd_r1", "onp50", "onp100"} and all(p["step_s"] > 0 for p in plan["probe"].values())
+    assert plan["probe"]["onp100"]["sampling_share"] > 0 and plan["probe"]["kd_r1"]["sampling_share"] is None
+    for name, fraction in (("onp50", 0.5), ("onp100", 1.0)):
+        steps = plan["steps"][name]
+        assert steps == max(1, round(2 * plan["probe"]["kd_r1"]["step_s"] / plan["probe"][name]["step_s"]))
+        cmd = (out / "logs" / f"{name}.log").read_text().splitlines()[0]
+        assert f"max_steps={steps}" in cmd and f"kd.on_policy.fraction={fraction}" in cmd and "kd.kd_ratio=1.0" in cmd
+        rows = [json.loads(x) for x in (out / "train" / name / "metrics.jsonl").read_text().splitlines() if x]
+        assert rows[-1]["step"] == steps and sum(r["on_policy_batches"] for r in rows) >= 1
+    held = {n: json.loads((out / "evals" / n / "on_policy.json").read_text()) for n in ("kd_r1", "onp50", "onp100")}
+    assert len({tuple(h["items"]) for h in held.values()}) == 1 and held["kd_r1"]["prompts"] == 4
+    for h in held.values():
+        assert min(h["per_prompt"]["tokens"]) > 0 and min(h["per_prompt"]["teacher_nll"]) >= 0
+    for name in ("onp50", "onp100"):
+        assert res["rows"][name]["lambada"]["items"] == 4 and "onp_reverse_kl" in res["rows"][name]["on_policy"]
+        cmp = res[f"{name}_vs_kd_r1"]
+        assert {"lambada_acc", "hellaswag_acc_norm", "onp_reverse_kl", "onp_teacher_nll"} <= set(cmp)
+        assert cmp["onp_reverse_kl"]["items"] == 4 and set(cmp["goal"]) == {"holds", "onp_reverse_kl_z",
+                                                                              "lambada_acc_z"}
+    assert "issue 22's goal" in (out / "table.md").read_text()
+
+
+def _study():
+    sys.path.insert(0, str(ROOT))
+    from bench import kd_study2, kd_study2_onp
+
+    return kd_study2, kd_study2_onp
+
+
+def test_on_policy_rows_get_equal_gpu_time_steps_and_bring_their_reference(tmp_path):
+    """Steps = kd_r1's steps x kd_r1's probed step time / the row's; the rows run only when named, with kd_r1 (its
+    training, evaluation and on-policy metric) and nothing else."""
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path / "teacher"), steps=400, rows=["onp50", "onp100"])
+    every = study.Scale(teacher=s.teacher)  # no --rows: the standard rows only
+    names = {j.name for j in study.select(study.training_jobs(every, tmp_path, [0, 1]) + study.eval_jobs(every,
+                                                                                                        tmp_path), every)}
+    assert "eval:kd_r1" in names and not any("onp" in n for n in names)
+    (tmp_path / "probe").mkdir()
+    for row, step_s in (("kd_r1", 0.1), ("onp50", 0.16), ("onp100", 0.25)):
+        (tmp_path / "probe" / f"{row}.json").write_text(json.dumps({"row": row, "step_s": step_s}))
+    assert onp.equal_time_steps(s, tmp_path)["steps"] == {"onp50": 250, "onp100": 160}
+    jobs = study.select(study.training_jobs(s, tmp_path, [0, 1]) + study.eval_jobs(s, tmp_path), s)
+    assert {j.name for j in jobs} == {"kd_r1", "onp50", "onp100", "eval:kd_r1", "eval:onp50", "eval:onp100",
+                                      "onp_eval:kd_r1", "onp_eval:onp50", "onp_eval:onp100"}
+    by = {j.name: j.argv for j in jobs}
+    assert "max_steps=400" in by["kd_r1"] and not any(a.startswith("kd.on_policy") for a in by["kd_r1"])
+    assert by["onp100"][-3:] == ["max_steps=160", "kd.on_policy.fraction=1.0", "kd.on_policy.held_out=0"]
+    assert [a for a in by["onp50"] if a.startswith("max_steps")] == ["max_steps=250"]
+    ref = {a for a in by["kd_r1"] if not a.startswith(("output_dir=", "max_steps="))}
+    assert ref <= set(by["onp50"])  # kd_r1's training otherwise
+    probes = onp.probe_jobs(s, tmp_path, next(j for j in jobs if j.name == "kd_r1"), [])
+    assert [j.name for j in probes] == ["probe:kd_r1", "probe:onp50", "probe:onp100"]
+    assert f"max_steps={s.onp_probe_steps}" in probes[1].argv and "kd.on_policy.fraction=0.5" in probes[1].argv
+
+
+def test_collect_pairs_the_on_policy_metric_by_prompt(tmp_path):
+    """collect: each row's on-policy metric joins its per-item values, so onp - kd_r1 is paired by prompt (lower
+    is better: z > 0 means on-policy wins) beside LAMBADA, and the goal is read off the z values."""
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path), rows=["onp50"])
+    lam = {"acc": 0.5, "acc_se": 0.1, "ppl": 10.0, "ppl_se": 1.0, "nll": 2.3, "items": 4}
+    for row, rkl, acc in (("kd_r1", [1.0, 1.2, 0.9, 1.1], [1, 0, 1, 0]), ("onp50", [0.5, 0.6, 0.55, 0.7], [1, 0, 1, 1])):
+        d = tmp_path / "evals" / row
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"lambada": lam, "per_item": {
+            "lambada_acc": dict(enumerate(acc)), "lambada_nll": dict(enumerate([-2.0, -2.1, -2.2, -2.3]))}}))
+        (d / "on_policy.json").write_text(json.dumps({"items": [3, 5, 8, 9], "prompts": 4, "eval_s": 1.0,
+                                                      "per_prompt": {"reverse_kl": rkl, "teacher_nll": rkl}}))
+    res = study.collect(s, tmp_path)
+    cmp = res["onp50_vs_kd_r1"]
+    assert cmp["onp_reverse_kl"]["items"] == 4 and cmp["onp_reverse_kl"]["diff"] == pytest.approx(0.4625)
+    assert cmp["onp_reverse_kl"]["z"] > 2 and cmp["lambada_acc"]["diff"] == pytest.approx(0.25)
+    assert cmp["goal"]["holds"] is True
+    assert res["rows"]["onp50"]["on_policy"]["onp_reverse_kl"] == pytest.approx(0.5875)
+    assert "held-out on-policy metric" in (tmp_path / "table.md").read_text()

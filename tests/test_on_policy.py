@@ -25,10 +25,12 @@ from llm_recipe.components.on_policy import (
     is_on_policy,
     on_policy_kd_loss,
     on_policy_settings,
+    per_prompt_summary,
     prompts_of,
     row_prompts,
     sample_completions,
     sample_with_uniforms,
+    score_samples,
 )
 
 
@@ -328,6 +330,39 @@ def test_on_policy_loss_is_the_divergence_on_completion_tokens(kind, head):
     assert parts["loss"] > 0
 
 
+def test_score_samples_per_prompt_reverse_kl_and_teacher_nll_whatever_the_batch():
+    """The held-out metric per prompt: the student's sample of prompt i depends on (seed, i) alone (so every
+    student evaluated with one seed sees the same noise, whatever the batch), its reverse KL and teacher NLL sums
+    are the reference ones on that row, and the summary holds per-prompt means, their mean and the count."""
+    student, teacher = _model(1).float(), _model(0).float()
+    prompts = [*PROMPTS, [1, 2]]
+    kw = dict(max_new_tokens=6, temperature=1.0, pad_id=0, stop_ids=[], seed=3, width=len(prompts))
+
+    def sample(chunk, rows):
+        return sample_completions(student, chunk, rows=rows, **kw)
+
+    one = score_samples(student, teacher, prompts, sample, batch=4, pad_id=0, num_chunks=2)
+    alone = score_samples(student, teacher, prompts, sample, batch=1, pad_id=0, num_chunks=3)
+    assert alone["tokens"] == one["tokens"]  # the same samples (a different batch only rounds differently)
+    for k in ("reverse_kl_sum", "teacher_nll_sum"):
+        assert alone[k] == pytest.approx(one[k], rel=1e-5)
+    b = completion_batch(prompts, sample_completions(student, prompts, rows=range(4), **kw), pad_id=0)
+    with torch.no_grad():
+        s_logits = student.output(_hidden(student, b["tokens"]))
+        t_logits = teacher.output(_hidden(teacher, b["tokens"]))
+    for i in range(len(prompts)):
+        labels = b["labels"][i]
+        rkl = ref.divergence("reverse_kl", s_logits[i], t_logits[i], labels, 1.0)
+        nll = torch.nn.functional.cross_entropy(t_logits[i], labels, ignore_index=IGNORE, reduction="sum")
+        assert one["tokens"][i] == 6
+        assert one["reverse_kl_sum"][i] == pytest.approx(float(rkl), rel=1e-4)
+        assert one["teacher_nll_sum"][i] == pytest.approx(float(nll), rel=1e-4)
+    summary = per_prompt_summary(one)
+    assert summary["prompts"] == 4 and len(summary["per_prompt"]["reverse_kl"]) == 4
+    assert summary["per_prompt"]["reverse_kl"][0] == pytest.approx(one["reverse_kl_sum"][0] / 6, abs=1e-6)
+    assert summary["reverse_kl_mean"] == pytest.approx(sum(summary["per_prompt"]["reverse_kl"]) / 4)
+    assert summary["teacher_nll_mean"] > 0 and student.training
+
 def test_only_completion_tokens_carry_loss():
     """The gradient w.r.t. the student's logits is zero at every position whose next token is a prompt token or
     padding, and non-zero where the next token was sampled."""
@@ -479,6 +514,10 @@ def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, 
             assert r["on_policy_rkl"] is None and r["on_policy_loss"] is None and r["ce_loss"] > 0
     held = json.loads((out / "on_policy_eval.json").read_text())
     assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0 and held["sampled_tokens"] > 0
+    per = held["per_prompt"]  # prompt by prompt, for paired comparisons of two runs
+    assert held["prompts"] == 3 and len(per["reverse_kl"]) == len(per["teacher_nll"]) == len(per["tokens"]) == 3
+    assert sum(per["tokens"]) == held["sampled_tokens"] and min(per["teacher_nll"]) > 0
+    assert held["reverse_kl_mean"] == pytest.approx(sum(per["reverse_kl"]) / 3)
 
 
 def test_held_out_rows_never_train(models):
@@ -577,3 +616,4 @@ def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_pat
     assert all(r["on_policy_batches"] == 0 and r["on_policy_rkl"] is None and r["ce_loss"] > 0 for r in rows)
     held = json.loads((out / "on_policy_eval.json").read_text())
     assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
+    assert held["prompts"] == 3 and len(held["per_prompt"]["reverse_kl"]) == 3
