@@ -15,16 +15,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from llm_recipe.components.data.dataset import DatasetConfig
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.losses import KD_LOSSES, LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.on_policy import (
     OnPolicySettings,
+    check_on_policy,
     completion_batch,
     decode_path,
     is_on_policy,
     on_policy_kd_loss,
-    on_policy_settings,
     prompts_of,
     row_prompts,
     sample_completions,
@@ -367,21 +368,17 @@ def test_decode_path_compiles_on_one_cuda_process_with_compile():
         decode_path(compiled, True, cuda, 2)
 
 
-def _cfg(**over):
-    base = {"teacher": {"checkpoint_dir": "t", "logits_dir": None}, "dataset": {"max_seq_len": 128, "format": "text"},
-            "kd": {"on_policy": {"fraction": 0.5}}}
-    return OmegaConf.merge(base, OmegaConf.create(over))
-
-
 def test_settings_defaults_and_cross_key_errors():
-    assert on_policy_settings(OmegaConf.create({"kd": {"on_policy": None}})) is None
-    assert on_policy_settings(_cfg()) == OnPolicySettings(fraction=0.5)
+    text = DatasetConfig(source="x", max_seq_len=128)
+    check_on_policy(None, "cache", text)  # off: nothing to check
+    check_on_policy(OnPolicySettings(fraction=0.5), None, text)
     with pytest.raises(RecipeError, match=r"needs a live teacher.*teacher.logits_dir"):
-        on_policy_settings(_cfg(teacher={"logits_dir": "cache"}))
+        check_on_policy(OnPolicySettings(), "cache", text)
     with pytest.raises(RecipeError, match=r"kd.on_policy.max_new_tokens=128 must be below dataset.max_seq_len=128"):
-        on_policy_settings(_cfg(kd={"on_policy": {"max_new_tokens": 128}}))
+        check_on_policy(OnPolicySettings(max_new_tokens=128), None, text)
     with pytest.raises(RecipeError, match=r"dataset.train_on_input=true"):
-        on_policy_settings(_cfg(dataset={"format": "chat", "train_on_input": True}))
+        check_on_policy(OnPolicySettings(), None, DatasetConfig(source="x", max_seq_len=128, format="chat",
+                                                                train_on_input=True))
 
 
 @pytest.mark.parametrize("override, message", [
