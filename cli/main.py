@@ -33,6 +33,7 @@ examples:
   recipe cp kd/smollm2_demo my_kd.yaml             # copy a config to edit it
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
+  recipe keys kd                                   # every key kd reads: allowed values, default, what it does
   recipe run kd --config kd/smollm2_demo max_steps=20
   recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu   # 2 processes
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
@@ -161,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="recipe name or path/to/recipe.py (default: the shipped config's folder)")
     p.add_argument("config", help="shipped config name or .yaml path")
     p.add_argument("overrides", nargs="*", help="key.path=value or ~key.path")
+    _add_debug(p)
+
+    p = sub.add_parser(
+        "keys",
+        help="list the keys a recipe reads",
+        formatter_class=_FORMATTER,
+        description="Print every key a recipe reads: allowed values, default, one-line doc (its CONFIG type).",
+        epilog="examples:\n  recipe keys kd\n  recipe keys path/to/my_recipe.py",
+    )
+    p.add_argument("recipe", help="recipe name or path/to/recipe.py")
     _add_debug(p)
 
     p = sub.add_parser(
@@ -307,6 +318,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from ..components.settings import describe_config, is_config_type
+
+    name, module = load_recipe(args.recipe)
+    if not is_config_type(recipe_config(module)):
+        raise RecipeError(f"recipe '{name}' declares a SCHEMA dict, not a CONFIG type: its keys have no docs")
+    for key, allowed, default, doc in describe_config(recipe_config(module)):
+        print(f"{key}: {allowed}; default {default}\n    {doc}")
+    return 0
+
+
 def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
     """`[torchrun options] RECIPE [recipe args]` -> (torchrun namespace or None, RECIPE, recipe args)."""
     if not argv[0].startswith("-"):
@@ -416,6 +438,7 @@ VERBS = {
     "cp": cmd_cp,
     "cat": cmd_cat,
     "validate": cmd_validate,
+    "keys": cmd_keys,
     "download": cmd_download,
     "assets": cmd_assets,
     "demo": cmd_demo,

@@ -218,7 +218,7 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
     verbs = next(a for a in cli_main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     if not rest and verb not in ("ls", "assets", "demo"):  # prose naming a verb
         assert verb in verbs, f"`recipe {verb}`: no such verb"
-    elif verb in ("ls", "cat", "cp", "assets"):
+    elif verb in ("ls", "cat", "cp", "assets", "keys"):
         _check_cli(args, capsys)
     elif verb == "validate":
         ns = cli_main.build_parser().parse_known_args(args)[0]
