@@ -164,13 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value or ~key.path")
     _add_debug(p)
 
-    p = sub.add_parser(
-        "keys",
-        help="list the keys a recipe reads",
-        formatter_class=_FORMATTER,
-        description="Print every key a recipe reads: allowed values, default, one-line doc (its CONFIG type).",
-        epilog="examples:\n  recipe keys kd\n  recipe keys path/to/my_recipe.py",
-    )
+    p = sub.add_parser("keys", help="list the keys a recipe reads", formatter_class=_FORMATTER,
+                       description="Print every key a recipe reads: allowed values, default, one-line doc (its "
+                       "CONFIG type).", epilog="examples:\n  recipe keys kd\n  recipe keys path/to/my_recipe.py")
     p.add_argument("recipe", help="recipe name or path/to/recipe.py")
     _add_debug(p)
 

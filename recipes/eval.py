@@ -42,20 +42,10 @@ CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges
 
 
 def main(cfg: EvalConfig) -> None:
-    evaluate(
-        cfg.model.checkpoint_dir,
-        tasks=list(cfg.tasks),
-        limit=cfg.limit,
-        num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size,
-        apply_chat_template=cfg.apply_chat_template,
-        output_dir=cfg.output_dir,
-        seed=cfg.seed,
-        device=None if cfg.device == "auto" else cfg.device,
-        dtype=cfg.dtype,
-        max_length=cfg.max_length,
-        log_samples=cfg.log_samples,
-    )
+    evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+             batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
+             seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
+             max_length=cfg.max_length, log_samples=cfg.log_samples)
     print(f"results: {cfg.output_dir}/results.json")
 
 

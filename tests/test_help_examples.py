@@ -219,6 +219,8 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
     if not rest and verb not in ("ls", "assets", "demo"):  # prose naming a verb
         assert verb in verbs, f"`recipe {verb}`: no such verb"
     elif verb in ("ls", "cat", "cp", "assets", "keys"):
+        if verb == "keys" and is_recipe_path(rest[0]):
+            _stand_in_recipe(rest[0])
         _check_cli(args, capsys)
     elif verb == "validate":
         ns = cli_main.build_parser().parse_known_args(args)[0]

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 
 from llm_recipe.components.data.dataset import DatasetConfig
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.kd_settings import KDSettings
 from llm_recipe.components.losses import KD_LOSSES, LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.on_policy import (
@@ -486,7 +488,8 @@ def test_held_out_rows_never_train(models):
 
     tok = Tokenizer.from_dir(models[0])
     data = build_dataset(tok, "transfer:passages", max_seq_len=48, packed=True, limit=16)
-    cfg = OmegaConf.create({"kd": {"loss": "forward_kl"}, "dataset": {"max_seq_len": 48}, "batch_size": 2})
+    cfg = SimpleNamespace(kd=KDSettings(), dataset=DatasetConfig(source="transfer:passages", max_seq_len=48),
+                          batch_size=2, seed=0, gradient_accumulation_steps=1, compile=False)  # a KDConfig's keys
     op = OnPolicy(OnPolicySettings(max_new_tokens=8, held_out=3), cfg, Runtime(torch.device("cpu"), torch.float32),
                   tok, None, 4)
     train = op.hold_out(data)
