@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from ..components.errors import RecipeError
 
@@ -132,7 +131,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     """
     from ..components.assets import ensure_assets
     from ..components.checkpoint.atomic import atomic_write_bytes
-    from ..components.config import load_config, validate_config
+    from ..components.config import config_values, load_recipe_config
     from ..components.folders import prepared_run
     from ..components.models import load_model, save_model
     from ..components.models.prune import student_layers
@@ -140,6 +139,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     from ..components.quantization import quantize_model, size_on_disk
     from ..components.quantization.export_gguf import export_gguf
     from ..components.quantization.export_hf import export_hf_torchao
+    from ..components.settings import schema_of
     from .recipes import load_recipe
 
     start = time.perf_counter()
@@ -149,8 +149,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     name, recipe = load_recipe("kd")
     # The demo is one job from scratch: running it again replaces the KD run of the last time (overwrite=true).
     overrides = [f"output_dir={out / 'kd'}", "overwrite=true"] + ([f"max_steps={steps}"] if steps is not None else [])
-    cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides))
-    validate_config(cfg, recipe.SCHEMA, recipe=name)
+    cfg = load_recipe_config("kd/smollm2_demo", overrides + list(kd_overrides), recipe.CONFIG, recipe=name)
     rows = []
     timings: dict[str, dict] = {}  # wall and CPU seconds (all threads) per stage: CPU is comparable across loads
     cpu0 = time.process_time()
@@ -168,10 +167,8 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     lap("teacher eval", t0)
 
     t0 = time.perf_counter()
-    student_cfg = OmegaConf.to_container(cfg.student, resolve=True)
-    print(f"\n== 2/5 pruned student: {student_cfg}", flush=True)
-    keep = student_layers(student_cfg, teacher_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
-                          cfg.batch_size, "cpu", torch.float32, out)
+    print(f"\n== 2/5 pruned student: {config_values(cfg)['student']}", flush=True)
+    keep = student_layers(cfg.student, teacher_dir, cfg.dataset.kwargs(), cfg.batch_size, "cpu", torch.float32, out)
     if keep is None:
         raise RecipeError("demo: kd/smollm2_demo keeps every teacher layer; set student.prune, every or keep_layers")
     print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
@@ -186,10 +183,9 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     t0 = time.perf_counter()
     print("\n== 3/5 recipe run kd --config kd/smollm2_demo", flush=True)
     # The layers were chosen above: the run takes them as they are instead of scoring them again.
-    cfg = load_config("kd/smollm2_demo", overrides + list(kd_overrides) + [
-        f"student.keep_layers={keep}", "student.every=null", "student.prune=null"])
-    validate_config(cfg, recipe.SCHEMA, recipe=name)
-    with prepared_run(cfg, recipe.SCHEMA):  # folder checks and the output_dir lock, as `recipe run` does
+    cfg = load_recipe_config("kd/smollm2_demo", overrides + list(kd_overrides) + [
+        f"student.keep_layers={keep}", "student.every=null", "student.prune=null"], recipe.CONFIG, recipe=name)
+    with prepared_run(cfg, schema_of(recipe.CONFIG)):  # folder checks and the output_dir lock, as `recipe run` does
         recipe.main(cfg)
     lap("kd", t0)
     t0 = time.perf_counter()

@@ -16,12 +16,13 @@ from ..components.config import (
     config_source,
     configs_dir,
     load_recipe_config,
+    recipe_schema,
     resolve_config_path,
     shipped_configs,
 )
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
-from .recipes import discover_recipes, load_recipe, recipe_file, recipe_folder_importable
+from .recipes import discover_recipes, load_recipe, recipe_config, recipe_file, recipe_folder_importable
 from .script import configure_logging, print_error, recipe_argparser, run_recipe_script
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
@@ -32,6 +33,7 @@ examples:
   recipe cp kd/smollm2_demo my_kd.yaml             # copy a config to edit it
   recipe cat kd/smollm2_demo                       # print a config
   recipe validate my_kd.yaml --recipe kd           # check keys, types and _component_ arguments
+  recipe keys kd                                   # every key kd reads: allowed values, default, what it does
   recipe run kd --config kd/smollm2_demo max_steps=20
   recipe run --nproc-per-node 2 --standalone full --config full/smollm2 device=cpu   # 2 processes
   recipe download HuggingFaceTB/SmolLM2-135M-Instruct --output-dir models/smollm2
@@ -48,7 +50,7 @@ the recipe file is launched through torch.distributed.run, one process per rank.
 
   recipe run [TORCHRUN OPTIONS] RECIPE --config CONFIG [key.path=value ...] [~key.path ...]
 
-RECIPE is a shipped recipe name (see `recipe ls`) or a path/to/recipe.py that defines SCHEMA and main.
+RECIPE is a shipped recipe name (see `recipe ls`) or a path/to/recipe.py that defines CONFIG and main.
 CONFIG is a shipped config name (kd/smollm2_demo), a bare name of the recipe's configs, or a .yaml path.
 Overrides are typed like YAML: 3 is an int, 1e-4 a float, true a bool, [1,2] a list, null None;
 ~key.path deletes a key (the recipe's default applies). Keys the recipe does not read are errors."""
@@ -160,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="recipe name or path/to/recipe.py (default: the shipped config's folder)")
     p.add_argument("config", help="shipped config name or .yaml path")
     p.add_argument("overrides", nargs="*", help="key.path=value or ~key.path")
+    _add_debug(p)
+
+    p = sub.add_parser("keys", help="list the keys a recipe reads", formatter_class=_FORMATTER,
+                       description="Print every key a recipe reads: allowed values, default, one-line doc (its "
+                       "CONFIG type).", epilog="examples:\n  recipe keys kd\n  recipe keys path/to/my_recipe.py")
+    p.add_argument("recipe", help="recipe name or path/to/recipe.py")
     _add_debug(p)
 
     p = sub.add_parser(
@@ -301,8 +309,19 @@ def _infer_recipe(config: str) -> str:
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = args.recipe or _infer_recipe(args.config)
     name, module = load_recipe(recipe)
-    cfg = load_recipe_config(args.config, args.overrides, module.SCHEMA, recipe=name)
+    cfg = load_recipe_config(args.config, args.overrides, recipe_config(module), recipe=name)
     print(f"OK: {config_source(cfg).display} is a valid {name} config")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from ..components.settings import describe_config, is_config_type
+
+    name, module = load_recipe(args.recipe)
+    if not is_config_type(recipe_config(module)):
+        raise RecipeError(f"recipe '{name}' declares a SCHEMA dict, not a CONFIG type: its keys have no docs")
+    for key, allowed, default, doc in describe_config(recipe_config(module)):
+        print(f"{key}: {allowed}; default {default}\n    {doc}")
     return 0
 
 
@@ -359,14 +378,15 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     name, module = load_recipe(recipe)
     if torchrun_ns is None:
         with recipe_folder_importable(recipe):  # a user's recipe may import modules next to it while it runs
-            run_recipe_script(module.SCHEMA, module.main, argv=script_args, name=name)
+            run_recipe_script(recipe_config(module), module.main, argv=script_args, name=name)
         return 0
     # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
     # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    cfg = load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
-    with prepared_run(cfg, module.SCHEMA, lock=False):
-        if "overwrite" in module.SCHEMA and "output_dir" in cfg:  # a training recipe: one run per output_dir
+    schema = recipe_schema(recipe_config(module))
+    cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
+    with prepared_run(cfg, schema, lock=False):
+        if "overwrite" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import check_new_run
 
             check_new_run(cfg)
@@ -414,6 +434,7 @@ VERBS = {
     "cp": cmd_cp,
     "cat": cmd_cat,
     "validate": cmd_validate,
+    "keys": cmd_keys,
     "download": cmd_download,
     "assets": cmd_assets,
     "demo": cmd_demo,

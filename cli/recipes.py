@@ -18,8 +18,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..components.errors import RecipeError
+from ..components.settings import is_config_type
 
 # The order `recipe ls` shows the shipped algorithms in; recipes not named here follow alphabetically.
 PREFERRED_ORDER = ("full", "lora", "kd", "kd_logits", "qat", "eval", "quantize", "generate")
@@ -45,7 +47,8 @@ def recipes_dir() -> Path:
 
 def _defines_recipe(path: Path) -> bool:
     # Parsed, not imported: listing must be fast (no torch import) and must not break on a recipe that
-    # fails to import; a recipe is a module that binds both SCHEMA and main at top level.
+    # fails to import; a recipe is a module that binds CONFIG (its config type; SCHEMA, a dict, in older recipes)
+    # and main at top level.
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except (SyntaxError, OSError, UnicodeDecodeError):
@@ -60,11 +63,11 @@ def _defines_recipe(path: Path) -> bool:
             names.add(node.name)
         elif isinstance(node, ast.ImportFrom):
             names.update(a.asname or a.name for a in node.names)
-    return {"SCHEMA", "main"} <= names
+    return "main" in names and bool(names & {"CONFIG", "SCHEMA"})
 
 
 def discover_recipes() -> dict[str, Path]:
-    """Shipped recipes `{name: file}` in display order: modules in `recipes/` that define SCHEMA and main, and
+    """Shipped recipes `{name: file}` in display order: modules in `recipes/` that define CONFIG and main, and
     the `ALIASES` of those."""
     found = {
         p.stem: p for p in recipes_dir().glob("*.py") if not p.name.startswith("_") and _defines_recipe(p)
@@ -94,18 +97,25 @@ def recipe_file(name_or_path: str) -> tuple[str, Path]:
 
 
 def load_recipe(name_or_path: str) -> tuple[str, ModuleType]:
-    """Import a shipped recipe or run a `path.py`'s top level, and check it defines SCHEMA and main."""
+    """Import a shipped recipe or run a `path.py`'s top level, and check it defines CONFIG (a config dataclass; or
+    SCHEMA, a dict, in recipes written before typed configs) and main."""
     name, path = recipe_file(name_or_path)
     if path.resolve().parent == _shipped_dir().resolve():
         module = importlib.import_module(f"{SHIPPED_PACKAGE}.{path.stem}")  # an alias names another file
     else:
         module = _run_recipe_file(path, name)
-    missing = [a for a in ("SCHEMA", "main") if not hasattr(module, a)]
+    config = recipe_config(module)
+    missing = [a for a, value in (("CONFIG", config), ("main", getattr(module, "main", None))) if value is None]
     if missing:
         raise RecipeError(f"recipe '{name_or_path}' does not define {' and '.join(missing)}")
-    if not isinstance(module.SCHEMA, dict) or not callable(module.main):
-        raise RecipeError(f"recipe '{name_or_path}': SCHEMA must be a dict and main a function")
+    if not (is_config_type(config) or isinstance(config, dict)) or not callable(module.main):
+        raise RecipeError(f"recipe '{name_or_path}': CONFIG must be a dataclass (or SCHEMA a dict) and main a function")
     return name, module
+
+
+def recipe_config(module: ModuleType) -> Any:
+    """A recipe module's config declaration: its `CONFIG` type, else its legacy `SCHEMA` dict."""
+    return getattr(module, "CONFIG", None) or getattr(module, "SCHEMA", None)
 
 
 def _run_recipe_file(path: Path, name: str) -> ModuleType:

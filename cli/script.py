@@ -1,9 +1,10 @@
 """A recipe file's command line: `python recipe.py --config X [key=value ...] [~key] [--debug]`, which is also
 what `recipe run NAME` does in-process and what torchrun starts on every rank.
 
-Every shipped recipe ends with `if __name__ == "__main__": run_recipe_script(SCHEMA, main)`. The config itself
-(loading, overrides, validation with file:line errors) is components/config.py's; this module holds what only
-a command line does: argparse, logging set-up, and turning errors into one line and an exit status.
+Every shipped recipe ends with `if __name__ == "__main__": run_recipe_script(CONFIG, main)`. The config itself
+(loading, overrides, validation with file:line errors, the typed config) is components/config.py's; this module
+holds what only a command line does: argparse, logging set-up, and turning errors into one line and an exit
+status.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from ..components.config import load_recipe_config, shipped_configs
+from ..components.config import load_recipe_config, recipe_schema, shipped_configs
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
 from ..components.interrupt import interrupted_message, reset
@@ -67,12 +66,13 @@ def configure_logging(debug: bool = False) -> None:
 
 
 def run_recipe_script(
-    schema: Mapping[str, Any],
-    main: Callable[[DictConfig], None],
+    config: Any,
+    main: Callable[[Any], None],
     argv: list[str] | None = None,
     name: str | None = None,
 ) -> None:
-    """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)`.
+    """Parse `--config X [key=value ...] [~key] [--debug]`, load + validate, call `main(cfg)` with the typed config
+    (`config`: the recipe's CONFIG dataclass; a legacy SCHEMA dict gives `main` the validated DictConfig).
 
     The folders the config names are checked and the output folder locked first (folders.prepared_run).
     A RecipeError prints one line `recipe: error: ...` on stderr and exits 1 (traceback only with --debug), as
@@ -86,8 +86,8 @@ def run_recipe_script(
     reset()
     cfg = None
     try:
-        cfg = load_recipe_config(args.config, args.overrides, schema, recipe=name)
-        with prepared_run(cfg, schema):
+        cfg = load_recipe_config(args.config, args.overrides, config, recipe=name)
+        with prepared_run(cfg, recipe_schema(config)):
             main(cfg)
     except RecipeError as e:
         print_error(e, args.debug)

@@ -8,6 +8,7 @@ PyYAML's `compose` gives the line of every key, which OmegaConf does not keep.
 
 from __future__ import annotations
 
+import copy
 import importlib.resources
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,10 +24,12 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from .component import ComponentSpec, validate_component
 from .errors import RecipeError, read_utf8
 from .schema import spec_problem, value_desc
+from .settings import is_config_type, parse_config, schema_of
 
 __all__ = [
     "ConfigSource",
     "config_source",
+    "config_values",
     "configs_dir",
     "load_config",
     "load_recipe_config",
@@ -75,12 +78,22 @@ class ConfigSource:
 
 
 _SOURCE_ATTR = "_recipe_source"
+_VALUES_ATTR = "_recipe_values"
 
 
-def config_source(cfg: DictConfig) -> ConfigSource:
-    """The `ConfigSource` recorded by `load_config` (an empty one for configs built some other way)."""
+def config_source(cfg: Any) -> ConfigSource:
+    """The `ConfigSource` recorded by `load_config` / `load_recipe_config` (an empty one for configs built some
+    other way)."""
     src = cfg.__dict__.get(_SOURCE_ATTR)
     return src if isinstance(src, ConfigSource) else ConfigSource(file=None)
+
+
+def config_values(cfg: Any) -> dict[str, Any]:
+    """The config's values as written (resolved, overrides applied, no defaults filled in) as plain Python: what
+    run.json's checksum and transfer.json record."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return copy.deepcopy(cfg.__dict__.get(_VALUES_ATTR, {}))
 
 
 def _display_path(path: Path) -> str:
@@ -332,13 +345,31 @@ def validate_config(
 # ----------------------------------------------------------------------------------------------- recipes
 
 
-def load_recipe_config(
-    config: str, overrides: Sequence[str], schema: Mapping[str, Any], recipe: str | None = None
-) -> DictConfig:
-    """`load_config` + `validate_config`; a bare config name also tries `<recipe>/<name>`."""
+def recipe_schema(config: Any) -> Mapping[str, Any]:
+    """The validation SCHEMA of a recipe's `CONFIG` type (derived from its fields), or a legacy `SCHEMA` dict."""
+    return schema_of(config) if is_config_type(config) else config
+
+
+def load_recipe_config(config: str, overrides: Sequence[str], config_type: Any, recipe: str | None = None) -> Any:
+    """`load_config` + `validate_config`, then (for a `CONFIG` type) the typed config, parsed once with defaults
+    filled in and its cross-key `check()` run; a bare config name also tries `<recipe>/<name>`. A legacy `SCHEMA`
+    dict gives the validated DictConfig."""
     if recipe and "/" not in config and not config.endswith((".yaml", ".yml")) and not Path(config).is_file():
         if (configs_dir() / recipe / f"{config}.yaml").is_file():
             config = f"{recipe}/{config}"
     cfg = load_config(config, overrides)
-    validate_config(cfg, schema, overrides=overrides, recipe=recipe)
-    return cfg
+    validate_config(cfg, recipe_schema(config_type), overrides=overrides, recipe=recipe)
+    return typed_config(cfg, config_type) if is_config_type(config_type) else cfg
+
+
+def typed_config(cfg: DictConfig, config_type: type) -> Any:
+    """A validated DictConfig as `config_type`, remembering where it came from (`config_source`) and its values as
+    written (`config_values`); the type's `check()`, if it has one, runs here, once."""
+    src = config_source(cfg)
+    typed = parse_config(config_type, cfg, src.where)
+    typed.__dict__[_SOURCE_ATTR] = src
+    typed.__dict__[_VALUES_ATTR] = OmegaConf.to_container(cfg, resolve=True)
+    check = getattr(typed, "check", None)
+    if callable(check):
+        check()
+    return typed

@@ -22,12 +22,13 @@ import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from .config import config_source
+from .config import ConfigSource, config_source
 from .errors import RecipeError
 from .schema import ModelDir, OutputDir, walk_specs
 
@@ -186,32 +187,34 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
 # ----------------------------------------------------------------------------------------------- a run
 
 
-def _check_logger_packages(cfg: DictConfig, schema: Mapping[str, Any]) -> None:
+def _check_logger_packages(values: Mapping[str, Any], schema: Mapping[str, Any], src: ConfigSource) -> None:
     """`tensorboard: true` / a `wandb:` section need their packages: say so now, not after the models load."""
     from .metrics import check_logger_packages
 
     for key in ("tensorboard", "wandb"):
         if key not in schema:
             continue
-        value = cfg.get(key)
+        value = values.get(key)
         try:
             check_logger_packages(bool(value) if key == "tensorboard" else False, value if key == "wandb" else None)
         except RecipeError as e:
-            raise RecipeError(f"{config_source(cfg).where(key)}: key '{key}': {e}") from e
+            raise RecipeError(f"{src.where(key)}: key '{key}': {e}") from e
 
 
 @contextlib.contextmanager
-def prepared_run(cfg: DictConfig, schema: Mapping[str, Any], lock: bool = True) -> Iterator[None]:
-    """Check the folders a validated config names, before any model loads, then hold the output lock.
+def prepared_run(cfg: Any, schema: Mapping[str, Any], lock: bool = True) -> Iterator[None]:
+    """Check the folders a validated config names (a typed config or a DictConfig), before any model loads, then
+    hold the output lock.
 
     Every `ModelDir` key must name a model folder; every `OutputDir` key a folder that can be written and that no
     live run holds. With `lock` (rank 0 only under torchrun) this run holds each output folder's lock until the
     block ends. Errors name the key and where it was set.
     """
     src = config_source(cfg)
-    folders = [(k, spec, v) for k, spec, v in walk_specs(cfg, dict(schema), (ModelDir, OutputDir)) if v is not None]
+    values = cfg if isinstance(cfg, DictConfig) else asdict(cfg)
+    folders = [(k, spec, v) for k, spec, v in walk_specs(values, dict(schema), (ModelDir, OutputDir)) if v is not None]
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks neither lock nor see rank 0's lock
-    _check_logger_packages(cfg, schema)
+    _check_logger_packages(values, schema, src)
     with contextlib.ExitStack() as stack:
         for locking in (False, True):  # every check first, so a bad folder creates nothing
             for key, spec, value in folders:

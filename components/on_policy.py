@@ -5,8 +5,8 @@ two models' full next-token distributions at every sampled position (GKD, Agarwa
 gradient flows through the sampling itself, and no CE is taken on sampled tokens.
 
 The blocks recipes/kd.py calls from its loop:
-- `OnPolicySettings` (the config section, typed and commented) and `ON_POLICY_SCHEMA` (its ranges, checked at
-  config load); `on_policy_settings(cfg)` reads it and checks it against the rest of the config.
+- `OnPolicySettings` (the config section: each key's type, default, range and doc, checked at config load);
+  `check_on_policy` checks it against the rest of the config, once at load.
 - `OnPolicy`: `hold_out` (keeps the dataset's last `held_out` rows out of training), `sample_window` (the chosen
   micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
   `held_out_eval` (the end-of-run metric).
@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from .checkpoint.atomic import atomic_write_bytes
@@ -57,6 +56,7 @@ from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
 from .models.generation import StaticDecode, generate_batch
 from .runtime import Runtime
 from .schema import Choice, Range
+from .settings import setting
 from .training import hidden_states, to_device
 
 IGNORE_INDEX = -100
@@ -65,53 +65,41 @@ KD_OPTIONS = ("beta", "alpha", "ratio")
 DECODE_PATHS = ("auto", "compiled", "eager")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OnPolicySettings:
     """`kd.on_policy`: null (the default) is off, today's off-policy KD on every micro-batch."""
 
-    fraction: float = 0.5  # share of micro-batches that go on-policy, spread evenly (1.0: all; 0: none, only the
-    #                        held-out split and score, for the off-policy baseline of a comparison)
-    max_new_tokens: int = 64  # tokens the student samples per prompt (fewer when it emits a stop token)
-    temperature: float = 1.0  # sampling temperature (1.0 samples the student's own distribution)
-    prompt_tokens: int = 32  # text rows: the first N tokens of a document are its prompt
-    loss: str = "reverse_kl"  # the divergence on sampled tokens: any kd.loss kind (kd.temperature/beta/... apply)
-    held_out: int = 16  # the dataset's last N rows never train; at the end their prompts score the student (0: none)
-    prompts_per_row: int = 8  # a prompt from each document of a row (packed rows hold many), up to N, as long as
-    #                           they and their completions fit in max_seq_len: up to batch_size x N prompts at once
-    decode: str = "auto"  # auto: compiled (CUDA graphs) on one CUDA process with compile: true, else eager |
-    #                       compiled (one process only) | eager
+    fraction: float = setting(0.5, Range(float, ge=0, le=1), "share of micro-batches that go on-policy, spread "
+                              "evenly (1.0: all; 0: none, only the held-out score, the off-policy baseline)")
+    max_new_tokens: int = setting(64, Range(int, ge=1), "tokens the student samples per prompt (fewer after a stop "
+                                  "token); below dataset.max_seq_len")
+    temperature: float = setting(1.0, Range(float, gt=0), "sampling temperature (1.0: the student's own "
+                                 "distribution)")
+    prompt_tokens: int = setting(32, Range(int, ge=1), "text rows: the first N tokens of a document are its prompt")
+    loss: str = setting("reverse_kl", Choice(*KD_LOSSES), "the divergence on sampled tokens: any kd.loss kind "
+                        "(kd.temperature/beta/... apply)")
+    held_out: int = setting(16, Range(int, ge=0), "the dataset's last N rows never train; at the end their prompts "
+                            "score the student (0: none)")
+    prompts_per_row: int = setting(8, Range(int, ge=1), "a prompt from each document of a row, up to N, while they "
+                                   "and their completions fit in max_seq_len")
+    decode: str = setting("auto", Choice(*DECODE_PATHS), "auto: compiled (CUDA graphs) on one CUDA process with "
+                          "compile: true, else eager | compiled (one process only) | eager")
 
 
-# The section's ranges, checked by `recipe validate` / `recipe run` before anything loads (one home per key).
-ON_POLICY_SCHEMA = {
-    "fraction": Range(float, ge=0, le=1),
-    "max_new_tokens": Range(int, ge=1),
-    "temperature": Range(float, gt=0),
-    "prompt_tokens": Range(int, ge=1),
-    "loss": Choice(*KD_LOSSES),
-    "held_out": Range(int, ge=0),
-    "prompts_per_row": Range(int, ge=1),
-    "decode": Choice(*DECODE_PATHS),
-}
-
-
-def on_policy_settings(cfg: DictConfig) -> OnPolicySettings | None:
-    """`kd.on_policy` with defaults filled in (None: off), checked against the keys it depends on."""
-    node = (cfg.get("kd") or {}).get("on_policy")
-    if node is None:
-        return None
-    s = OnPolicySettings(**OmegaConf.to_container(node, resolve=True))
-    if (cfg.get("teacher") or {}).get("logits_dir") is not None:
+def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset: Any) -> None:
+    """`kd.on_policy` checked against the keys it depends on (`teacher.logits_dir`, the `dataset:` section), once
+    at load; nothing to check when it is off (None)."""
+    if s is None:
+        return
+    if logits_dir is not None:
         raise RecipeError("kd.on_policy needs a live teacher to score the student's samples; teacher.logits_dir "
                           "(a cache of fixed data) cannot: set one of them to null")
-    max_len = int(cfg.dataset.max_seq_len)
-    if s.max_new_tokens >= max_len:
+    if s.max_new_tokens >= dataset.max_seq_len:
         raise RecipeError(f"kd.on_policy.max_new_tokens={s.max_new_tokens} must be below dataset.max_seq_len="
-                          f"{max_len}: prompt and completion share one row")
-    if cfg.dataset.get("format", "text") != "text" and cfg.dataset.get("train_on_input", False):
+                          f"{dataset.max_seq_len}: prompt and completion share one row")
+    if dataset.format != "text" and dataset.train_on_input:
         raise RecipeError("kd.on_policy takes the prompt of instruct/chat rows from their labels, which "
                           "dataset.train_on_input=true puts on the prompt too: set it to false")
-    return s
 
 
 def is_on_policy(seed: int, step: int, micro: int, accum: int, fraction: float) -> bool:
@@ -286,11 +274,12 @@ def per_prompt_summary(scores: dict[str, list[float]]) -> dict[str, Any]:
             "per_prompt": {"reverse_kl": rkl, "teacher_nll": nll, "tokens": [int(k) for k in scores["tokens"]]}}
 
 
-def on_policy_kd_loss(s: OnPolicySettings, kd: DictConfig) -> KDLoss:
-    """The divergence on sampled tokens: `s.loss` at kd.temperature with the kd.beta / alpha / ratio it takes."""
+def on_policy_kd_loss(s: OnPolicySettings, kd: Any) -> KDLoss:
+    """The divergence on sampled tokens: `s.loss` at kd.temperature with the kd.beta / alpha / ratio it takes
+    (`kd`: the `kd:` section, components/kd_settings.py)."""
     takes = inspect.signature(KD_LOSSES[s.loss]).parameters
-    options = {o: kd[o] for o in KD_OPTIONS if o in takes and kd.get(o) is not None}
-    return build_kd_loss(s.loss, kd.get("temperature", 1.0), **options)
+    options = {o: getattr(kd, o) for o in KD_OPTIONS if o in takes and getattr(kd, o) is not None}
+    return build_kd_loss(s.loss, kd.temperature, **options)
 
 
 class OnPolicy:
@@ -300,17 +289,17 @@ class OnPolicy:
     loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens.
     `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`)."""
 
-    def __init__(self, s: OnPolicySettings, cfg: DictConfig, rt: Runtime, tokenizer: Any,
+    def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int) -> None:
-        self.s, self.rt, self.tokenizer = s, rt, tokenizer
+        self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
-        self.seed, self.accum = int(cfg.get("seed", 0)), int(cfg.get("gradient_accumulation_steps", 1))
-        self.batch_size, self.num_chunks, self.vocab = int(cfg.get("batch_size", 4)), num_chunks, vocab_size
-        self.prompt_tokens = s.prompt_tokens if cfg.dataset.get("format", "text") == "text" else None
-        self.budget = int(cfg.dataset.max_seq_len) - s.max_new_tokens
+        self.seed, self.accum = cfg.seed, cfg.gradient_accumulation_steps
+        self.batch_size, self.num_chunks, self.vocab = cfg.batch_size, num_chunks, vocab_size
+        self.prompt_tokens = s.prompt_tokens if cfg.dataset.format == "text" else None
+        self.budget = cfg.dataset.max_seq_len - s.max_new_tokens
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
-        self.path = decode_path(s, bool(cfg.get("compile", False)), rt.device, rt.world_size)
+        self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
                                     max_width=min(self.budget, self.prompt_tokens or self.budget))
                        if self.path == "compiled" else None)

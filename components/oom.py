@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import resource
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,20 @@ def _tried(err: BaseException) -> str:
     return f"; it tried to allocate {m.group(1)}" if m else ""
 
 
+def _get(node: Any, key: str) -> Any:
+    """`node[key]` of a mapping (a raw config) or `node.key` of a typed config section; None when it has none."""
+    if node is None:
+        return None
+    return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
+
+
+def _has(node: Any, key: str) -> bool:
+    return node is not None and (key in node if isinstance(node, Mapping) else hasattr(node, key))
+
+
 def _advice(cfg: Any) -> str:
-    get = cfg.get if cfg is not None else (lambda k, d=None: d)
     tips = []
-    bs, accum = get("batch_size"), get("gradient_accumulation_steps")
+    bs, accum = _get(cfg, "batch_size"), _get(cfg, "gradient_accumulation_steps")
     if isinstance(bs, int) and bs > 1:
         new = bs // 2
         if isinstance(accum, int) and bs % new == 0:
@@ -99,24 +110,24 @@ def _advice(cfg: Any) -> str:
                         f"step as batch_size={bs} gradient_accumulation_steps={accum})")
         else:
             tips.append(f"a smaller batch_size (now {bs})")
-    dataset = get("dataset")
-    seq = dataset.get("max_seq_len") if dataset is not None and hasattr(dataset, "get") else None
+    seq = _get(_get(cfg, "dataset"), "max_seq_len")
     if isinstance(seq, int):
         tips.append(f"a shorter dataset.max_seq_len (now {seq})")
-    if get("activation_checkpointing") is False:
+    if _get(cfg, "activation_checkpointing") is False:
         tips.append("activation_checkpointing=true")
-    teacher = get("teacher")
-    if teacher is not None and hasattr(teacher, "get") and teacher.get("logits_dir") is None and "kd" in cfg:
-        if teacher.get("quantize") is None:
+    teacher = _get(cfg, "teacher")
+    if teacher is not None and _get(teacher, "logits_dir") is None and _has(cfg, "kd"):
+        if _get(teacher, "quantize") is None:
             tips.append("teacher.quantize=fp8 (GPU)")
         tips.append("teacher.logits_dir=<a kd_logits cache> (no teacher in memory)")
     return "; use less memory with " + ", ".join(tips) if tips else ""
 
 
 def out_of_memory_message(err: BaseException, cfg: Any = None) -> str:
-    """The one-line message for an out-of-memory `err` of the run configured by `cfg` (None: no config yet)."""
+    """The one-line message for an out-of-memory `err` of the run configured by `cfg` (a typed config or a raw
+    DictConfig; None: no config yet)."""
     where = getattr(err, _WHERE, None) or {}
-    training = cfg is not None and "max_steps" in cfg and "output_dir" in cfg
+    training = _has(cfg, "max_steps") and _has(cfg, "output_dir")
     what = where.get("what") or ("while setting up, before step 1" if training else "")
     details = [f"micro-batch {where['shape']}"] if where.get("shape") else []
     details.append(_peak(where.get("device")))

@@ -28,8 +28,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
@@ -111,14 +109,16 @@ def _delete_outputs(out: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _config_sha256(cfg: DictConfig) -> str:
-    values = OmegaConf.to_container(cfg, resolve=True)
+def _config_sha256(cfg: Any) -> str:
+    from .config import config_values
+
+    values = config_values(cfg)  # as written: a default that changes later does not make it another run
     for key in ("resume", "overwrite", "max_steps"):  # a resumed run may extend max_steps: the same run
         values.pop(key, None)
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _write_run(out: Path, cfg: DictConfig, run_id: str | None = None) -> str:
+def _write_run(out: Path, cfg: Any, run_id: str | None = None) -> str:
     from .config import config_source
 
     run_id = run_id or uuid.uuid4().hex
@@ -139,10 +139,11 @@ def _checkpoint_run_id(ckpt: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def check_new_run(cfg: DictConfig) -> None:
+def check_new_run(cfg: Any) -> None:
     """RecipeError when a new run (`resume: false`, no `overwrite: true`) would write into a folder holding an
-    earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun."""
-    if cfg.get("resume", False) or cfg.get("overwrite", False):
+    earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun.
+    `cfg`: a training recipe's typed config (components/train_config.py: TrainConfig)."""
+    if cfg.resume or cfg.overwrite:
         return
     held = previous_run(cfg.output_dir)
     if held:
@@ -150,9 +151,9 @@ def check_new_run(cfg: DictConfig) -> None:
                           "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
 
 
-def start_run(cfg: DictConfig) -> None:
+def start_run(cfg: Any) -> None:
     """Apply the output-folder rule before anything loads (see the module docstring); rank 0 writes run.json."""
-    if cfg.get("resume", False) or not _is_rank0():
+    if cfg.resume or not _is_rank0():
         return
     check_new_run(cfg)
     out = Path(cfg.output_dir)
@@ -160,7 +161,7 @@ def start_run(cfg: DictConfig) -> None:
     _write_run(out, cfg)
 
 
-def check_resume(cfg: DictConfig, ckpt: Path) -> None:
+def check_resume(cfg: Any, ckpt: Path) -> None:
     """RecipeError unless `ckpt` belongs to the run `output_dir/run.json` names. A folder without run.json adopts
     the checkpoint's run (rank 0 writes it); a checkpoint without a run id (written before run ids) resumes."""
     out = Path(cfg.output_dir)

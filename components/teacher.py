@@ -4,9 +4,10 @@ vocabulary the loss runs over."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
 from torch import nn
 
 from .errors import RecipeError
@@ -16,13 +17,23 @@ from .models import ModelArgs, load_model
 from .quantization.teacher import TEACHER_QUANT, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
 from .schema import Choice, ModelDir
-
-# kd's `teacher:` section
-TEACHER_SCHEMA = {"checkpoint_dir": ModelDir(optional=True), "placement": Choice(*TEACHER_PLACEMENTS),
-                  "quantize": Choice(*TEACHER_QUANT, optional=True), "logits_dir": (str, type(None))}
+from .settings import setting
 
 
-def check_teacher_and_student(cfg: DictConfig, student_dir: str | Path, tokenizer_vocab: int) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TeacherSettings:
+    """kd's `teacher:` section: the frozen teacher, or its cached top-k (`logits_dir`)."""
+
+    checkpoint_dir: str | None = setting(None, ModelDir(optional=True), "HF folder of the teacher (frozen, no grad)")
+    placement: str = setting("auto", Choice(*TEACHER_PLACEMENTS), "several GPUs: replicate (a full copy per GPU), "
+                             "shard (FSDP) or auto (replicate if it takes <= half the free memory)")
+    quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True),
+                                   "fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only (null: none)")
+    logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its top-k replaces the "
+                                     "teacher, which is never loaded")
+
+
+def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int) -> None:
     """Teacher and student speak the same tokens, and each config.json describes its weights: checked from
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
@@ -31,11 +42,10 @@ def check_teacher_and_student(cfg: DictConfig, student_dir: str | Path, tokenize
     from .models import read_model_args
     from .models.args import check_weight_shapes
 
-    t = cfg.teacher
     sargs = read_model_args(student_dir)
     check_weight_shapes(student_dir, sargs)
     student_vocab = sargs.vocab_size
-    if t.get("logits_dir") is not None:
+    if t.logits_dir is not None:
         manifest = Path(t.logits_dir) / MANIFEST
         if manifest.is_file():  # a missing or unfinished cache is reported by LogitsCache with its own words
             cached = read_manifest(manifest).get("run", {}).get("tokenizer")
@@ -45,27 +55,27 @@ def check_teacher_and_student(cfg: DictConfig, student_dir: str | Path, tokenize
                                   "build a cache for this run with `recipe run kd_logits`")
         shared_vocab(student_vocab, student_vocab, tokenizer_vocab)
         return
-    teacher_dir = t.get("checkpoint_dir") or student_dir
+    teacher_dir = t.checkpoint_dir or student_dir
     targs = read_model_args(teacher_dir)
     check_weight_shapes(teacher_dir, targs)
     shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,
                  Path(teacher_dir) == Path(student_dir) or same_tokenizer(student_dir, teacher_dir))
 
 
-def load_teacher(cfg: DictConfig, rt: Runtime, student_dir: str | Path, temperature: float,
-                 max_seq_len: int) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
+def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, student_dir: str | Path,
+                 temperature: float, max_seq_len: int,
+                 compile: bool) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
     """`(teacher, teacher_args, None)`, or `(None, teacher_args, cache)` with `teacher.logits_dir`: the cache is
-    verified (shards, checksums) and checked against this run (teacher, tokenizer, dataset, temperature) here,
-    before any model is loaded; one-line errors name what differs."""
-    t = cfg.teacher
-    if t.get("logits_dir") is not None:
-        cache = LogitsCache.for_run(t.logits_dir, cfg.dataset, student_dir, t.get("checkpoint_dir"), temperature)
+    verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature)
+    here, before any model is loaded; one-line errors name what differs. `compile`: the run's `compile:`."""
+    if t.logits_dir is not None:
+        cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, temperature)
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_seq_len)
-    prepare_teacher(rt, teacher, t.get("placement", "auto"), cfg.get("compile", False))
-    quantize_teacher(teacher, t.get("quantize"), rt.device)
+    prepare_teacher(rt, teacher, t.placement, compile)
+    quantize_teacher(teacher, t.quantize, rt.device)
     return teacher, targs, None
 
 

@@ -13,10 +13,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from .checkpoint.manifest import verify_manifest
@@ -40,13 +39,16 @@ from .oom import is_out_of_memory, note_step
 from .runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
 from .runtime import Runtime
 
+if TYPE_CHECKING:
+    from .train_config import TrainConfig
 
-def start_or_resume_run(cfg: DictConfig) -> Path | None:
+
+def start_or_resume_run(cfg: TrainConfig) -> Path | None:
     """Start the run in `output_dir` (llm_recipe.components.runs): a new run (`resume: false`) is refused when the
     folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
     With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
     (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
-    if not cfg.get("resume", False):
+    if not cfg.resume:
         start_run(cfg)
         return None
     ckpt = latest_checkpoint(cfg.output_dir)
@@ -81,7 +83,7 @@ class TrainState:
     run rebuilds its base from model.checkpoint_dir). `last_checkpoint`: the newest one this run wrote or
     resumed from, named by the non-finite-loss error."""
 
-    cfg: DictConfig
+    cfg: TrainConfig
     rt: Runtime
     model: nn.Module
     args: ModelArgs
@@ -115,7 +117,7 @@ class TrainState:
                 copy_tokenizer_files(self.tokenizer_dir, d)
 
             return save_sharded_checkpoint(cfg.output_dir, step, model, self.optimizer, state, rt, write_meta,
-                                           lora=lora_rank_alpha(model), keep_last_n=cfg.get("keep_last_n"))
+                                           lora=lora_rank_alpha(model), keep_last_n=cfg.keep_last_n)
         full = rt.full_state_dict(model)
         state["optimizer"] = rt.optimizer_state_dict(model, self.optimizer)
         if self.adapters:
@@ -124,7 +126,7 @@ class TrainState:
             cfg.output_dir, step,
             write_model=lambda d: save_model(model, self.args, d, self.tokenizer_dir,
                                              state_dict=merged_state_dict(model, full)),
-            recipe_state=state, keep_last_n=cfg.get("keep_last_n"), runtime=rt,
+            recipe_state=state, keep_last_n=cfg.keep_last_n, runtime=rt,
         )
 
     def restore(self, ckpt: Path) -> int:

@@ -1,7 +1,8 @@
 """Building blocks the training recipes (full, kd, qat) call from their own loops.
 
 Each recipe reads top to bottom: setup, then `for window in windows(...)`: loss, backward, clip, optimizer step,
-log, checkpoint. These are the parts that are the same everywhere: config schema pieces, the data loader,
+log, checkpoint. These are the parts that are the same everywhere (reading the typed `TrainConfig` of
+components/train_config.py): the data loader,
 optimizer and schedule, the accumulation window and its target count, gradient clipping, the step's logged
 values, throughput, the final model. Checkpoints and resume: components/train_state.py. There is deliberately no
 trainer: a recipe copied with `recipe cp` holds its whole loop.
@@ -13,100 +14,26 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from .component import COMPONENT
 from .data.dataset import build_dataset, build_loader
-from .data.formats import FORMATS
 from .data.loader import StatefulLoader
-from .errors import RecipeError
 from .losses import kd_and_ce
-from .models import LORA_TARGETS, LoRASettings, ModelArgs, save_model, save_peft_adapter
+from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
 from .models.loader import merged_state_dict
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
-from .optim import (
-    SCHEDULERS,
-    build_optimizer,
-    build_scheduler,
-    warn_if_bf16_updates_round_away,
-)
-from .runtime import DTYPES, Runtime
-from .schema import DEVICE, Choice, ListOf, OutputDir, Range
+from .optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
+from .runtime import Runtime
+
+if TYPE_CHECKING:
+    from .train_config import TrainConfig
 
 IGNORE_INDEX = -100
-OPT_INT = (int, type(None))
-OPT_FLOAT = (float, type(None))
-OPT_STR = (str, type(None))
-
-DATASET_SCHEMA = {
-    "source": str,
-    "format": Choice(*FORMATS),
-    "split": str,
-    "name": OPT_STR,
-    "data_files": (str, list, dict, type(None)),
-    "column_map": (dict, type(None)),
-    "max_seq_len": Range(int, ge=2),
-    "train_on_input": bool,
-    "use_chat_template": bool,
-    "packed": bool,
-    "limit": Range(int, ge=1, optional=True),
-    "shuffle": bool,
-    "bucket": bool,
-}
-LORA_SCHEMA = {
-    "rank": Range(int, ge=1),
-    "alpha": Range(float, gt=0),
-    "dropout": Range(float, ge=0, lt=1),
-    "targets": ListOf(Choice(*LORA_TARGETS), min_len=1, unique=True),
-    "use_dora": bool,
-    "quantize_base": Choice(False, True, "nf4", "fp8"),  # true = nf4
-}
-# A torch/torchao optimizer class (nothing else is imported for a config); the arguments of AdamW-style
-# optimizers whose range is known are checked, others bind to the signature only.
-OPTIMIZER = COMPONENT(allow=("torch.optim.", "torchao.optim.", "llm_recipe.components.optim."), lr=Range(float, gt=0),
-                      weight_decay=Range(float, ge=0), eps=Range(float, gt=0),
-                      betas=ListOf(Range(float, ge=0, lt=1), min_len=2, max_len=2))
-# Keys every training recipe reads; recipes add their model/loss sections.
-TRAIN_SCHEMA: dict[str, Any] = {
-    "output_dir": OutputDir(),
-    "seed": Range(int, ge=0),
-    "device": DEVICE,
-    "dtype": Choice(*DTYPES),
-    "max_steps": Range(int, ge=1, optional=True),
-    "epochs": Range(int, ge=1),
-    "batch_size": Range(int, ge=1),
-    "gradient_accumulation_steps": Range(int, ge=1),
-    "max_grad_norm": Range(float, gt=0, optional=True),
-    "optimizer": OPTIMIZER,
-    "lr_scheduler": {"name": Choice(*SCHEDULERS), "warmup_steps": Range(int, ge=0),
-                     "min_lr_ratio": Range(float, ge=0, le=1)},
-    "dataset": DATASET_SCHEMA,
-    "num_output_chunks": Range(int, ge=1),
-    "activation_checkpointing": Choice(True, False, "auto"),
-    "compile": bool,
-    "save_every_n_steps": Range(int, ge=1, optional=True),
-    "keep_last_n": Range(int, ge=1, optional=True),
-    "resume": bool,
-    "overwrite": bool,
-    "tensorboard": bool,
-    "wandb": (dict, type(None)),
-}
-
-
-def lora_settings(node: DictConfig | None) -> LoRASettings | None:
-    """`lora:` section -> LoRASettings (None when the section is absent or null)."""
-    if node is None:
-        return None
-    kw = OmegaConf.to_container(node, resolve=True)
-    if "targets" in kw:
-        kw["targets"] = tuple(kw["targets"])
-    return LoRASettings(**kw)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -114,36 +41,31 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_train_loader(cfg: DictConfig, tokenizer: Tokenizer, rt: Runtime,
+def build_train_loader(cfg: TrainConfig, tokenizer: Tokenizer, rt: Runtime,
                        wrap_dataset: Callable | None = None) -> StatefulLoader:
-    """The tokenized dataset and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
+    """The tokenized `dataset:` and its resumable loader, sharded over ranks; `wrap_dataset(dataset)` may replace
     the dataset first (KD from a logits cache adds the cached teacher rows).
 
     Packed and compiled: every batch has the same shape (the last partial batch of an epoch is dropped when
     there is a full one), so torch.compile never recompiles for a smaller batch."""
-    kw = OmegaConf.to_container(cfg.dataset, resolve=True)
-    dataset = build_dataset(tokenizer, **kw)
+    dataset = build_dataset(tokenizer, **cfg.dataset.kwargs())
     if wrap_dataset is not None:
         dataset = wrap_dataset(dataset)
-    batch_size = cfg.get("batch_size", 4)
-    static = bool(cfg.get("compile")) and dataset.packed and len(dataset) >= batch_size * rt.world_size
-    return build_loader(dataset, batch_size, seed=cfg.get("seed", 0), rank=rt.rank, world_size=rt.world_size,
+    static = cfg.compile and dataset.packed and len(dataset) >= cfg.batch_size * rt.world_size
+    return build_loader(dataset, cfg.batch_size, seed=cfg.seed, rank=rt.rank, world_size=rt.world_size,
                         drop_last=static)
 
 
-def micro_batch_tokens(cfg: DictConfig) -> int:
+def micro_batch_tokens(cfg: TrainConfig) -> int:
     """Tokens in one micro-batch at most (`batch_size` rows of `dataset.max_seq_len`): what activations scale with."""
-    return int(cfg.get("batch_size", 4)) * int(cfg.dataset.max_seq_len)
+    return cfg.batch_size * cfg.dataset.max_seq_len
 
 
-def total_steps(cfg: DictConfig, loader: StatefulLoader) -> int:
+def total_steps(cfg: TrainConfig, loader: StatefulLoader) -> int:
     """Optimizer steps of the run: `max_steps`, or `epochs` passes over the data."""
-    if cfg.get("max_steps") is not None:
-        if cfg.max_steps < 1:
-            raise RecipeError(f"max_steps={cfg.max_steps} must be >= 1")
-        return int(cfg.max_steps)
-    accum = cfg.get("gradient_accumulation_steps", 1)
-    return max(1, cfg.get("epochs", 1) * len(loader) // accum)
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return max(1, cfg.epochs * len(loader) // cfg.gradient_accumulation_steps)
 
 
 def freeze_all_but_adapters(model: nn.Module) -> None:
@@ -152,15 +74,14 @@ def freeze_all_but_adapters(model: nn.Module) -> None:
         p.requires_grad_(".lora_a." in name or ".lora_b." in name or name.endswith(".magnitude"))
 
 
-def setup_optimizer(cfg: DictConfig, model: nn.Module, rt: Runtime,
+def setup_optimizer(cfg: TrainConfig, model: nn.Module, rt: Runtime,
                     steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The `optimizer:` component over the model's parameters and its `lr_scheduler:` over `steps` steps."""
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), rt)
     warn_if_bf16_updates_round_away(optimizer)
-    sched_cfg = cfg.get("lr_scheduler") or {}
-    scheduler = build_scheduler(optimizer, name=sched_cfg.get("name", "cosine"),
-                                warmup_steps=sched_cfg.get("warmup_steps", 0), total_steps=steps,
-                                min_lr_ratio=sched_cfg.get("min_lr_ratio", 0.0))
+    s = cfg.lr_scheduler
+    scheduler = build_scheduler(optimizer, name=s.name, warmup_steps=s.warmup_steps, total_steps=steps,
+                                min_lr_ratio=s.min_lr_ratio)
     return optimizer, scheduler
 
 
@@ -255,11 +176,11 @@ class Throughput:
         return tokens / max(time.perf_counter() - self.start, 1e-9)
 
 
-def write_final_model(cfg: DictConfig, rt: Runtime, model: nn.Module, args: ModelArgs, tokenizer_dir: str | Path,
-                      lora: LoRASettings | None = None, base_model: str | None = None,
+def write_final_model(output_dir: str | Path, rt: Runtime, model: nn.Module, args: ModelArgs,
+                      tokenizer_dir: str | Path, lora: LoRASettings | None = None, base_model: str | None = None,
                       extra_files: dict[str, str] | None = None) -> Path:
     """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format)."""
-    out = Path(cfg.output_dir)
+    out = Path(output_dir)
     try:
         full = rt.full_state_dict(model)
         if rt.is_main:

@@ -6,47 +6,48 @@ and writes output_dir/results.json.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
-from llm_recipe.components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
-
-SCHEMA = {
-    "model": {"checkpoint_dir": ModelDir()},
-    "tasks": ListOf(str, min_len=1),
-    "limit": Range(float, gt=0, optional=True),  # lm-eval: a count of items, or a fraction of each task below 1
-    "num_fewshot": Range(int, ge=0, optional=True),
-    "batch_size": Range(int, ge=1),
-    "max_length": Range(int, ge=2, optional=True),
-    "apply_chat_template": bool,
-    "log_samples": bool,
-    "device": DEVICE,
-    "dtype": Choice(*DTYPES),
-    "seed": Range(int, ge=0),
-    "output_dir": OutputDir(),
-}
+from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
+from llm_recipe.components.settings import REQUIRED, section, setting
+from llm_recipe.components.train_config import ModelSection
 
 
-def main(cfg: DictConfig) -> None:
-    device = cfg.get("device", "auto")
-    evaluate(
-        cfg.model.checkpoint_dir,
-        tasks=list(OmegaConf.to_container(cfg.tasks)),
-        limit=cfg.get("limit"),
-        num_fewshot=cfg.get("num_fewshot"),
-        batch_size=cfg.get("batch_size", 8),
-        apply_chat_template=cfg.get("apply_chat_template", False),
-        output_dir=cfg.get("output_dir"),
-        seed=cfg.get("seed", 1234),
-        device=None if device == "auto" else device,
-        dtype=cfg.get("dtype", "float32"),
-        max_length=cfg.get("max_length"),
-        log_samples=cfg.get("log_samples", False),
-    )
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The eval recipe's keys."""
+
+    model: ModelSection = section(ModelSection, "the model to score")
+    tasks: tuple[str, ...] = setting(REQUIRED, ListOf(str, min_len=1), "offline pack (recipe_*) or stock lm-eval "
+                                     "task names")
+    limit: float | None = setting(None, Range(float, gt=0, optional=True), "items per task (null: all; below 1: a "
+                                  "fraction of each task)")
+    num_fewshot: int | None = setting(None, Range(int, ge=0, optional=True), "null: the task's default")
+    batch_size: int = setting(8, Range(int, ge=1), "loglikelihood requests per forward pass")
+    max_length: int | None = setting(None, Range(int, ge=2, optional=True), "context window for scoring (null: the "
+                                     "model's max_position_embeddings)")
+    apply_chat_template: bool = setting(False, bool, "wrap prompts in the model's chat template")
+    log_samples: bool = setting(False, bool, "also write per-item samples into results.json")
+    device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("float32", Choice(*DTYPES), "float32 | bfloat16 (float models; quantized folders keep "
+                         "their types)")
+    seed: int = setting(1234, Range(int, ge=0), "lm-eval's python/numpy/torch/few-shot seeds")
+    output_dir: str | None = setting(None, OutputDir(), "results.json goes here")
+
+
+CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys eval`)
+
+
+def main(cfg: EvalConfig) -> None:
+    evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+             batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
+             seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
+             max_length=cfg.max_length, log_samples=cfg.log_samples)
     print(f"results: {cfg.output_dir}/results.json")
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(EvalConfig, main)

@@ -11,30 +11,28 @@ into output_dir/quantized (a torchao HF folder).
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
-from llm_recipe.components.models import load_model
+from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
-    QAT_SCHEMA,
+    QATSettings,
     convert_qat,
     fake_quant_enabled_at,
     load_for_convert,
     prepare_qat_training,
-    qat_settings,
     set_fake_quant_enabled,
 )
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.runtime import setup_runtime
-from llm_recipe.components.schema import ModelDir
+from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
+from llm_recipe.components.train_config import ModelSection, TrainConfig
 from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
-    LORA_SCHEMA,
-    TRAIN_SCHEMA,
     Throughput,
     build_train_loader,
     clip_gradients,
@@ -42,7 +40,6 @@ from llm_recipe.components.training import (
     freeze_all_but_adapters,
     lm_loss_sum,
     load_tokenizer,
-    lora_settings,
     micro_batch_tokens,
     optimizer_step,
     setup_optimizer,
@@ -53,20 +50,27 @@ from llm_recipe.components.training import (
     write_final_model,
 )
 
-SCHEMA = {
-    **TRAIN_SCHEMA,
-    "model": {"checkpoint_dir": ModelDir()},
-    "lora": LORA_SCHEMA,  # null: every weight trains
-    "qat": QAT_SCHEMA,  # null: no fake quantization
-}
+
+@dataclass(frozen=True, kw_only=True)
+class FullConfig(TrainConfig):
+    """The full / lora / qat recipe's config: the training keys (components/train_config.py), the model, and the
+    sections that make it LoRA or QAT."""
+
+    model: ModelSection = section(ModelSection, "the model that trains")
+    lora: LoRASettings | None = section(LoRASettings, "LoRA / DoRA / QLoRA adapters on a frozen base (null: every "
+                                        "weight trains)", optional=True)
+    qat: QATSettings | None = section(QATSettings, "quantization-aware training (null: no fake quantization)",
+                                      optional=True)
 
 
-def main(cfg: DictConfig) -> None:
-    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)
+
+
+def main(cfg: FullConfig) -> None:
+    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     base_dir = cfg.model.checkpoint_dir
     tokenizer = load_tokenizer(base_dir)
-    lora = lora_settings(cfg.get("lora"))
-    qat = qat_settings(cfg.get("qat"))
+    lora, qat = cfg.lora, cfg.qat
 
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype); LoRA keeps its
     # base from model.checkpoint_dir and restores only the adapters, with the rest of the state below.
@@ -80,9 +84,9 @@ def main(cfg: DictConfig) -> None:
             freeze_all_but_adapters(model)
         qat_files = None  # QAT: fake-quantized linears (torchao QATConfig) and quantization.json for the end
         if qat is not None:  # on a GPU the quantizers compile on their own, or inside the layers with compile: true
-            qat_files = prepare_qat_training(model, qat, rt.device, compiled_model=cfg.get("compile", False))
-        rt.prepare_model(model, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
+            qat_files = prepare_qat_training(model, qat, rt.device, compiled_model=cfg.compile)
+        rt.prepare_model(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                         micro_batch_tokens=micro_batch_tokens(cfg))
 
     with setup.phase("data and optimizer"):
         loader = build_train_loader(cfg, tokenizer, rt)
@@ -97,11 +101,10 @@ def main(cfg: DictConfig) -> None:
     # the whole window on all ranks, times world_size (FSDP averages gradients over ranks): a step does not
     # depend on how tokens fall into micro-batches or ranks. QAT switches fake quantization on at optimizer step
     # `fake_quant_after_n_steps` (a local flag: every rank flips it at the same step, so it is safe under torchrun).
-    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
-    save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
+    accum, chunks = cfg.gradient_accumulation_steps, cfg.num_output_chunks
+    save_every, step, clock = cfg.save_every_n_steps, start, Throughput()
     model.train()
-    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
-                       start_step=start) as logger,
+    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,
           StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
           Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
         for window in windows(loader, accum, steps - start):  # one window per optimizer step
@@ -115,12 +118,12 @@ def main(cfg: DictConfig) -> None:
                 loss = lm_loss_sum(model, to_device(batch, rt.device), chunks)
                 (loss / n * rt.world_size).backward()
                 loss_sum = loss_sum + loss.detach() / n
-            values = step_values({"loss": loss_sum}, clip_gradients(model, cfg.get("max_grad_norm")), rt)
+            values = step_values({"loss": loss_sum}, clip_gradients(model, cfg.max_grad_norm), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
-                setup.first_step(clock.elapsed(), compiled=bool(cfg.get("compile")))
+                setup.first_step(clock.elapsed(), compiled=cfg.compile)
             logger.log(step, loss=values["loss"], lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
             if save_every and step % save_every == 0 and step < steps:
@@ -129,7 +132,7 @@ def main(cfg: DictConfig) -> None:
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
 
-    final = write_final_model(cfg, rt, model, args, base_dir, lora=lora, base_model=str(base_dir),
+    final = write_final_model(cfg.output_dir, rt, model, args, base_dir, lora=lora, base_model=str(base_dir),
                               extra_files=qat_files)
     if rt.is_main:
         if qat is not None:
@@ -151,4 +154,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(FullConfig, main)

@@ -7,41 +7,50 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.models.generation import generate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
-from llm_recipe.components.schema import DEVICE, Choice, ModelDir, Range
-
-SCHEMA = {
-    "model": {"checkpoint_dir": ModelDir()},
-    "prompt": str,
-    "chat": bool,
-    "system": (str, type(None)),
-    "max_new_tokens": Range(int, ge=1),
-    "temperature": Range(float, ge=0),  # 0: greedy
-    "top_k": Range(int, ge=1, optional=True),
-    "top_p": Range(float, gt=0, le=1, optional=True),
-    "device": DEVICE,
-    "dtype": Choice(*DTYPES),
-    "seed": Range(int, ge=0),
-}
+from llm_recipe.components.schema import DEVICE, Choice, Range
+from llm_recipe.components.settings import REQUIRED, section, setting
+from llm_recipe.components.train_config import ModelSection
 
 
-def main(cfg: DictConfig) -> None:
-    device = cfg.get("device", "auto")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    model, tokenizer = load_checkpoint(cfg.model.checkpoint_dir, dtype=cfg.get("dtype", "float32"), device=device)
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """The generate recipe's keys."""
+
+    model: ModelSection = section(ModelSection, "the model that generates")
+    prompt: str = setting(REQUIRED, str, "the user message (or raw text when chat is false)")
+    chat: bool = setting(True, bool, "wrap the prompt in the model's chat template (if it has one)")
+    system: str | None = setting(None, (str, type(None)), "optional system message")
+    max_new_tokens: int = setting(128, Range(int, ge=1), "stop after this many new tokens (or at an end-of-turn "
+                                  "token)")
+    temperature: float = setting(0.0, Range(float, ge=0), "0: greedy; > 0: sample")
+    top_k: int | None = setting(None, Range(int, ge=1, optional=True), "sample from the k most likely tokens")
+    top_p: float | None = setting(None, Range(float, gt=0, le=1, optional=True), "nucleus sampling: smallest set "
+                                  "with this much probability mass")
+    device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("float32", Choice(*DTYPES), "float32 | bfloat16 for float folders")
+    seed: int = setting(0, Range(int, ge=0), "sampling seed")
+
+
+CONFIG = GenerateConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys generate`)
+
+
+def main(cfg: GenerateConfig) -> None:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    model, tokenizer = load_checkpoint(cfg.model.checkpoint_dir, dtype=cfg.dtype, device=device)
     model.eval()
 
     # Instruct models get their chat template; base models (no template) see the raw prompt.
     text = cfg.prompt
-    if cfg.get("chat", True) and tokenizer.has_chat_template:
-        messages = [{"role": "system", "content": cfg.system}] if cfg.get("system") else []
+    if cfg.chat and tokenizer.has_chat_template:
+        messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
         messages.append({"role": "user", "content": cfg.prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     prompt = tokenizer.encode(text, add_bos=True)
@@ -60,13 +69,12 @@ def main(cfg: DictConfig) -> None:
             shown = now
 
     start = time.perf_counter()
-    generate(model, prompt, cfg.get("max_new_tokens", 128), temperature=cfg.get("temperature", 0.0),
-             top_k=cfg.get("top_k"), top_p=cfg.get("top_p"), stop_ids=tokenizer.stop_ids, seed=cfg.get("seed", 0),
-             on_token=on_token)
+    generate(model, prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+             stop_ids=tokenizer.stop_ids, seed=cfg.seed, on_token=on_token)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     print(f"[{len(out)} tokens in {elapsed:.1f}s, {len(out) / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(GenerateConfig, main)

@@ -7,28 +7,29 @@ With `kd.on_policy`, a fraction of the micro-batches are the student's own sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.interrupt import StopRequest
-from llm_recipe.components.losses import KD_LOSSES, CachedTeacher, LiveTeacher, build_kd_loss, kd_and_ce
+from llm_recipe.components.kd_settings import KDSettings
+from llm_recipe.components.losses import CachedTeacher, LiveTeacher, kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
-from llm_recipe.components.models import load_model
-from llm_recipe.components.models.prune import STUDENT_SCHEMA, student_layers
-from llm_recipe.components.on_policy import ON_POLICY_SCHEMA, OnPolicy, on_policy_settings
+from llm_recipe.components.models import LoRASettings, load_model
+from llm_recipe.components.models.prune import StudentSettings, student_layers
+from llm_recipe.components.on_policy import OnPolicy, check_on_policy
 from llm_recipe.components.oom import Where
-from llm_recipe.components.quantization import QAT_SCHEMES, prepare_qat_student
+from llm_recipe.components.quantization import KD_QAT_KEYS, QATSettings, prepare_qat_student
 from llm_recipe.components.runtime import setup_runtime
-from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
-from llm_recipe.components.teacher import TEACHER_SCHEMA, check_teacher_and_student, load_teacher, loss_vocab
+from llm_recipe.components.teacher import TeacherSettings, check_teacher_and_student, load_teacher, loss_vocab
+from llm_recipe.components.train_config import TrainConfig
 from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
-    LORA_SCHEMA,
-    TRAIN_SCHEMA,
     Throughput,
     build_train_loader,
     clip_gradients,
@@ -36,7 +37,6 @@ from llm_recipe.components.training import (
     freeze_all_but_adapters,
     hidden_states,
     load_tokenizer,
-    lora_settings,
     micro_batch_tokens,
     optimizer_step,
     setup_optimizer,
@@ -47,48 +47,53 @@ from llm_recipe.components.training import (
     write_final_model,
 )
 
-SCHEMA = {
-    **TRAIN_SCHEMA,
-    "teacher": TEACHER_SCHEMA,
-    "student": STUDENT_SCHEMA,
-    "lora": LORA_SCHEMA,  # null: the whole student trains
-    "qat": {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1), "include_output": bool},  # null: none
-    "kd": {"loss": Choice(*KD_LOSSES), "kd_ratio": Range(float, ge=0, le=1), "temperature": Range(float, gt=0),
-           "beta": Range(float, gt=0, lt=1, optional=True), "alpha": Range(float, ge=0, lt=1, optional=True),
-           "ratio": Range(float, ge=0, le=1, optional=True),
-           "on_policy": ON_POLICY_SCHEMA},  # null: off (components/on_policy.py)
-}
+
+@dataclass(frozen=True, kw_only=True)
+class KDConfig(TrainConfig):
+    """The kd recipe's config: the training keys (components/train_config.py) and its model and loss sections."""
+
+    teacher: TeacherSettings = section(TeacherSettings, "the frozen teacher, or its cached top-k")
+    student: StudentSettings = section(StudentSettings, "the student's weights and the teacher layers it keeps")
+    lora: LoRASettings | None = section(LoRASettings, "LoRA adapters on the student (null: the whole student "
+                                        "trains)", optional=True)
+    qat: QATSettings | None = section(QATSettings, "KD-QAT: the student trains through fake quantizers (null: "
+                                      "none)", optional=True, only=KD_QAT_KEYS)
+    kd: KDSettings = section(KDSettings, "the divergence and the CE/KD blend; kd.on_policy")
+
+    def check(self) -> None:
+        """Checks across keys, at load: the loss's options fit its kind, and kd.on_policy fits the rest."""
+        self.kd.loss_fn()
+        check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)
 
 
-def main(cfg: DictConfig) -> None:
-    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
-    teacher_dir = cfg.teacher.get("checkpoint_dir")
-    student_dir = (cfg.get("student") or {}).get("checkpoint_dir") or teacher_dir
+CONFIG = KDConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd`)
+
+
+def main(cfg: KDConfig) -> None:
+    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
+    teacher_dir = cfg.teacher.checkpoint_dir
+    student_dir = cfg.student.checkpoint_dir or teacher_dir
     if student_dir is None:
         raise RecipeError("set teacher.checkpoint_dir (or student.checkpoint_dir with teacher.logits_dir)")
     tokenizer = load_tokenizer(student_dir)
-    k = cfg.kd
-    kd_loss = build_kd_loss(k.get("loss", "forward_kl"), k.get("temperature", 1.0),
-                            **{o: k[o] for o in ("beta", "alpha", "ratio") if k.get(o) is not None})
-    kd_ratio = float(k.get("kd_ratio", 0.5))
-    on_policy = on_policy_settings(cfg)  # kd.on_policy (null: off), checked against the rest before anything loads
-    lora = lora_settings(cfg.get("lora"))
-    max_len = cfg.dataset.max_seq_len
+    kd_loss, kd_ratio = cfg.kd.loss_fn(), cfg.kd.kd_ratio  # loss = (1 - kd_ratio) * CE + kd_ratio * KD
+    lora, max_len = cfg.lora, cfg.dataset.max_seq_len
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = start_or_resume_run(cfg)
-    check_teacher_and_student(cfg, student_dir, tokenizer.vocab_size)  # same tokens? before scoring and loading weights
+    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size)  # same tokens? before loading weights
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("student layers"):
-        keep = student_layers(cfg.get("student") or {}, student_dir, OmegaConf.to_container(cfg.dataset, resolve=True),
-                              cfg.get("batch_size", 4), rt.device, rt.dtype, cfg.output_dir if rt.is_main else None,
+        keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,
+                              cfg.output_dir if rt.is_main else None,
                               score=resume_weights(resume_from) is None or lora is not None,
                               where=config_source(cfg).where("student.keep_layers"))
 
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
     # top-k, verified and checked against this run before anything is loaded.
-    with setup.phase("teacher cache check" if cfg.teacher.get("logits_dir") else "teacher weights"):
-        teacher, targs, cache = load_teacher(cfg, rt, student_dir, kd_loss.temperature, max_len)
+    with setup.phase("teacher cache check" if cfg.teacher.logits_dir else "teacher weights"):
+        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir, kd_loss.temperature,
+                                             max_len, cfg.compile)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):
@@ -100,14 +105,14 @@ def main(cfg: DictConfig) -> None:
                 print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
         if lora is not None:
             freeze_all_but_adapters(student)
-        qat_files = prepare_qat_student(student, cfg.get("qat"), rt.device)  # KD-QAT (null: none)
+        qat_files = prepare_qat_student(student, cfg.qat, rt.device)  # KD-QAT (null: none)
         vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
-        rt.prepare_model(student, activation_checkpointing=cfg.get("activation_checkpointing", False),
-                         compile=cfg.get("compile", False), micro_batch_tokens=micro_batch_tokens(cfg))
+        rt.prepare_model(student, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                         micro_batch_tokens=micro_batch_tokens(cfg))
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
     # On-policy runs keep the dataset's last `kd.on_policy.held_out` rows out of training, to score at the end.
-    accum, chunks = cfg.get("gradient_accumulation_steps", 1), cfg.get("num_output_chunks", 8)
+    accum, chunks, on_policy = cfg.gradient_accumulation_steps, cfg.num_output_chunks, cfg.kd.on_policy
     with setup.phase("data and optimizer"):
         op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks) if on_policy is not None else None
         loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else
@@ -125,10 +130,9 @@ def main(cfg: DictConfig) -> None:
     # target tokens of the whole window on all ranks, times world_size (FSDP averages gradients over ranks).
     # On-policy micro-batches (kd.on_policy) are sampled first, with the weights of the step's start; their loss is
     # the on-policy divergence alone, on the sampled tokens alone (their labels cover nothing else).
-    save_every, step, clock = cfg.get("save_every_n_steps"), start, Throughput()
+    save_every, step, clock = cfg.save_every_n_steps, start, Throughput()
     student.train()
-    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.get("tensorboard", False), cfg.get("wandb"),
-                       start_step=start) as logger,
+    with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,
           StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
           Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
         for window in windows(loader, accum, steps - start):  # one window per optimizer step
@@ -155,12 +159,12 @@ def main(cfg: DictConfig) -> None:
                 for k in ("loss",) if on else ("loss", "ce", "kd"):
                     sums[k] = sums.get(k, 0.0) + parts[k].detach() / n
             sums = {**sums, **op.sums()} if op is not None else sums
-            values = step_values(sums, clip_gradients(student, cfg.get("max_grad_norm")), rt)
+            values = step_values(sums, clip_gradients(student, cfg.max_grad_norm), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
-                setup.first_step(clock.elapsed(), compiled=bool(cfg.get("compile")))
+                setup.first_step(clock.elapsed(), compiled=cfg.compile)
             logger.log(step, loss=values["loss"], ce_loss=values.get("ce"), kd_loss=values.get("kd"),
                        lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib(),
@@ -176,8 +180,8 @@ def main(cfg: DictConfig) -> None:
     # A PEFT adapter names its base model; a layer-pruned student's base exists in no folder (its layer i is
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None
-    final = write_final_model(cfg, rt, student, sargs, student_dir, lora=adapter_lora, base_model=str(student_dir),
-                              extra_files=qat_files)
+    final = write_final_model(cfg.output_dir, rt, student, sargs, student_dir, lora=adapter_lora,
+                              base_model=str(student_dir), extra_files=qat_files)
     if rt.is_main:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "
@@ -187,4 +191,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(KDConfig, main)

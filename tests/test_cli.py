@@ -219,7 +219,7 @@ def test_load_recipe_leaves_sys_path_and_modules_as_they_were(tmp_path):
     modules, paths = set(sys.modules), list(sys.path)
     try:
         name, module = load_recipe(str(path))
-        assert name == "my_echo" and callable(module.main) and "output_file" in module.SCHEMA
+        assert name == "my_echo" and callable(module.main) and "output_file" in module.SCHEMA  # a legacy SCHEMA
         assert sys.path == paths
         new = set(sys.modules) - modules  # its imports (echo_helper) and ours it pulled in, each under its own name
         assert "echo_helper" in new and not [k for k in new if k.startswith("_recipe") or "my_echo" in k]
@@ -241,7 +241,7 @@ def test_run_errors_are_one_line(tree):
     assert "needs --config" in err
     (tree / "work" / "norecipe.py").write_text("x = 1\n")
     err = one_error_line(recipe(tree, "run", "norecipe.py", "--config", "basic"))
-    assert "does not define SCHEMA and main" in err
+    assert "does not define CONFIG and main" in err
     proc = recipe(tree, "run", "--debug", "echo", "--config", "basic", "steps=-1")
     assert proc.returncode == 1 and "Traceback" in proc.stderr
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llm_recipe.cli.recipes import load_recipe
-from llm_recipe.components.config import load_config, validate_config
+from llm_recipe.components.config import load_config, typed_config, validate_config
+from llm_recipe.components.settings import schema_of
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*/*.yaml"))
 
@@ -22,7 +23,8 @@ def test_shipped_config_validates(path, monkeypatch, tmp_path):
     cfg_path = tmp_path / path.name
     cfg_path.write_text(text.replace("${embedded_model:}", str(tmp_path / "model")))
     cfg = load_config(str(cfg_path))
-    validate_config(cfg, module.SCHEMA, str(cfg_path), recipe=recipe)
+    validate_config(cfg, schema_of(module.CONFIG), str(cfg_path), recipe=recipe)
+    typed_config(cfg, module.CONFIG)  # parses, defaults filled in, cross-key checks pass
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")

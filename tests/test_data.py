@@ -419,13 +419,14 @@ def test_smollm2_chat_masks_only_the_assistant_reply(smol_tok):
 @pytest.mark.parametrize("compile_", [False, True])
 def test_packed_compiled_runs_see_one_batch_shape(tok, compile_):
     """compile=true with packing drops the last partial batch, so torch.compile never recompiles for it."""
-    from omegaconf import OmegaConf
+    from types import SimpleNamespace
 
+    from llm_recipe.components.data.dataset import DatasetConfig
     from llm_recipe.components.runtime import Runtime
     from llm_recipe.components.training import build_train_loader
 
-    cfg = OmegaConf.create({"batch_size": 3, "seed": 0, "compile": compile_, "dataset": {
-        "source": "transfer:passages", "format": "text", "limit": 40, "max_seq_len": 64, "packed": True}})
+    cfg = SimpleNamespace(batch_size=3, seed=0, compile=compile_, dataset=DatasetConfig(
+        source="transfer:passages", format="text", limit=40, max_seq_len=64, packed=True))
     loader = build_train_loader(cfg, tok, Runtime(torch.device("cpu"), torch.float32))
     shapes = {tuple(b["tokens"].shape) for b in loader}
     assert len(loader.dataset) % 3 != 0, "the test needs a partial last batch"

@@ -24,7 +24,7 @@ from llm_recipe.components.quantization.fp8_base import (
     pending_fp8_bases,
     quantize_fp8_bases,
 )
-from llm_recipe.components.training import LORA_SCHEMA
+from llm_recipe.components.settings import schema_of
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -102,7 +102,7 @@ def test_quantize_base_values():
         LoRASettings(quantize_base="fp4")
     with pytest.raises(RecipeError, match="fp8 does not support DoRA"):
         LoRASettings(quantize_base="fp8", use_dora=True)
-    spec = LORA_SCHEMA["quantize_base"]
+    spec = schema_of(LoRASettings)["quantize_base"]
     assert [spec.problem(v) for v in (False, True, "nf4", "fp8")] == [None] * 4
     assert "nf4" in spec.problem("int8")
 

@@ -26,7 +26,7 @@ import pytest
 
 from llm_recipe.cli import main as cli_main
 from llm_recipe.cli.lmeval import USAGE as LM_EVAL_USAGE
-from llm_recipe.cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_file
+from llm_recipe.cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_config, recipe_file
 from llm_recipe.cli.script import recipe_argparser
 from llm_recipe.components.config import (
     load_recipe_config,
@@ -140,7 +140,7 @@ def _check_run(args: list[str]) -> None:
     if ns.config.endswith((".yaml", ".yml")):
         _stand_in_config(ns.config, shipped)
     name, module = load_recipe(recipe)
-    load_recipe_config(ns.config, ns.overrides, module.SCHEMA, recipe=name)
+    load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
 
 
 def _check_lm_eval(args: list[str], stock: bool, capsys) -> None:
@@ -218,7 +218,9 @@ def test_example_works_as_printed(where, command, tmp_path, monkeypatch, capsys)
     verbs = next(a for a in cli_main.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     if not rest and verb not in ("ls", "assets", "demo"):  # prose naming a verb
         assert verb in verbs, f"`recipe {verb}`: no such verb"
-    elif verb in ("ls", "cat", "cp", "assets"):
+    elif verb in ("ls", "cat", "cp", "assets", "keys"):
+        if verb == "keys" and is_recipe_path(rest[0]):
+            _stand_in_recipe(rest[0])
         _check_cli(args, capsys)
     elif verb == "validate":
         ns = cli_main.build_parser().parse_known_args(args)[0]

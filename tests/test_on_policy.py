@@ -10,21 +10,24 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from llm_recipe.components.data.dataset import DatasetConfig
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.kd_settings import KDSettings
 from llm_recipe.components.losses import KD_LOSSES, LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.on_policy import (
     OnPolicySettings,
+    check_on_policy,
     completion_batch,
     decode_path,
     is_on_policy,
     on_policy_kd_loss,
-    on_policy_settings,
     per_prompt_summary,
     prompts_of,
     row_prompts,
@@ -402,21 +405,17 @@ def test_decode_path_compiles_on_one_cuda_process_with_compile():
         decode_path(compiled, True, cuda, 2)
 
 
-def _cfg(**over):
-    base = {"teacher": {"checkpoint_dir": "t", "logits_dir": None}, "dataset": {"max_seq_len": 128, "format": "text"},
-            "kd": {"on_policy": {"fraction": 0.5}}}
-    return OmegaConf.merge(base, OmegaConf.create(over))
-
-
 def test_settings_defaults_and_cross_key_errors():
-    assert on_policy_settings(OmegaConf.create({"kd": {"on_policy": None}})) is None
-    assert on_policy_settings(_cfg()) == OnPolicySettings(fraction=0.5)
+    text = DatasetConfig(source="x", max_seq_len=128)
+    check_on_policy(None, "cache", text)  # off: nothing to check
+    check_on_policy(OnPolicySettings(fraction=0.5), None, text)
     with pytest.raises(RecipeError, match=r"needs a live teacher.*teacher.logits_dir"):
-        on_policy_settings(_cfg(teacher={"logits_dir": "cache"}))
+        check_on_policy(OnPolicySettings(), "cache", text)
     with pytest.raises(RecipeError, match=r"kd.on_policy.max_new_tokens=128 must be below dataset.max_seq_len=128"):
-        on_policy_settings(_cfg(kd={"on_policy": {"max_new_tokens": 128}}))
+        check_on_policy(OnPolicySettings(max_new_tokens=128), None, text)
     with pytest.raises(RecipeError, match=r"dataset.train_on_input=true"):
-        on_policy_settings(_cfg(dataset={"format": "chat", "train_on_input": True}))
+        check_on_policy(OnPolicySettings(), None, DatasetConfig(source="x", max_seq_len=128, format="chat",
+                                                                train_on_input=True))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -528,7 +527,8 @@ def test_held_out_rows_never_train(models):
 
     tok = Tokenizer.from_dir(models[0])
     data = build_dataset(tok, "transfer:passages", max_seq_len=48, packed=True, limit=16)
-    cfg = OmegaConf.create({"kd": {"loss": "forward_kl"}, "dataset": {"max_seq_len": 48}, "batch_size": 2})
+    cfg = SimpleNamespace(kd=KDSettings(), dataset=DatasetConfig(source="transfer:passages", max_seq_len=48),
+                          batch_size=2, seed=0, gradient_accumulation_steps=1, compile=False)  # a KDConfig's keys
     op = OnPolicy(OnPolicySettings(max_new_tokens=8, held_out=3), cfg, Runtime(torch.device("cpu"), torch.float32),
                   tok, None, 4)
     train = op.hold_out(data)

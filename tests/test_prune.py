@@ -17,6 +17,8 @@ from llm_recipe.components.data.dataset import build_dataset
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.prune import (
+    PruneSettings,
+    StudentSettings,
     calibration_batches,
     keep_by_importance,
     score_layers,
@@ -111,7 +113,7 @@ def test_keep_by_importance_orders_and_checks():
     with pytest.raises(RecipeError, match="unknown 'cosine'"):
         keep_by_importance(scores, 2, "cosine")
     with pytest.raises(RecipeError, match="not every and prune"):
-        student_layers({"every": 2, "prune": {"keep": 2}}, "unused", DATASET, 2)
+        student_layers(StudentSettings(every=2, prune=PruneSettings(keep=2)), "unused", DATASET, 2)
 
 
 def test_kd_recipe_prunes_by_importance(tmp_path, idle_layer_model, capsys):

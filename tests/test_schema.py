@@ -10,6 +10,7 @@ from llm_recipe.components.component import COMPONENT
 from llm_recipe.components.config import load_config, validate_config
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.schema import Choice, ListOf, ModelDir, OutputDir, Pattern, Range, spec_problem
+from llm_recipe.components.settings import schema_of
 
 
 @pytest.mark.parametrize("spec, value, problem", [
@@ -91,7 +92,7 @@ def test_every_recipe_declares_its_folders(name):
             else:
                 yield f"{prefix}{k}", v
 
-    for key, spec in walk(module.SCHEMA):
+    for key, spec in walk(schema_of(module.CONFIG)):
         if key == "output_dir":
             assert isinstance(spec, OutputDir), f"{name}: {key}"
         if key.endswith("checkpoint_dir"):

@@ -149,7 +149,7 @@ def test_missing_logger_packages_are_refused_before_anything_loads(override, row
     called = []
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        run_recipe_script(full.SCHEMA, called.append, name="full",
+        run_recipe_script(full.CONFIG, called.append, name="full",
                           argv=["--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
                                 f"output_dir={tmp_path}/out", override, *SMALL])
     assert e.value.code == 1 and not called

@@ -1,15 +1,19 @@
-"""`build_dataset`: the one entry point recipes call; a YAML `dataset:` section maps 1:1 onto its keywords."""
+"""`build_dataset`: the one entry point recipes call; a YAML `dataset:` section (`DatasetConfig`) maps 1:1 onto its
+keywords."""
 
 from __future__ import annotations
 
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
+from ..schema import Choice, Range
+from ..settings import REQUIRED, setting
 from .collate import PackedDataset, collate
-from .formats import IGNORE_INDEX, RowError, make_format
+from .formats import FORMATS, IGNORE_INDEX, RowError, make_format
 from .loader import StatefulLoader
 from .sources import load_rows
 
@@ -18,6 +22,31 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    """The `dataset:` section: where the rows come from and how they become token rows (`build_dataset`'s
+    keywords; tests/test_config_types.py checks its defaults agree)."""
+
+    source: str = setting(REQUIRED, str, "file (.json/.jsonl/.csv/.parquet), save_to_disk dir, HF dataset or "
+                          "transfer:passages|chat")
+    format: str = setting("text", Choice(*FORMATS), "how a row becomes tokens and targets")
+    split: str = setting("train", str, "split name; slices like train[:90%] work")
+    name: str | None = setting(None, (str, type(None)), "HF dataset config name")
+    data_files: Any = setting(None, (str, list, dict, type(None)), "passed to datasets.load_dataset")
+    column_map: dict | None = setting(None, (dict, type(None)), "rename columns, e.g. {text: passage}")
+    max_seq_len: int = setting(2048, Range(int, ge=2), "truncate (and pack) to this many tokens")
+    train_on_input: bool = setting(False, bool, "instruct/chat: the prompt carries a loss too")
+    use_chat_template: bool = setting(False, bool, "render prompts with the model's chat template")
+    packed: bool = setting(False, bool, "fill every row with max_seq_len tokens (no cross-document attention)")
+    limit: int | None = setting(None, Range(int, ge=1, optional=True), "keep only the first N rows")
+    shuffle: bool = setting(True, bool, "reshuffle each epoch (deterministic from seed)")
+    bucket: bool = setting(False, bool, "group similar lengths to reduce padding")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The section as `build_dataset` keywords (a plain dict, also what a logits cache records)."""
+        return asdict(self)
 
 
 class TokenizedDataset(Sequence):

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoint.atomic import atomic_write_bytes
+from ..data.dataset import DatasetConfig
 from ..errors import RecipeError
 
 FORMAT = "recipe-logits-cache/1"
@@ -104,8 +105,7 @@ def run_fields(dataset_cfg: Mapping[str, Any], tokenizer_dir: str | Path, temper
     if isinstance(dataset_cfg, DictConfig):
         dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
     fields: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(tokenizer_dir)}
-    defaults = {"format": "text", "split": "train", "max_seq_len": 2048, "train_on_input": False,
-                "use_chat_template": False, "packed": False}
+    defaults = {**DatasetConfig(source="").kwargs(), "source": None}  # a key left out has its default
     for k in DATASET_FIELDS:
         fields[f"dataset.{k}"] = dataset_cfg.get(k, defaults.get(k))
     fields["temperature"] = float(temperature)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RecipeError
+from ..schema import Choice, ListOf, Range
+from ..settings import setting
 from .args import ModelArgs
 from .rope import rotary_embedding
 from .tune import import_torchtune
@@ -32,16 +34,18 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 QUANTIZE_BASE = {False: False, True: "nf4", "nf4": "nf4", "fp8": "fp8"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoRASettings:
-    """Which linears get low-rank adapters, and how."""
+    """The `lora:` section: which linears get low-rank adapters, and how (null: every weight trains)."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-    use_dora: bool = False
-    quantize_base: bool | str = False  # frozen base: false (run dtype), nf4 (QLoRA; true = nf4) or fp8 (e4m3 rows)
+    rank: int = setting(8, Range(int, ge=1), "adapter rank r")
+    alpha: float = setting(16.0, Range(float, gt=0), "scaling = alpha / rank")
+    dropout: float = setting(0.0, Range(float, ge=0, lt=1), "dropout on the adapter input")
+    targets: tuple[str, ...] = setting(("q_proj", "v_proj"), ListOf(Choice(*LORA_TARGETS), min_len=1, unique=True),
+                                       "the linears that get adapters (PEFT module names)")
+    use_dora: bool = setting(False, bool, "DoRA: learn a per-row magnitude too")
+    quantize_base: bool | str = setting(False, Choice(False, True, "nf4", "fp8"),
+                                        "frozen base: false (run dtype), nf4 (QLoRA; true = nf4) or fp8 (e4m3 rows)")
 
     def __post_init__(self) -> None:
         if self.quantize_base not in QUANTIZE_BASE:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,17 +30,36 @@ from ..data.collate import collate
 from ..errors import RecipeError
 from ..losses import chunked_cross_entropy
 from ..schema import Choice, ListOf, ModelDir, Range
+from ..settings import REQUIRED, section, setting
 from .attention import batch_to_device
 
 METHODS = ("block_influence", "loss_drop")
 IGNORE_INDEX = -100
 
 
-# kd's `student:` section: at most one of keep_layers, every, prune (null: no importance scoring)
-STUDENT_SCHEMA = {"checkpoint_dir": ModelDir(optional=True),
-                  "keep_layers": ListOf(Range(int, ge=0), min_len=1, unique=True, optional=True),
-                  "every": Range(int, ge=1, optional=True),
-                  "prune": {"method": Choice(*METHODS), "keep": Range(int, ge=1), "calibration_tokens": Range(int, ge=1)}}
+@dataclass(frozen=True, kw_only=True)
+class PruneSettings:
+    """`student.prune`: keep the `keep` layers that matter most, measured on the first tokens of the dataset."""
+
+    method: str = setting("loss_drop", Choice(*METHODS), "loss_drop (CE increase when the layer alone is skipped) | "
+                          "block_influence (1 - cos between a layer's input and output)")
+    keep: int = setting(REQUIRED, Range(int, ge=1), "layers the student keeps")
+    calibration_tokens: int = setting(4096, Range(int, ge=1), "score on the first ~N tokens of the dataset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudentSettings:
+    """kd's `student:` section: its weights, and the teacher layers it keeps (at most one of keep_layers, every,
+    prune; none: all of them)."""
+
+    checkpoint_dir: str | None = setting(None, ModelDir(optional=True), "HF folder of the student (null: the "
+                                         "teacher's weights)")
+    keep_layers: tuple[int, ...] | None = setting(None, ListOf(Range(int, ge=0), min_len=1, unique=True,
+                                                               optional=True),
+                                                  "teacher layers the student keeps, in order, e.g. [0, 3, 6]")
+    every: int | None = setting(None, Range(int, ge=1, optional=True), "keep every k-th layer (plus the last)")
+    prune: PruneSettings | None = section(PruneSettings, "keep the layers that matter most (null: no importance "
+                                          "scoring)", optional=True)
 
 
 def _loss(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -147,21 +167,7 @@ def save_scores(path: str | Path, scores: dict, kept: Sequence[int], method: str
     return path
 
 
-def prune_settings(node) -> tuple[str, int, int]:
-    """`student.prune` section -> (method, keep, calibration_tokens), checked before any work is done."""
-    method = node.get("method", "loss_drop")
-    keep = node.get("keep")
-    tokens = node.get("calibration_tokens", 4096)
-    if method not in METHODS:
-        raise RecipeError(f"student.prune.method: unknown '{method}'; choose one of {', '.join(METHODS)}")
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-        raise RecipeError(f"student.prune.keep must be a positive number of layers, got {keep!r}")
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise RecipeError(f"student.prune.calibration_tokens must be a positive integer, got {tokens!r}")
-    return method, keep, tokens
-
-
-def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_size: int,
+def importance_keep(model_dir: str | Path, prune: PruneSettings | Mapping, dataset: dict, batch_size: int,
                     device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
                     out_dir: str | Path | None = None, log=print) -> list[int]:
     """Score the layers of the model in `model_dir` on the first `calibration_tokens` of `dataset` (a `dataset:`
@@ -175,7 +181,8 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
     from .loader import load_model
     from .tokenizer import Tokenizer, check_tokenizer_fits
 
-    method, keep, tokens = prune_settings(prune)
+    p = prune if isinstance(prune, PruneSettings) else PruneSettings(**prune)  # a mapping: bench/kd_study2.py
+    method, keep, tokens = p.method, p.keep, p.calibration_tokens
     layers = read_model_args(model_dir).num_layers
     if keep > layers:
         raise RecipeError(f"student.prune.keep={keep} but {model_dir} has only {layers} layers")
@@ -193,7 +200,7 @@ def importance_keep(model_dir: str | Path, prune: dict, dataset: dict, batch_siz
     return kept
 
 
-def student_layers(student, model_dir: str | Path, dataset: dict, batch_size: int,
+def student_layers(student: StudentSettings, model_dir: str | Path, dataset: dict, batch_size: int,
                    device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
                    out_dir: str | Path | None = None, score: bool = True,
                    where: str = "student.keep_layers") -> list[int] | None:
@@ -205,18 +212,18 @@ def student_layers(student, model_dir: str | Path, dataset: dict, batch_size: in
     from .args import read_model_args
     from .loader import keep_every
 
-    keep_layers = student.get("keep_layers")
+    keep_layers = student.keep_layers
     if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):
         raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(int(i) for i in keep_layers)} does not "
                           f"exist: {model_dir}/config.json has {layers} layers (0..{layers - 1})")
-    chosen = [k for k in ("keep_layers", "every", "prune") if student.get(k) is not None]
+    chosen = [k for k in ("keep_layers", "every", "prune") if getattr(student, k) is not None]
     if len(chosen) > 1:
         raise RecipeError(f"student: set one of keep_layers, every or prune, not {' and '.join(chosen)} "
                           "(student.prune=null drops the importance scoring)")
     if keep_layers is not None:
         return [int(i) for i in keep_layers]
-    if student.get("every") is not None:
-        return keep_every(read_model_args(model_dir).num_layers, int(student["every"]))
-    if student.get("prune") is not None and score:
-        return importance_keep(model_dir, student["prune"], dataset, batch_size, device, dtype, out_dir)
+    if student.every is not None:
+        return keep_every(read_model_args(model_dir).num_layers, student.every)
+    if student.prune is not None and score:
+        return importance_keep(model_dir, student.prune, dataset, batch_size, device, dtype, out_dir)
     return None

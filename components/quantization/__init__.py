@@ -4,8 +4,8 @@
 from .load import load_checkpoint
 from .ptq import quantize_model, size_on_disk, summarize_sizes
 from .qat import (
+    KD_QAT_KEYS,
     QAT_METADATA_FILE,
-    QAT_SCHEMA,
     QATSettings,
     compile_fake_quantizers,
     convert_qat,
@@ -15,7 +15,6 @@ from .qat import (
     prepare_qat_student,
     prepare_qat_training,
     qat_metadata,
-    qat_settings,
     read_qat_metadata,
     set_fake_quant_enabled,
     write_qat_metadata,
@@ -23,8 +22,8 @@ from .qat import (
 from .schemes import QAT_SCHEMES, SCHEMES, base_config, check_device
 
 __all__ = [
+    "KD_QAT_KEYS",
     "QAT_METADATA_FILE",
-    "QAT_SCHEMA",
     "QAT_SCHEMES",
     "QATSettings",
     "SCHEMES",
@@ -39,7 +38,6 @@ __all__ = [
     "prepare_qat_student",
     "prepare_qat_training",
     "qat_metadata",
-    "qat_settings",
     "quantize_model",
     "read_qat_metadata",
     "set_fake_quant_enabled",

@@ -10,7 +10,7 @@ kernel computes). The cost is one transient full-size weight (and its gradient) 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import RecipeError
 from ..schema import Choice, Range
+from ..settings import setting
 from .schemes import (
     QAT_SCHEMES,
     _is_lora,
@@ -31,35 +32,25 @@ from .schemes import (
 )
 
 QAT_METADATA_FILE = "quantization.json"
+KD_QAT_KEYS = ("scheme", "group_size", "include_output")  # the keys of `qat:` a KD student reads
 _FQ_ATTRS = ("activation_fake_quantizer", "weight_fake_quantizer")
 
-# The `qat:` section of a fine-tuning config (recipes/full.py; null or absent: no QAT). KD takes the first three.
-QAT_SCHEMA = {"scheme": Choice(*QAT_SCHEMES), "group_size": Range(int, ge=1),
-              "fake_quant_after_n_steps": Range(int, ge=0, optional=True), "include_output": bool, "convert": bool}
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class QATSettings:
-    """A `qat:` section: how the model is fake-quantized while it trains, and what converts it at the end."""
+    """The `qat:` section (null: no QAT): how the model is fake-quantized while it trains, and what converts it at
+    the end. KD reads the first three keys (`KD_QAT_KEYS`)."""
 
-    scheme: str = "8da4w"
-    group_size: int = 32
-    include_output: bool = False  # also the (untied) output projection
-    fake_quant_after_n_steps: int | None = None  # fake quantization off for optimizer steps 1..N (None: from 1)
-    convert: bool = True  # write output_dir/quantized (a torchao HF folder) at the end
+    scheme: str = setting("8da4w", Choice(*QAT_SCHEMES), "the quantization trained for (components/quantization)")
+    group_size: int = setting(32, Range(int, ge=1), "int4 weight group size along the input dim")
+    include_output: bool = setting(False, bool, "also the (untied) output projection")
+    fake_quant_after_n_steps: int | None = setting(None, Range(int, ge=0, optional=True),
+                                                   "fake quantization off for optimizer steps 1..N (null: from 1)")
+    convert: bool = setting(True, bool, "write output_dir/quantized (a torchao HF folder) at the end")
 
     def metadata_files(self) -> dict[str, str]:
         """The final folder's quantization.json: what `convert_qat` (and `recipe run quantize`) need."""
         meta = qat_metadata(self.scheme, self.group_size, self.include_output)
         return {QAT_METADATA_FILE: json.dumps(meta, indent=2) + "\n"}
-
-
-def qat_settings(section) -> QATSettings | None:
-    """The `qat:` config section as settings (keys left out take the defaults above); None without a section."""
-    if section is None:
-        return None
-    known = {f.name for f in fields(QATSettings)}
-    return QATSettings(**{k: section[k] for k in section if k in known})
 
 
 def _check_qat_scheme(scheme: str) -> None:
@@ -300,7 +291,6 @@ def prepare_qat_training(model: nn.Module, qat: QATSettings, device: torch.devic
     return qat.metadata_files()
 
 
-def prepare_qat_student(model: nn.Module, section, device: torch.device) -> dict[str, str] | None:
+def prepare_qat_student(model: nn.Module, qat: QATSettings | None, device: torch.device) -> dict[str, str] | None:
     """KD-QAT: `prepare_qat_training` for a KD student's `qat:` section; None (nothing done) without one."""
-    qat = qat_settings(section)
     return None if qat is None else prepare_qat_training(model, qat, device)

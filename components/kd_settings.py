@@ -1,0 +1,38 @@
+"""kd's `kd:` section: the divergence, its options and the CE/KD blend, and on-policy distillation (`kd.on_policy`).
+
+The loss of a micro-batch is `(1 - kd_ratio) * CE + kd_ratio * KD(teacher || student)` (components/losses: `kd_and_ce`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .losses import KD_LOSSES, KDLoss, build_kd_loss
+from .on_policy import KD_OPTIONS, OnPolicySettings
+from .schema import Choice, Range
+from .settings import section, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDSettings:
+    """The `kd:` section of recipes/kd.py."""
+
+    loss: str = setting("forward_kl", Choice(*KD_LOSSES), "the divergence: forward_kl | reverse_kl | symmetric_kl | "
+                        "jsd | skew_kl")
+    kd_ratio: float = setting(0.5, Range(float, ge=0, le=1), "loss = (1 - kd_ratio) * CE + kd_ratio * KD")
+    temperature: float = setting(1.0, Range(float, gt=0), "softens both distributions; the KD term is scaled by T^2")
+    beta: float | None = setting(None, Range(float, gt=0, lt=1, optional=True), "jsd only: mixture weight of the "
+                                 "teacher")
+    alpha: float | None = setting(None, Range(float, ge=0, lt=1, optional=True), "skew_kl only: teacher share of the "
+                                  "skewed target")
+    ratio: float | None = setting(None, Range(float, ge=0, le=1, optional=True), "symmetric_kl only: weight of "
+                                  "forward vs reverse KL")
+    on_policy: OnPolicySettings | None = section(OnPolicySettings, "on-policy KD: a fraction of the micro-batches "
+                                                 "are the student's own samples scored by the teacher (null: off)",
+                                                 optional=True)
+
+    def loss_fn(self) -> KDLoss:
+        """The divergence bound to its temperature and the options set; a RecipeError names an option the kind
+        does not take (a check across keys: run at load by the recipe's `check()`)."""
+        options = {o: getattr(self, o) for o in KD_OPTIONS if getattr(self, o) is not None}
+        return build_kd_loss(self.loss, self.temperature, **options)
