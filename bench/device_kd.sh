@@ -116,6 +116,8 @@ onpolicy)  # issue 22: on-policy KD's sampling speed; no torchtune rows, so no .
     ;;
 onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config with kd.on_policy (compiled, eager
                   # sampling), decode_speed.py at batch 32, off-policy, chat data; training rows log Dynamo's recompiles
+    # HF_PYTHONPATH: transformers' rows run on the image's own packages (it refuses our huggingface-hub 2.x)
+    export HF_PYTHONPATH=""
     ours python3 bench/on_policy_speed.py --out $B ${2:+--rows "$2"}
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)

@@ -104,11 +104,17 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
 
 
 def decode_row(a: argparse.Namespace) -> list[dict]:
+    """Our sampler's rows, then transformers' in a process with HF_PYTHONPATH (when set) as its PYTHONPATH: our
+    pinned huggingface-hub 2.x comes first on ours, and the GPU image's transformers refuses to import beside it."""
     dest = a.out / "decode_speed.jsonl"
     cmd = [sys.executable, str(ROOT / "bench" / "decode_speed.py"), "--shape", "llama1b", "--batch", "32",
            "--prompt", "64", "--new", "256", "--out", str(dest)]
     start = len(dest.read_text().splitlines()) if dest.exists() else 0
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+    subprocess.run([*cmd, "--rows", "ours_eager,ours_reduce-overhead,onpolicy_compiled"], cwd=ROOT,
+                   capture_output=True, text=True, timeout=a.timeout)
+    env = {**os.environ, "PYTHONPATH": os.environ.get("HF_PYTHONPATH", os.environ.get("PYTHONPATH", ""))}
+    proc = subprocess.run([*cmd, "--rows", "hf_static,hf_static_nocompile"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=a.timeout)
     rows = [json.loads(ln) for ln in dest.read_text().splitlines()[start:] if ln.strip()] if dest.exists() else []
     for r in rows:
         r["row"] = f"decode:{r['row']}"
