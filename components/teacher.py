@@ -12,7 +12,7 @@ from torch import nn
 
 from .errors import RecipeError
 from .logits_cache import LogitsCache
-from .losses import KDLoss, same_tokenizer, shared_vocab
+from .losses import KDLoss, check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
 from .quantization.teacher import TEACHER_QUANT, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
@@ -33,11 +33,12 @@ class TeacherSettings:
                                      "replaces the teacher, which is never loaded")
 
 
-def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int) -> None:
+def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int,
+                              kd_loss: str = "forward_kl") -> None:
     """Teacher and student speak the same tokens, and each config.json describes its weights: checked from
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
-    vocabulary errors are the ones `loss_vocab` would raise later."""
+    vocabulary errors are the ones `loss_vocab` would raise later; a sampled cache takes `kd_loss` forward_kl only."""
     from .logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
     from .models import read_model_args
     from .models.args import check_weight_shapes
@@ -48,7 +49,10 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
     if t.logits_dir is not None:
         manifest = Path(t.logits_dir) / MANIFEST
         if manifest.is_file():  # a missing or unfinished cache is reported by LogitsCache with its own words
-            cached = read_manifest(manifest).get("run", {}).get("tokenizer")
+            m = read_manifest(manifest)
+            if m.get("mode") == "sampled":
+                check_sampled_loss(kd_loss, t.logits_dir)
+            cached = m.get("run", {}).get("tokenizer")
             if cached is not None and cached != tokenizer_fingerprint(student_dir):
                 raise RecipeError(f"teacher.logits_dir={t.logits_dir}: tokenizer (tokenizer.json + chat template) "
                                   f"differs: the cache was built with another tokenizer than {student_dir}'s; "

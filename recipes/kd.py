@@ -81,7 +81,8 @@ def main(cfg: KDConfig) -> None:
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = start_or_resume_run(cfg)
-    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size)  # same tokens? before loading weights
+    # same tokens (and a divergence a sampled cache can estimate)? before loading weights
+    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("student layers"):
         keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,

@@ -256,10 +256,11 @@ def test_rebuilding_a_cache_with_another_mode_or_sample_count_is_refused(tmp_pat
 
 
 @pytest.mark.slow
-def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_path, embedded_model_dir,
-                                                                          tiny_model_dir):
-    """SmolLM2-135M teaches the tiny student for 12 steps, online and from its top-32 cache: the students end
-    within a few percent of each other on the full-vocabulary objective (CE + forward KL)."""
+def test_kd_from_the_top32_or_sampled_cache_matches_online_kd_on_the_embedded_model(tmp_path, embedded_model_dir,
+                                                                                     tiny_model_dir):
+    """SmolLM2-135M teaches the tiny student for 12 steps, online, from its top-32 cache and from a cache of 32
+    draws per token: the students end within a few percent of each other on the full-vocabulary objective
+    (CE + forward KL)."""
     from llm_recipe.components.data.dataset import build_dataset
     from llm_recipe.components.models import load_model
     from llm_recipe.components.models.tokenizer import Tokenizer
@@ -268,12 +269,17 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
     cache = tmp_path / "cache"
     rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={cache}"],
                             cwd=tmp_path))
+    sample = tmp_path / "sample"
+    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={sample}",
+                                                                    "cache.mode=sampled"], cwd=tmp_path))
     common = [*KD, *data, "max_steps=12", "batch_size=4", f"student.checkpoint_dir={tiny_model_dir}",
               "optimizer.lr=3e-3"]
     online, cached = tmp_path / "online", tmp_path / "cached"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={online}"]) == 0
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={cached}",
                                                        f"teacher.logits_dir={cache}"]) == 0
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={tmp_path / 'sampled'}",
+                                                       f"teacher.logits_dir={sample}"]) == 0
     ds = build_dataset(Tokenizer.from_dir(embedded_model_dir), source="transfer:passages", max_seq_len=48,
                        limit=24, packed=True)
     batch = ds.collate([ds[i] for i in range(len(ds))])
@@ -293,5 +299,8 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
         return float(0.5 * ce + 0.5 * (t.exp() * (t - s)).sum(-1).mean())
 
     start, a, b = objective(tiny_model_dir), objective(online / "model"), objective(cached / "model")
-    assert a < 0.8 * start and b < 0.8 * start  # both learnt
+    c = objective(tmp_path / "sampled" / "model")
+    print(f"objective: start {start:.4f}, online {a:.4f}, top-32 cache {b:.4f}, sampled cache (N = 32) {c:.4f}")
+    assert a < 0.8 * start and b < 0.8 * start and c < 0.8 * start  # all learnt
     assert b == pytest.approx(a, rel=0.05), (start, a, b)
+    assert c == pytest.approx(a, rel=0.05), (start, a, c)
