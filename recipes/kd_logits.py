@@ -154,8 +154,8 @@ def main(cfg: KDLogitsConfig) -> None:
         print(f"teacher: {total:,} target tokens to go in {len(todo)} shard(s)"
               f"{f' on each of {rt.world_size} ranks' if rt.world_size > 1 else ''}; ETA on the bar below",
               flush=True)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"teacher {mode}", dynamic_ncols=True,
-               disable=not (todo and rt.is_main))
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="teacher top-k" if mode == "topk" else "teacher sample",
+               dynamic_ncols=True, disable=not (todo and rt.is_main))
     for shard in todo:
         start, parts, counts = time.perf_counter(), [], []
         items = writer.items(shard)
