@@ -72,7 +72,8 @@ class Scale:
     #                              layer compile around them is not measured yet, so off: a failure costs a lease)
     cache_top_k: int = 32  # kd_cache: teacher log-probs kept per token
     # sweep rows, "NAME=BASE:key=value,key=value": BASE's training with the overrides appended, evaluated like
-    # BASE and compared with it on the same items; `cache.top_k=K` gives the row its own top-K cache
+    # BASE and compared with it on the same items; `cache.*` keys (cache.top_k=K, cache.mode=sampled,
+    # cache.samples=N) give the row its own cache built with them
     variants: list[str] = field(default_factory=list)
     rows: list[str] | None = None  # run only these rows (their evaluations and the jobs they need); None: all
     pairs: list[str] = field(default_factory=list)  # extra paired comparisons "BASE:ROW" (collect)
@@ -173,16 +174,16 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
         job = next(j for j in jobs if j.name == base)
         argv = [a for a in job.argv if not a.startswith("output_dir=")] + [f"output_dir={out / 'train' / name}"]
         deps = list(job.deps)
-        for o in overrides:
-            if o.startswith("cache.top_k="):  # its own cache at that top-k, over the same packed transfer set
-                logits = next(j for j in jobs if j.name == "kd_logits")
-                cache_dir = out / f"kd_logits_{name}"
-                jobs.append(Job(f"kd_logits_{name}", "train", [a for a in logits.argv if not a.startswith(
-                    ("output_dir=", "cache.top_k="))] + [f"output_dir={cache_dir}", o], logits.deps, "cache"))
-                deps = [d for d in deps if d != "kd_logits"] + [f"kd_logits_{name}"]
-                argv.append(f"teacher.logits_dir={cache_dir}")
-            else:
-                argv.append(o)
+        own = [o for o in overrides if o.startswith("cache.")]  # cache.top_k=K, cache.mode=sampled, cache.samples=N
+        if own:  # its own cache with those keys, over the same packed transfer set
+            logits = next(j for j in jobs if j.name == "kd_logits")
+            cache_dir = out / f"kd_logits_{name}"
+            keys = ("output_dir=", *(o.partition("=")[0] + "=" for o in own))
+            jobs.append(Job(f"kd_logits_{name}", "train", [a for a in logits.argv if not a.startswith(keys)]
+                            + [f"output_dir={cache_dir}", *own], logits.deps, "cache"))
+            deps = [d for d in deps if d != "kd_logits"] + [f"kd_logits_{name}"]
+            argv = [a for a in argv if not a.startswith("teacher.logits_dir=")] + [f"teacher.logits_dir={cache_dir}"]
+        argv += [o for o in overrides if o not in own]
         jobs.append(Job(name, "train", argv, deps, job.group, shlex.join(["recipe", *argv[3:]])))
     jobs += onp.training_jobs(s, out, next(j for j in jobs if j.name == onp.REFERENCE))
     # the most expensive first, so the longest runs start at once and the cheap ones fill in around them
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps (every row)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:k=v[,k=v]",
                    help="a sweep row: BASE's training (sft, kd, kd_r1, kd_cache, qat, kd_qat) with these overrides "
-                        "(cache.top_k=K: its own cache); repeatable")
+                        "(cache.top_k=K, cache.mode=sampled, cache.samples=N: its own cache); repeatable")
     p.add_argument("--pair", action="append", default=[], metavar="BASE:ROW",
                    help="also compare ROW with BASE on the same items (collect); repeatable")
     p.add_argument("--rows", default=None, help="comma-separated rows to run (and what they need); default: all")

@@ -12,7 +12,7 @@ from torch import nn
 
 from .errors import RecipeError
 from .logits_cache import LogitsCache
-from .losses import same_tokenizer, shared_vocab
+from .losses import KDLoss, check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
 from .quantization.teacher import TEACHER_QUANT, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
@@ -29,15 +29,16 @@ class TeacherSettings:
                              "shard (FSDP) or auto (replicate if it takes <= half the free memory)")
     quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True),
                                    "fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only (null: none)")
-    logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its top-k replaces the "
-                                     "teacher, which is never loaded")
+    logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its top-k (or sample) "
+                                     "replaces the teacher, which is never loaded")
 
 
-def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int) -> None:
+def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int,
+                              kd_loss: str = "forward_kl") -> None:
     """Teacher and student speak the same tokens, and each config.json describes its weights: checked from
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
-    vocabulary errors are the ones `loss_vocab` would raise later."""
+    vocabulary errors are the ones `loss_vocab` would raise later; a sampled cache takes `kd_loss` forward_kl only."""
     from .logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
     from .models import read_model_args
     from .models.args import check_weight_shapes
@@ -48,7 +49,10 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
     if t.logits_dir is not None:
         manifest = Path(t.logits_dir) / MANIFEST
         if manifest.is_file():  # a missing or unfinished cache is reported by LogitsCache with its own words
-            cached = read_manifest(manifest).get("run", {}).get("tokenizer")
+            m = read_manifest(manifest)
+            if m.get("mode") == "sampled":
+                check_sampled_loss(kd_loss, t.logits_dir)
+            cached = m.get("run", {}).get("tokenizer")
             if cached is not None and cached != tokenizer_fingerprint(student_dir):
                 raise RecipeError(f"teacher.logits_dir={t.logits_dir}: tokenizer (tokenizer.json + chat template) "
                                   f"differs: the cache was built with another tokenizer than {student_dir}'s; "
@@ -63,13 +67,15 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
 
 
 def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, student_dir: str | Path,
-                 temperature: float, max_seq_len: int,
+                 kd_loss: KDLoss, max_seq_len: int,
                  compile: bool) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
     """`(teacher, teacher_args, None)`, or `(None, teacher_args, cache)` with `teacher.logits_dir`: the cache is
-    verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature)
-    here, before any model is loaded; one-line errors name what differs. `compile`: the run's `compile:`."""
+    verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature,
+    a divergence a sampled cache can estimate) here, before any model is loaded; one-line errors name what
+    differs. `compile`: the run's `compile:`."""
     if t.logits_dir is not None:
-        cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, temperature)
+        cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, kd_loss.temperature,
+                                    kd_loss.kind)
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.

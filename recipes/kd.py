@@ -1,7 +1,7 @@
 """Knowledge distillation: a frozen teacher guides a student (full, LoRA, layer-pruned from the teacher, or KD-QAT).
 
 loss = (1 - kd_ratio) * CE + kd_ratio * KD(teacher || student), computed chunk by chunk from final hidden states
-(full [batch, seq, vocab] logits never exist). With `teacher.logits_dir` the teacher is its cached top-k.
+(full [batch, seq, vocab] logits never exist). With `teacher.logits_dir` the teacher is its cached top-k or sample.
 With `kd.on_policy`, a fraction of the micro-batches are the student's own samples scored by the teacher.
 """
 
@@ -16,7 +16,7 @@ from llm_recipe.components.config import config_source
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.kd_settings import KDSettings
-from llm_recipe.components.losses import CachedTeacher, LiveTeacher, kd_and_ce
+from llm_recipe.components.losses import LiveTeacher, kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.models.prune import StudentSettings, student_layers
@@ -81,7 +81,8 @@ def main(cfg: KDConfig) -> None:
     # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
     # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
     resume_from = start_or_resume_run(cfg)
-    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size)  # same tokens? before loading weights
+    # same tokens (and a divergence a sampled cache can estimate)? before loading weights
+    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("student layers"):
         keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,
@@ -92,8 +93,8 @@ def main(cfg: KDConfig) -> None:
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
     # top-k, verified and checked against this run before anything is loaded.
     with setup.phase("teacher cache check" if cfg.teacher.logits_dir else "teacher weights"):
-        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir, kd_loss.temperature,
-                                             max_len, cfg.compile)
+        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir, kd_loss, max_len,
+                                             cfg.compile)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):
@@ -145,8 +146,8 @@ def main(cfg: KDConfig) -> None:
                 where.shape = list(batch["tokens"].shape)
                 batch = to_device(batch, rt.device)
                 on = "prompt_lens" in batch  # an on-policy micro-batch (completion_batch)
-                if cache is not None:  # the divergence over the cached top-k and the tail (docs/losses.md)
-                    target = CachedTeacher(batch["teacher_logp"], batch["teacher_ids"])
+                if cache is not None:  # the cached top-k and tail, or the cached sample (docs/losses.md)
+                    target = cache.teacher(batch)
                 else:
                     with torch.inference_mode():
                         target = LiveTeacher(hidden_states(teacher, batch), teacher.output)

@@ -1,8 +1,11 @@
-"""Offline teacher: run the KD teacher once over the transfer set and cache its top-k log-probabilities.
+"""Offline teacher: run the KD teacher once over the transfer set and cache its top-k log-probabilities, or a
+sample of its tokens.
 
 The transfer set is tokenized and packed exactly as `kd` does it (the same `dataset:` section, the same builder).
-Per target token the cache keeps the teacher's k largest log-probs at temperature T (fp16), their ids (3 bytes)
-and the log of the rest of the mass (fp16): 162 bytes at k = 32. `recipe run kd ... teacher.logits_dir=DIR` then
+Per target token the cache keeps (`cache.mode`) either the teacher's k largest log-probs at temperature T (fp16),
+their ids (3 bytes) and the log of the rest of the mass (fp16): 162 bytes at k = 32 (topk); or N tokens drawn from
+the teacher's softmax at T, as the distinct ids, their counts and log-probs: 6 bytes per distinct id + 1, at most
+193 at N = 32 (sampled: an unbiased forward-KL gradient, docs/losses.md). `recipe run kd ... teacher.logits_dir=DIR` then
 distils any number of students without loading the teacher. Shards are written atomically; a rerun after a
 crash keeps the finished ones; under torchrun each rank writes every world_size-th shard with its own copy of
 the teacher. Format: components/logits_cache/manifest.py.
@@ -21,7 +24,17 @@ from tqdm.auto import tqdm
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.data.dataset import DatasetConfig, build_dataset, loss_tokens
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.logits_cache import CacheWriter, run_fields, teacher_fingerprint, teacher_rows
+from llm_recipe.components.logits_cache import (
+    CacheWriter,
+    encode_sampled,
+    encode_topk,
+    item_uniforms,
+    run_fields,
+    teacher_fingerprint,
+    teacher_rows,
+)
+from llm_recipe.components.losses.sampled import teacher_samples
+from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
 from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
 from llm_recipe.components.runtime import prepare_teacher, setup_runtime
@@ -52,7 +65,11 @@ class Teacher:
 class Cache:
     """The `cache:` section: what the cache keeps per target token, and how it is sharded."""
 
-    top_k: int = setting(32, Range(int, ge=1, le=2**24), "teacher log-probs kept per token")
+    mode: str = setting("topk", Choice("topk", "sampled"), "topk: the k largest teacher log-probs + the tail's | "
+                        "sampled: cache.samples draws from the teacher (unbiased forward-KL gradient)")
+    top_k: int = setting(32, Range(int, ge=1, le=2**24), "teacher log-probs kept per token (mode topk)")
+    samples: int = setting(32, Range(int, ge=1, le=255), "tokens drawn per token from the teacher's softmax, with "
+                           "replacement (mode sampled; seeded by `seed`)")
     temperature: float = setting(1.0, Range(float, gt=0), "the teacher's softmax temperature; kd.temperature must "
                                  "equal it")
     items_per_shard: int = setting(256, Range(int, ge=1), "dataset rows per shard file (the unit of resume and of "
@@ -80,12 +97,23 @@ class KDLogitsConfig:
 CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd_logits`)
 
 
+def _encoder(c: Cache, seed: int, first: int, rows: list[int], device):
+    """``encode(logits, i, j)`` for `teacher_rows` on a batch of items first, first + 1, ... with `rows` target
+    rows each: their top-k, or their draws (each item's uniforms from its own generator: the same draws whatever
+    the batch size or chunking)."""
+    if c.mode == "topk":
+        return lambda logits, i, j: teacher_topk(logits, c.top_k, c.temperature)
+    u = torch.cat([item_uniforms(seed, first + r, n, c.samples) for r, n in enumerate(rows)]).to(device)
+    return lambda logits, i, j: teacher_samples(logits, u[i:j], c.temperature)
+
+
 def main(cfg: KDLogitsConfig) -> None:
     rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
-    k, temperature, per_shard = cfg.cache.top_k, float(cfg.cache.temperature), cfg.cache.items_per_shard
+    mode, temperature, per_shard = cfg.cache.mode, float(cfg.cache.temperature), cfg.cache.items_per_shard
+    k, samples = cfg.cache.top_k, cfg.cache.samples
     targs = read_model_args(teacher_dir)
-    if not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
+    if mode == "topk" and not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
         raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary, < 2^24)")
 
     # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
@@ -99,9 +127,11 @@ def main(cfg: KDLogitsConfig) -> None:
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
         "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.quantize,
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
-        "top_k": k, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
+        "mode": mode, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
         "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
         "num_shards": -(-len(dataset) // per_shard),
+        # top-k: k; sampled: N draws per token, seeded from the run seed and the item (item_uniforms)
+        **({"top_k": k} if mode == "topk" else {"samples": samples, "sample_seed": cfg.seed}),
     }
     writer = CacheWriter(cfg.output_dir, header, rt)
     todo = writer.todo()
@@ -124,8 +154,8 @@ def main(cfg: KDLogitsConfig) -> None:
         print(f"teacher: {total:,} target tokens to go in {len(todo)} shard(s)"
               f"{f' on each of {rt.world_size} ranks' if rt.world_size > 1 else ''}; ETA on the bar below",
               flush=True)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="teacher top-k", dynamic_ncols=True,
-               disable=not (todo and rt.is_main))
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="teacher top-k" if mode == "topk" else "teacher sample",
+               dynamic_ncols=True, disable=not (todo and rt.is_main))
     for shard in todo:
         start, parts, counts = time.perf_counter(), [], []
         items = writer.items(shard)
@@ -134,13 +164,13 @@ def main(cfg: KDLogitsConfig) -> None:
                               rt.device)
             counts += (n := (batch["labels"] != -100).sum(1).tolist())
             bar.update(sum(n))
+            encode = _encoder(cfg.cache, cfg.seed, first, n, rt.device)
             with torch.inference_mode():
                 hidden = hidden_states(teacher, batch)
                 parts += [tuple(x.cpu() for x in rows) for rows in
-                          teacher_rows(hidden, teacher.output, batch["labels"], k, temperature, targs.vocab_size,
-                                       chunks)]
-        values, ids, tails = (torch.cat([p[j] for p in parts]) for j in range(3))
-        writer.write(shard, values, ids, tails, counts)
+                          teacher_rows(hidden, teacher.output, batch["labels"], encode, targs.vocab_size, chunks)]
+        rows = (torch.cat([p[j] for p in parts]) for j in range(3))
+        writer.write(shard, encode_topk(*rows) if mode == "topk" else encode_sampled(*rows), counts)
         line = (f"rank {rt.rank}: shard {shard + 1}/{header['num_shards']}: {sum(counts)} tokens, "
                 f"{sum(counts) / (time.perf_counter() - start):,.0f} tokens/s")
         if bar.disable:
@@ -151,8 +181,10 @@ def main(cfg: KDLogitsConfig) -> None:
 
     manifest = writer.finish()
     if rt.is_main:
+        what = f"k={k}" if mode == "topk" else (f"{samples} samples per token (at most "
+                                                  f"{manifest['payload_bytes_per_token']}: every draw distinct)")
         print(f"cache: {cfg.output_dir} ({manifest['tokens']} tokens, {manifest['num_shards']} shards, "
-              f"{manifest['bytes_per_token']} bytes/token at k={k})\n"
+              f"{manifest['bytes_per_token']} bytes/token at {what})\n"
               f"train from it: recipe run kd --config ... teacher.logits_dir={cfg.output_dir}", flush=True)
     rt.teardown()
 

@@ -153,3 +153,25 @@ def test_collect_pairs_the_on_policy_metric_by_prompt(tmp_path):
     assert cmp["goal"]["holds"] is True
     assert res["rows"]["onp50"]["on_policy"]["onp_reverse_kl"] == pytest.approx(0.5875)
     assert "held-out on-policy metric" in (tmp_path / "table.md").read_text()
+
+
+def test_a_cache_variant_builds_its_own_cache_with_its_cache_keys(tmp_path):
+    """`--variant NAME=kd_cache:cache.mode=sampled,cache.samples=32` (or cache.top_k=K) trains from a cache of its
+    own, built by kd_logits with those keys over the same transfer set; its other overrides go to the training."""
+    study, _ = _study()
+    s = study.Scale(teacher=str(tmp_path / "teacher"), rows=["kd_cache_s32", "kd_cache8", "kd"],
+                    variants=["kd_cache_s32=kd_cache:cache.mode=sampled,cache.samples=32",
+                              "kd_cache8=kd_cache:cache.top_k=8,kd.kd_ratio=1.0"], pairs=["kd:kd_cache_s32"])
+    jobs = study.select(study.training_jobs(s, tmp_path, [0, 1]) + study.eval_jobs(s, tmp_path), s)
+    by = {j.name: j for j in jobs}
+    assert {"kd", "kd_cache_s32", "kd_logits_kd_cache_s32", "kd_cache8", "kd_logits_kd_cache8"} <= set(by)
+    assert "kd_logits" not in by and "kd_cache" not in by  # the shared top-32 cache is not needed
+    own = by["kd_logits_kd_cache_s32"].argv
+    assert own[-3:] == [f"output_dir={tmp_path / 'kd_logits_kd_cache_s32'}", "cache.mode=sampled",
+                        "cache.samples=32"] and "cache.top_k=32" in own
+    assert [a for a in by["kd_logits_kd_cache8"].argv if a.startswith("cache.top_k=")] == ["cache.top_k=8"]
+    row = by["kd_cache_s32"]
+    assert [a for a in row.argv if a.startswith("teacher.logits_dir=")] == [
+        f"teacher.logits_dir={tmp_path / 'kd_logits_kd_cache_s32'}"]
+    assert not any(a.startswith("cache.") for a in row.argv) and row.deps == ["prune", "kd_logits_kd_cache_s32"]
+    assert by["kd_cache8"].argv[-1] == "kd.kd_ratio=1.0"

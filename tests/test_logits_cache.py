@@ -1,7 +1,9 @@
 """The offline teacher end to end: `recipe run kd_logits` writes the cache (contents = the teacher's top-k at T,
 <= 200 bytes/token), a kill -9 mid-write then a rerun gives the same shards, `kd` trains from it without the
 teacher, and every bad cache (incomplete, truncated, altered, another teacher, another run) is a one-line error
-before anything trains. The quality comparison with online KD on the embedded model is slow-marked."""
+before anything trains. A sampled cache (`cache.mode=sampled`, the embedded SmolLM2 as teacher) holds the teacher's
+seeded draws, the same whatever the batch and chunking, and `kd` trains from it with forward KL only. The quality
+comparison with online KD on the embedded model is slow-marked."""
 
 from __future__ import annotations
 
@@ -181,11 +183,84 @@ def test_rebuilding_into_a_cache_of_another_run_is_refused(tmp_path, cache, teac
     assert "holds a cache of another run (top_k: 32 there, 16 now)" in err
 
 
+SAMPLED = [*CACHE, "cache.mode=sampled", "cache.samples=8"]
+
+
+@pytest.fixture(scope="module")
+def sampled_cache(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lc") / "sampled"
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"output_dir={out}"], cwd=out.parent)
+    rc.assert_ok(proc)
+    assert "bytes/token at 8 samples per token (at most 49" in proc.stdout
+    return out
+
+
+def test_sampled_cache_holds_the_teachers_seeded_draws(tmp_path, sampled_cache, embedded_model_dir):
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.logits_cache import LogitsCache, item_uniforms
+    from llm_recipe.components.losses.sampled import teacher_samples
+    from llm_recipe.components.models import load_model
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    m = json.loads((sampled_cache / "manifest.json").read_text())
+    assert (m["mode"], m["samples"], m["sample_seed"], m["payload_bytes_per_token"]) == ("sampled", 8, 0, 49)
+    assert "top_k" not in m and m["bytes_per_token"] < 49
+    ds = build_dataset(Tokenizer.from_dir(embedded_model_dir), source="transfer:passages", max_seq_len=48, limit=24,
+                       packed=True)
+    model, _ = load_model(embedded_model_dir)
+    cache = LogitsCache(sampled_cache)
+    for item in (2, 3):
+        batch = ds.collate([ds[item]])
+        with torch.no_grad():
+            logits = model(batch["tokens"], mask=document_mask(batch["input_pos"]),
+                           input_pos=batch["input_pos"]).flatten(0, 1)[batch["labels"].flatten() != -100]
+        logp, ids, counts = teacher_samples(logits, item_uniforms(0, item, logits.shape[0], 8))
+        got_logp, got_ids, got_counts = cache.rows(item)
+        assert torch.all(got_counts.sum(-1) == 8)
+        assert (got_ids == ids).all(-1).float().mean() > 0.99 and (got_counts == counts).all(-1).float().mean() > 0.99
+        torch.testing.assert_close(got_logp.float()[got_counts > 0], logp[got_counts > 0], rtol=1e-3, atol=2e-3)
+    # other batch size and chunking, same draws: the same bytes
+    again = tmp_path / "again"
+    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, "batch_size=1", "num_output_chunks=3",
+                                                                   f"output_dir={again}"], cwd=tmp_path))
+    for i in (0, 5, 11):
+        name = f"shard_{i:05d}.safetensors"
+        assert (again / name).read_bytes() == (sampled_cache / name).read_bytes(), name
+
+
+def test_kd_trains_from_the_sampled_cache_with_forward_kl_only(capsys, tmp_path, sampled_cache, tiny_model_dir):
+    out = tmp_path / "kd"
+    rc.assert_ok(rc.run_cli("kd", "kd/smollm2_demo", kd_args(out, sampled_cache, tiny_model_dir), cwd=tmp_path))
+    rows = rc.assert_metrics(out, 2, {"loss", "ce_loss", "kd_loss"})
+    assert rows[0]["kd_loss"] > 0.1 and rows[0]["loss"] == pytest.approx(0.5 * rows[0]["ce_loss"]
+                                                                          + 0.5 * rows[0]["kd_loss"], rel=1e-5)
+    err = _error(capsys, tmp_path, sampled_cache, tiny_model_dir, "kd.loss=jsd", "kd.beta=0.5")
+    assert f"kd.loss=jsd cannot be trained from teacher.logits_dir={sampled_cache}" in err
+    assert "kd.temperature differs" in _error(capsys, tmp_path, sampled_cache, tiny_model_dir, "kd.temperature=2.0")
+    bad = tmp_path / "bad"
+    shutil.copytree(sampled_cache, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**m, "mode": "dense"}))
+    assert "cache.mode='dense' is not one this version reads" in _error(capsys, tmp_path, bad, tiny_model_dir)
+
+
+def test_rebuilding_a_cache_with_another_mode_or_sample_count_is_refused(tmp_path, cache, sampled_cache, teacher):
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"output_dir={sampled_cache}",
+                                                              "cache.samples=16"], cwd=tmp_path)
+    (err,) = rc.error_lines(proc)
+    assert "holds a cache of another run (samples: 8 there, 16 now)" in err
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"teacher.checkpoint_dir={teacher}",
+                                                              f"output_dir={cache}"], cwd=tmp_path)
+    (err,) = rc.error_lines(proc)
+    assert "holds a cache of another run (mode: 'topk' there, 'sampled' now)" in err
+
+
 @pytest.mark.slow
-def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_path, embedded_model_dir,
-                                                                          tiny_model_dir):
-    """SmolLM2-135M teaches the tiny student for 12 steps, online and from its top-32 cache: the students end
-    within a few percent of each other on the full-vocabulary objective (CE + forward KL)."""
+def test_kd_from_the_top32_or_sampled_cache_matches_online_kd_on_the_embedded_model(tmp_path, embedded_model_dir,
+                                                                                     tiny_model_dir):
+    """SmolLM2-135M teaches the tiny student for 12 steps, online, from its top-32 cache and from a cache of 32
+    draws per token: the students end within a few percent of each other on the full-vocabulary objective
+    (CE + forward KL)."""
     from llm_recipe.components.data.dataset import build_dataset
     from llm_recipe.components.models import load_model
     from llm_recipe.components.models.tokenizer import Tokenizer
@@ -194,12 +269,17 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
     cache = tmp_path / "cache"
     rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={cache}"],
                             cwd=tmp_path))
+    sample = tmp_path / "sample"
+    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={sample}",
+                                                                    "cache.mode=sampled"], cwd=tmp_path))
     common = [*KD, *data, "max_steps=12", "batch_size=4", f"student.checkpoint_dir={tiny_model_dir}",
               "optimizer.lr=3e-3"]
     online, cached = tmp_path / "online", tmp_path / "cached"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={online}"]) == 0
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={cached}",
                                                        f"teacher.logits_dir={cache}"]) == 0
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*common, f"output_dir={tmp_path / 'sampled'}",
+                                                       f"teacher.logits_dir={sample}"]) == 0
     ds = build_dataset(Tokenizer.from_dir(embedded_model_dir), source="transfer:passages", max_seq_len=48,
                        limit=24, packed=True)
     batch = ds.collate([ds[i] for i in range(len(ds))])
@@ -219,5 +299,8 @@ def test_kd_from_the_top32_cache_matches_online_kd_on_the_embedded_model(tmp_pat
         return float(0.5 * ce + 0.5 * (t.exp() * (t - s)).sum(-1).mean())
 
     start, a, b = objective(tiny_model_dir), objective(online / "model"), objective(cached / "model")
-    assert a < 0.8 * start and b < 0.8 * start  # both learnt
+    c = objective(tmp_path / "sampled" / "model")
+    print(f"objective: start {start:.4f}, online {a:.4f}, top-32 cache {b:.4f}, sampled cache (N = 32) {c:.4f}")
+    assert a < 0.8 * start and b < 0.8 * start and c < 0.8 * start  # all learnt
     assert b == pytest.approx(a, rel=0.05), (start, a, b)
+    assert c == pytest.approx(a, rel=0.05), (start, a, c)

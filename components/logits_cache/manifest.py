@@ -1,15 +1,22 @@
 """The offline-teacher cache's format: fingerprints, the manifest, shard encoding and verification.
 
 A cache folder holds ``shard_NNNNN.safetensors`` files (a contiguous range of dataset items each) and
-``manifest.json``. Per target token (a position whose shifted label is not -100) a shard stores the teacher's
-top-k log-probabilities at temperature T (fp16, 2k bytes), their ids (3 bytes each, little-endian: vocabularies
-up to 16.7M), and the log of the remaining mass (fp16, 2 bytes): 5k + 2 bytes, 162 at k = 32. Per item it
-stores the offset of its first row (8 bytes per item).
+``manifest.json``. Per target token (a position whose shifted label is not -100) a shard stores, by ``mode``:
+
+- ``topk``: the teacher's top-k log-probabilities at temperature T (fp16, 2k bytes), their ids (3 bytes each,
+  little-endian: vocabularies up to 16.7M), and the log of the remaining mass (fp16, 2 bytes): 5k + 2 bytes, 162
+  at k = 32 (tensors ``logprobs``, ``ids``, ``tail``);
+- ``sampled``: N draws from the teacher's softmax at T, as the d distinct ids drawn (3 bytes each), how often each
+  was drawn (uint8, so N <= 255) and the teacher's log-prob of each (fp16): 6d + 1 bytes (the 1: d itself), at
+  most 6N + 1 = 193 at N = 32, and fewer the more peaked the teacher is (tensors ``widths`` [rows], then ``ids``,
+  ``counts``, ``logprobs`` over the rows' distinct ids, row after row).
+
+Per item a shard stores the offset of its first row (8 bytes per item).
 
 The manifest records what the cache was built from, so that ``kd`` refuses a cache that does not match its run
 (naming the field): the teacher (a fingerprint: config.json and a sampled hash of each weight file), the
 tokenizer (hash of tokenizer.json and the chat template), the dataset section, packing, max_seq_len, k, T, the
-vocabulary size, a hash of the tokenized transfer set itself (no token is written anywhere), and per shard its
+vocabulary size, the mode (and N and the seed of the draws), a hash of the tokenized transfer set itself (no token is written anywhere), and per shard its
 item range, token count, size and sha256.
 """
 
@@ -30,6 +37,7 @@ from ..data.dataset import DatasetConfig
 from ..errors import RecipeError
 
 FORMAT = "recipe-logits-cache/1"
+MODES = ("topk", "sampled")
 MANIFEST = "manifest.json"
 ID_BYTES = 3
 # dataset keys that decide the tokenized items (shuffle/bucket only change the order batches are drawn in)
@@ -129,8 +137,41 @@ def unpack_ids(packed: torch.Tensor) -> torch.Tensor:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
 
 
-def bytes_per_token(k: int) -> int:
-    return 2 * k + ID_BYTES * k + 2
+def bytes_per_token(k: int, mode: str = "topk") -> int:
+    """Payload bytes per target token: exact for top-k; for a sample of k draws, the most (every draw distinct)."""
+    return 2 * k + ID_BYTES * k + 2 if mode == "topk" else (2 + ID_BYTES + 1) * k + 1
+
+
+def encode_topk(logp: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A top-k shard's tensors: log-probs [n, k] and tail [n] in fp16, packed ids."""
+    return {"logprobs": logp.to(torch.float16).contiguous(), "ids": pack_ids(ids).contiguous(),
+            "tail": tail.to(torch.float16).contiguous()}
+
+
+def encode_sampled(logp: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A sampled shard's tensors from compacted draws ``[n, N]`` (distinct ids first, count 0 = padding): each row's
+    number of distinct ids, then its ids, counts and fp16 log-probs, ragged (no padding stored)."""
+    keep = counts > 0
+    return {"widths": keep.sum(-1).to(torch.uint8), "ids": pack_ids(ids[keep]).contiguous(),
+            "counts": counts[keep].to(torch.uint8), "logprobs": logp[keep].to(torch.float16).contiguous()}
+
+
+def decode_sampled(widths: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, logp: torch.Tensor,
+                   samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a sampled shard back to ``(logp fp16, ids int64, counts int64)`` ``[n, samples]``, padded with 0:
+    ``widths [n]`` of the rows, then ``ids`` (packed), ``counts`` and ``logp`` of their entries."""
+    w = widths.to(torch.int64)
+    n = w.shape[0]
+    row = torch.repeat_interleave(torch.arange(n), w)
+    starts = w.cumsum(0) - w
+    col = torch.arange(row.shape[0]) - torch.repeat_interleave(starts, w)
+    out_logp = torch.zeros(n, samples, dtype=torch.float16)
+    out_ids = torch.zeros(n, samples, dtype=torch.int64)
+    out_counts = torch.zeros(n, samples, dtype=torch.int64)
+    out_logp[row, col] = logp
+    out_ids[row, col] = unpack_ids(ids)
+    out_counts[row, col] = counts.to(torch.int64)
+    return out_logp, out_ids, out_counts
 
 
 # ------------------------------------------------------------------------------------------------ manifest

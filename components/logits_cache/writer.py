@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,11 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
-from ..losses.topk import teacher_topk
 from .manifest import (
     FORMAT,
     MANIFEST,
     bytes_per_token,
     first_difference,
-    pack_ids,
     read_manifest,
     shard_name,
     shard_problem,
@@ -59,7 +57,7 @@ class CacheWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         for path in [self.out / MANIFEST, *_rank_files(self.out)]:  # every rank checks: all fail alike
             if path.is_file():
-                old, new = _flat(read_manifest(path)), _flat(self.header)
+                old, new = {"mode": "topk", **_flat(read_manifest(path))}, _flat(self.header)
                 key = first_difference(old, new, sorted(set(old) | set(new)))
                 if key is not None:
                     raise RecipeError(f"output_dir={self.out} holds a cache of another run ({key}: "
@@ -83,13 +81,11 @@ class CacheWriter:
         per = self.header["items_per_shard"]
         return range(shard * per, min((shard + 1) * per, self.header["num_items"]))
 
-    def write(self, shard: int, logp: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor,
-              counts: list[int]) -> None:
-        """Write shard `shard`: its rows' top-k log-probs [n, k], ids [n, k], tail log-mass [n], and the number
-        of rows of each of its items."""
+    def write(self, shard: int, rows: dict[str, torch.Tensor], counts: list[int]) -> None:
+        """Write shard `shard`: its rows' tensors (manifest.py's ``encode_topk`` or ``encode_sampled``) and the
+        number of rows of each of its items."""
         offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-        tensors = {"logprobs": logp.to(torch.float16).contiguous(), "ids": pack_ids(ids).contiguous(),
-                   "tail": tail.to(torch.float16).contiguous(), "offsets": offsets}
+        tensors = {**rows, "offsets": offsets}
         # One metadata key: safetensors keeps metadata in a hash map, so several keys come out in any order.
         data = safetensors_bytes(tensors, metadata={"format": FORMAT})
         atomic_write_bytes(self.out / shard_name(shard), data)
@@ -122,7 +118,7 @@ class CacheWriter:
         write_manifest(path, {**self.header, "shards": dict(sorted(records.items(), key=lambda kv: int(kv[0]))),
                               "complete": complete, "tokens": tokens,
                               "bytes_per_token": round(size / tokens, 2) if tokens else None,
-                              "payload_bytes_per_token": bytes_per_token(self.header["top_k"])})
+                              "payload_bytes_per_token": _payload(self.header)})
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -135,12 +131,28 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _payload(header: dict) -> int:
+    """Payload bytes per token (a sampled cache: the most, with every draw distinct)."""
+    if header.get("mode", "topk") == "topk":
+        return bytes_per_token(header["top_k"])
+    return bytes_per_token(header["samples"], "sampled")
+
+
+def item_uniforms(seed: int, item: int, rows: int, samples: int) -> torch.Tensor:
+    """The uniforms [rows, samples] (fp64, CPU) that a sampled cache draws dataset item `item`'s rows with: one
+    generator per item, seeded from the run seed and the item, so a cache is reproducible whatever the device,
+    batch size or chunking, and a rerun shard is the same bytes."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{item}".encode()).digest()[:8], "little") >> 1
+    return torch.rand((rows, samples), generator=torch.Generator().manual_seed(key), dtype=torch.float64)
+
+
 @torch.inference_mode()
-def teacher_rows(hidden: torch.Tensor, project, labels: torch.Tensor, k: int, temperature: float,
-                 vocab: int, num_chunks: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Top-k (log-probs, ids, tail) of the teacher's rows with a target, chunk by chunk, in row-major order."""
+def teacher_rows(hidden: torch.Tensor, project, labels: torch.Tensor, encode: Callable[..., tuple], vocab: int,
+                 num_chunks: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``encode(logits, i, j)`` of the teacher's rows with a target (rows i..j of them in the batch), chunk by
+    chunk, in row-major order: ``teacher_topk`` or ``teacher_samples`` (losses/topk.py, losses/sampled.py)."""
     h = hidden.flatten(0, 1)[labels.flatten() != -100]
     rows = max(1, -(-h.shape[0] // max(1, num_chunks)))
     for i in range(0, h.shape[0], rows):
         logits = project(h[i:i + rows])[:, :vocab]
-        yield teacher_topk(logits, k, temperature)
+        yield encode(logits, i, i + logits.shape[0])

@@ -1,6 +1,6 @@
-"""Losses (docs/losses.md): ``kd_and_ce``, the one training objective (CE alone, KD from a live teacher or from a
-cached top-k); ``chunked_cross_entropy`` for evaluation; the KD divergences as plain functions, bound to a config
-by ``build_kd_loss``; and the student/teacher vocabulary checks."""
+"""Losses (docs/losses.md): ``kd_and_ce``, the one training objective (CE alone, KD from a live teacher, from a
+cached top-k or from a cached teacher sample); ``chunked_cross_entropy`` for evaluation; the KD divergences as
+plain functions, bound to a config by ``build_kd_loss``; and the student/teacher vocabulary checks."""
 
 from .divergences import (
     IGNORE_INDEX,
@@ -14,7 +14,7 @@ from .divergences import (
 )
 from .kd_loss import KDLoss, build_kd_loss
 from .objective import chunked_cross_entropy, kd_and_ce
-from .teachers import CachedTeacher, LiveTeacher
+from .teachers import CachedTeacher, LiveTeacher, SampledTeacher, check_sampled_loss
 from .vocab import same_tokenizer, shared_vocab
 
 __all__ = [
@@ -23,7 +23,9 @@ __all__ = [
     "CachedTeacher",
     "KDLoss",
     "LiveTeacher",
+    "SampledTeacher",
     "build_kd_loss",
+    "check_sampled_loss",
     "chunked_cross_entropy",
     "forward_kl",
     "jsd",

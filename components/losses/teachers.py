@@ -1,9 +1,9 @@
-"""What the teacher gives the loss, chunk by chunk: a live teacher's logits, or its cached top-k.
+"""What the teacher gives the loss, chunk by chunk: a live teacher's logits, its cached top-k, or a cached sample.
 
 Both loss drivers (fused.py, checkpointed.py) are written once against ``Teacher``: they chunk the teacher's
 ``tensors()`` like the labels, ask ``targets`` for each chunk, and take ``divergence`` (any divergence, with
 autograd) or ``forward_kl_kernel`` (forward KL + CE in closed form, the fused driver's fast path) against them.
-The two kinds differ only in these few lines, so neither driver knows which one it runs with.
+The kinds differ only in these few lines, so neither driver knows which one it runs with.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from ..errors import RecipeError
 from .checkpointed import Projection, project
 from .fused import Kernel, forward_kl_ce_chunk
+from .sampled import forward_kl_sampled_ce_chunk, sampled_forward_kl
 from .topk import bucket_divergence, forward_kl_topk_ce_chunk
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
 
-__all__ = ["CachedTeacher", "LiveTeacher", "Teacher"]
+__all__ = ["CachedTeacher", "LiveTeacher", "SampledTeacher", "Teacher"]
 
 
 class Teacher(Protocol):
@@ -89,3 +91,44 @@ class CachedTeacher:
 
     def forward_kl_kernel(self) -> Kernel:
         return forward_kl_topk_ce_chunk
+
+
+@dataclass(frozen=True)
+class SampledTeacher:
+    """The teacher's cached sample (``recipe run kd_logits`` with ``cache.mode=sampled``): per row the distinct ids
+    among N draws from the teacher's softmax at the cache's temperature, ``ids [b, s, N]``, how often each was drawn,
+    ``counts [b, s, N]`` (0: padding), and the teacher's log-probs of them, ``logp [b, s, N]``. The KD term is the
+    unbiased forward-KL estimate of sampled.py; no other divergence has one, so the others are refused."""
+
+    logp: Tensor
+    ids: Tensor
+    counts: Tensor
+
+    def __post_init__(self) -> None:
+        if not self.logp.shape == self.ids.shape == self.counts.shape:
+            raise ValueError(f"sampled targets {tuple(self.logp.shape)} / {tuple(self.ids.shape)} / "
+                             f"{tuple(self.counts.shape)} do not fit: expected logp, ids and counts [b, s, N]")
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.logp, self.ids, self.counts
+
+    def targets(self, logp: Tensor, ids: Tensor, counts: Tensor, *,
+                vocab_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        return logp.flatten(0, -2), ids.flatten(0, -2), counts.flatten(0, -2)
+
+    def divergence(self, student_logits: Tensor, targets: tuple[Tensor, Tensor, Tensor], labels: Tensor,
+                   kd_loss: KDLoss) -> Tensor:
+        check_sampled_loss(kd_loss.kind)
+        return sampled_forward_kl(student_logits, *targets, labels, kd_loss.temperature)
+
+    def forward_kl_kernel(self) -> Kernel:
+        return forward_kl_sampled_ce_chunk
+
+
+def check_sampled_loss(kind: str, cache_dir: object = None) -> None:
+    """Only forward KL has an unbiased estimate from teacher samples: any other kd.loss is a one-line error."""
+    if kind != "forward_kl":
+        where = "" if cache_dir is None else f"={cache_dir}"
+        raise RecipeError(f"kd.loss={kind} cannot be trained from teacher.logits_dir{where}: a sampled cache "
+                          "(cache.mode=sampled) estimates forward KL only; use kd.loss=forward_kl, a top-k cache "
+                          "or the live teacher")
