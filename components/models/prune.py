@@ -30,7 +30,7 @@ from ..data.collate import collate
 from ..errors import RecipeError
 from ..losses import chunked_cross_entropy
 from ..schema import Choice, ListOf, ModelDir, Range
-from ..settings import REQUIRED, section, setting
+from ..settings import REQUIRED, check_fields, section, setting
 from .attention import batch_to_device
 
 METHODS = ("block_influence", "loss_drop")
@@ -45,6 +45,9 @@ class PruneSettings:
                           "block_influence (1 - cos between a layer's input and output)")
     keep: int = setting(REQUIRED, Range(int, ge=1), "layers the student keeps")
     calibration_tokens: int = setting(4096, Range(int, ge=1), "score on the first ~N tokens of the dataset")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "student.prune.")  # also built from a mapping by library callers (`importance_keep`)
 
 
 @dataclass(frozen=True, kw_only=True)
