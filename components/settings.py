@@ -24,10 +24,10 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import RecipeError
-from .schema import ListOf, Spec, type_name
+from .schema import ListOf, Spec, spec_problem, type_name
 
-__all__ = ["REQUIRED", "config_fields", "describe_config", "is_config_type", "parse_config", "schema_of", "section",
-           "setting"]
+__all__ = ["REQUIRED", "check_fields", "config_fields", "describe_config", "is_config_type", "parse_config",
+           "schema_of", "section", "setting"]
 
 REQUIRED: Any = MISSING  # `setting(REQUIRED, ...)`: the config must set the key
 
@@ -57,6 +57,18 @@ def is_config_type(obj: Any) -> bool:
 def config_fields(cls: type) -> list[Field]:
     """The fields of `cls` that are config keys, in declaration order (base classes first)."""
     return [f for f in fields(cls) if "spec" in f.metadata or "section" in f.metadata]
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """Every key of a section object against its field's own spec, for sections that library code builds directly
+    (a parsed config was checked already, with `file:line`): a RecipeError `prefix.key: must be ..., got ...`.
+    Called from such a section's `__post_init__`; nested sections check themselves."""
+    for f in config_fields(type(obj)):
+        spec = f.metadata.get("spec")
+        if isinstance(spec, (Spec, type, tuple)):
+            problem = spec_problem(spec, getattr(obj, f.name))
+            if problem is not None:
+                raise RecipeError(f"{prefix}{f.name}: {problem}")
 
 
 def _keys(f: Field) -> tuple[str, ...] | None:

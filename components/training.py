@@ -48,7 +48,7 @@ def build_train_loader(cfg: TrainConfig, tokenizer: Tokenizer, rt: Runtime,
 
     Packed and compiled: every batch has the same shape (the last partial batch of an epoch is dropped when
     there is a full one), so torch.compile never recompiles for a smaller batch."""
-    dataset = build_dataset(tokenizer, **cfg.dataset.kwargs())
+    dataset = build_dataset(tokenizer, cfg.dataset)
     if wrap_dataset is not None:
         dataset = wrap_dataset(dataset)
     static = cfg.compile and dataset.packed and len(dataset) >= cfg.batch_size * rt.world_size

@@ -61,7 +61,9 @@ class KDConfig(TrainConfig):
     kd: KDSettings = section(KDSettings, "the divergence and the CE/KD blend; kd.on_policy")
 
     def check(self) -> None:
-        """Checks across keys, at load: the loss's options fit its kind, and kd.on_policy fits the rest."""
+        """Checks across keys, at load: one way to pick the student's layers, the loss's options fit its kind, and
+        kd.on_policy fits the rest."""
+        self.student.check()
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)
 

@@ -120,7 +120,7 @@ def main(cfg: KDLogitsConfig) -> None:
     # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
     tokenizer_dir = cfg.tokenizer_dir or teacher_dir
     data_cfg = cfg.dataset.kwargs()
-    dataset = build_dataset(load_tokenizer(tokenizer_dir), **data_cfg)
+    dataset = build_dataset(load_tokenizer(tokenizer_dir), cfg.dataset)
 
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run.
     header = {

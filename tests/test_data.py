@@ -255,7 +255,7 @@ def test_bad_row_locations_csv_parquet_and_invalid_json(tmp_path, tok):
         load_rows(str(p))
     with pytest.raises(RecipeError, match="no such file"):
         load_rows(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(RecipeError, match="dataset.format 'alpaca'"):
+    with pytest.raises(RecipeError, match="dataset.format: must be one of .*, got 'alpaca'"):
         build_dataset(tok, str(p), format="alpaca")
 
 

@@ -22,7 +22,6 @@ from llm_recipe.components.models.prune import (
     calibration_batches,
     keep_by_importance,
     score_layers,
-    student_layers,
 )
 from llm_recipe.components.models.tokenizer import Tokenizer
 
@@ -113,7 +112,18 @@ def test_keep_by_importance_orders_and_checks():
     with pytest.raises(RecipeError, match="unknown 'cosine'"):
         keep_by_importance(scores, 2, "cosine")
     with pytest.raises(RecipeError, match="not every and prune"):
-        student_layers(StudentSettings(every=2, prune=PruneSettings(keep=2)), "unused", DATASET, 2)
+        StudentSettings(every=2, prune=PruneSettings(keep=2)).check()
+
+
+def test_one_way_to_pick_the_student_layers_is_checked_at_load():
+    # `recipe validate` reports it (KDConfig.check() at load), not the run after its setup
+    from llm_recipe.cli.recipes import load_recipe
+    from llm_recipe.components.config import load_recipe_config
+
+    name, recipe = load_recipe("kd")
+    with pytest.raises(RecipeError, match=r"^student: set one of keep_layers, every or prune, not every and prune "
+                                          r"\(student.prune=null drops the importance scoring\)$"):
+        load_recipe_config("kd/smollm2_demo", ["student.every=2"], recipe.CONFIG, recipe=name)
 
 
 def test_kd_recipe_prunes_by_importance(tmp_path, idle_layer_model, capsys):

@@ -3,15 +3,14 @@ keywords."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
 from ..schema import Choice, Range
-from ..settings import REQUIRED, setting
+from ..settings import REQUIRED, check_fields, setting
 from .collate import PackedDataset, collate
 from .formats import FORMATS, IGNORE_INDEX, RowError, make_format
 from .loader import StatefulLoader
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     """The `dataset:` section: where the rows come from and how they become token rows (`build_dataset`'s
-    keywords; tests/test_config_types.py checks its defaults agree)."""
+    keywords: their one home, defaults included)."""
 
     source: str = setting(REQUIRED, str, "file (.json/.jsonl/.csv/.parquet), save_to_disk dir, HF dataset or "
                           "transfer:passages|chat")
@@ -43,6 +42,9 @@ class DatasetConfig:
     limit: int | None = setting(None, Range(int, ge=1, optional=True), "keep only the first N rows")
     shuffle: bool = setting(True, bool, "reshuffle each epoch (deterministic from seed)")
     bucket: bool = setting(False, bool, "group similar lengths to reduce padding")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "dataset.")  # `build_dataset(tok, source, **keys)` builds it from plain arguments
 
     def kwargs(self) -> dict[str, Any]:
         """The section as `build_dataset` keywords (a plain dict, also what a logits cache records)."""
@@ -92,36 +94,19 @@ def loss_tokens(item: dict) -> int:
     return sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
 
 
-def build_dataset(
-    tokenizer: Tokenizer,
-    source: str,
-    format: str = "text",
-    split: str = "train",
-    name: str | None = None,
-    data_files: Any = None,
-    column_map: Mapping[str, str] | None = None,
-    max_seq_len: int = 2048,
-    train_on_input: bool = False,
-    use_chat_template: bool = False,
-    packed: bool = False,
-    limit: int | None = None,
-    shuffle: bool = True,
-    bucket: bool = False,
-) -> TokenizedDataset:
+def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, **options: Any) -> TokenizedDataset:
     """Load rows, tokenize them in `format`, truncate to max_seq_len and optionally pack.
 
-    source: file, `save_to_disk` folder, HF dataset name/path, or `transfer:passages|chat`. split may slice
-    (`train[:90%]`, `train[-200:]`). limit keeps the first N rows after slicing. shuffle/bucket are read by
-    `build_loader`. A malformed row raises RecipeError naming `file:line` (or `row N`).
+    `source`: a `DatasetConfig` (a `dataset:` section), or its `source` key with any of its other keys as keywords
+    (`build_dataset(tok, "rows.jsonl", format="chat")`; DatasetConfig holds their defaults and docs). source: file,
+    `save_to_disk` folder, HF dataset name/path, or `transfer:passages|chat`. split may slice (`train[:90%]`,
+    `train[-200:]`). limit keeps the first N rows after slicing. shuffle/bucket are read by `build_loader`. A
+    malformed row raises RecipeError naming `file:line` (or `row N`).
     """
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise RecipeError(f"dataset.max_seq_len must be an integer >= 2, got {max_seq_len!r}")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise RecipeError(f"dataset.limit must be a positive integer or null, got {limit!r}")
-    if column_map is not None and not isinstance(column_map, Mapping):
-        raise RecipeError(f"dataset.column_map must be a mapping like {{instruction: prompt}}, got {column_map!r}")
-    fmt = make_format(format, tokenizer, column_map, train_on_input, use_chat_template)
-    rows = load_rows(source, split=split, name=name, data_files=data_files)
+    d = replace(source, **options) if isinstance(source, DatasetConfig) else DatasetConfig(source=source, **options)
+    source, split, max_seq_len, limit = d.source, d.split, d.max_seq_len, d.limit
+    fmt = make_format(d.format, tokenizer, d.column_map, d.train_on_input, d.use_chat_template)
+    rows = load_rows(source, split=split, name=d.name, data_files=d.data_files)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     if len(rows) == 0:
@@ -146,12 +131,12 @@ def build_dataset(
     if not items:
         raise RecipeError(f"dataset '{source}': no row has a target token within max_seq_len={max_seq_len}; "
                           "raise dataset.max_seq_len")
-    if packed:
+    if d.packed:
         items = PackedDataset(items, max_seq_len, tokenizer.pad_id)
-    return TokenizedDataset(items, tokenizer.pad_id, max_seq_len, packed, shuffle, bucket, rows.origin)
+    return TokenizedDataset(items, tokenizer.pad_id, max_seq_len, d.packed, d.shuffle, d.bucket, rows.origin)
 
 
-DATASET_KEYS = tuple(p for p in inspect.signature(build_dataset).parameters if p != "tokenizer")
+DATASET_KEYS = tuple(f.name for f in fields(DatasetConfig))
 
 
 def build_loader(dataset: TokenizedDataset, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,

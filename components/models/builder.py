@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import RecipeError
 from ..schema import Choice, ListOf, Range
-from ..settings import setting
+from ..settings import check_fields, setting
 from .args import ModelArgs
 from .rope import rotary_embedding
 from .tune import import_torchtune
@@ -48,16 +48,10 @@ class LoRASettings:
                                         "frozen base: false (run dtype), nf4 (QLoRA; true = nf4) or fp8 (e4m3 rows)")
 
     def __post_init__(self) -> None:
-        if self.quantize_base not in QUANTIZE_BASE:
-            raise RecipeError(f"lora.quantize_base: {self.quantize_base!r} is not one of false, nf4, fp8 (true = nf4)")
+        check_fields(self, "lora.")  # built directly by library code too, not only from a checked config
         object.__setattr__(self, "quantize_base", QUANTIZE_BASE[self.quantize_base])
         if self.quantize_base == "fp8" and self.use_dora:
             raise RecipeError("lora.quantize_base=fp8 does not support DoRA; set lora.use_dora: false or use nf4")
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
-        if bad:
-            raise RecipeError(f"lora.targets: unknown module(s) {bad}; choose from {list(LORA_TARGETS)}")
-        if self.rank <= 0:
-            raise RecipeError(f"lora.rank must be positive, got {self.rank}")
 
 
 @functools.cache

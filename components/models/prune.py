@@ -30,7 +30,7 @@ from ..data.collate import collate
 from ..errors import RecipeError
 from ..losses import chunked_cross_entropy
 from ..schema import Choice, ListOf, ModelDir, Range
-from ..settings import REQUIRED, section, setting
+from ..settings import REQUIRED, check_fields, section, setting
 from .attention import batch_to_device
 
 METHODS = ("block_influence", "loss_drop")
@@ -46,6 +46,9 @@ class PruneSettings:
     keep: int = setting(REQUIRED, Range(int, ge=1), "layers the student keeps")
     calibration_tokens: int = setting(4096, Range(int, ge=1), "score on the first ~N tokens of the dataset")
 
+    def __post_init__(self) -> None:
+        check_fields(self, "student.prune.")  # also built from a mapping by library callers (`importance_keep`)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StudentSettings:
@@ -60,6 +63,13 @@ class StudentSettings:
     every: int | None = setting(None, Range(int, ge=1, optional=True), "keep every k-th layer (plus the last)")
     prune: PruneSettings | None = section(PruneSettings, "keep the layers that matter most (null: no importance "
                                           "scoring)", optional=True)
+
+    def check(self) -> None:
+        """At most one of keep_layers, every, prune: a check across keys, run at load by KDConfig.check()."""
+        chosen = [k for k in ("keep_layers", "every", "prune") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise RecipeError(f"student: set one of keep_layers, every or prune, not {' and '.join(chosen)} "
+                              "(student.prune=null drops the importance scoring)")
 
 
 def _loss(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -207,8 +217,9 @@ def student_layers(student: StudentSettings, model_dir: str | Path, dataset: dic
     """Which layers of `model_dir` a KD student keeps, from its `student:` section: `keep_layers: [...]`,
     `every: k` (layers 0, k, 2k, ... and the last), `prune: {method, keep, calibration_tokens}` (the `keep` layers
     that matter most, measured on the first tokens of `dataset`; skipped with `score=False`, e.g. when a full
-    student resumes its own weights), or all of them (None). Cheap checks come first, before any model loads;
-    `where` names the config line of `keep_layers` in errors."""
+    student resumes its own weights), or all of them (None); at most one is set (`StudentSettings.check()`, at
+    load). Cheap checks come first, before any model loads; `where` names the config line of `keep_layers` in
+    errors."""
     from .args import read_model_args
     from .loader import keep_every
 
@@ -216,10 +227,6 @@ def student_layers(student: StudentSettings, model_dir: str | Path, dataset: dic
     if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):
         raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(int(i) for i in keep_layers)} does not "
                           f"exist: {model_dir}/config.json has {layers} layers (0..{layers - 1})")
-    chosen = [k for k in ("keep_layers", "every", "prune") if getattr(student, k) is not None]
-    if len(chosen) > 1:
-        raise RecipeError(f"student: set one of keep_layers, every or prune, not {' and '.join(chosen)} "
-                          "(student.prune=null drops the importance scoring)")
     if keep_layers is not None:
         return [int(i) for i in keep_layers]
     if student.every is not None:
