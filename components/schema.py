@@ -175,13 +175,20 @@ class Choice(Spec):
         object.__setattr__(self, "optional", optional)
 
     def describe(self) -> str:
-        return f"one of {', '.join(map(str, self.choices))}{' (or null)' if self.optional else ''}"
+        return f"one of {', '.join(map(_yaml_word, self.choices))}{' (or null)' if self.optional else ''}"
 
     def problem(self, value: Any) -> str | None:
-        if isinstance(value, (DictConfig, ListConfig)) or value not in self.choices:
+        # `in` alone would let 1 stand for True and 0 for False: a value must also have its choice's type
+        if isinstance(value, (DictConfig, ListConfig)) or not any(
+                value == c and isinstance(value, bool) == isinstance(c, bool) for c in self.choices):
             got = repr(value) if isinstance(value, str) else value_desc(value)
             return f"must be {self.describe()}, got {got}"
         return None
+
+
+def _yaml_word(choice: Any) -> str:
+    """A choice as a user writes it in YAML: false / true / null, other values as they are."""
+    return "null" if choice is None else str(choice).lower() if isinstance(choice, bool) else str(choice)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def test_quantize_base_values():
     assert LoRASettings(quantize_base="nf4").quantize_base == "nf4"
     assert LoRASettings(quantize_base="fp8").quantize_base == "fp8"
     assert LoRASettings().quantize_base is False
-    with pytest.raises(RecipeError, match="lora.quantize_base: must be one of False, True, nf4, fp8, got 'fp4'"):
+    with pytest.raises(RecipeError, match="lora.quantize_base: must be one of false, true, nf4, fp8, got 'fp4'"):
         LoRASettings(quantize_base="fp4")
     with pytest.raises(RecipeError, match="fp8 does not support DoRA"):
         LoRASettings(quantize_base="fp8", use_dora=True)

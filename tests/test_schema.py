@@ -27,6 +27,8 @@ from llm_recipe.components.settings import schema_of
     (Range(int, ge=1), None, "must be an int >= 1, got null"),
     (Choice("a", "b"), "c", "must be one of a, b, got 'c'"),
     (Choice("a", "b", optional=True), None, None),
+    (Choice(True, False, "auto"), 1, "must be one of true, false, auto, got int 1"),  # 1 == True, yet not a bool
+    (Choice(True, False, "auto"), False, None),
     (Pattern(r"cuda(:\d+)?", "cuda or cuda:N"), "cuda:1", None),
     (Pattern(r"cuda(:\d+)?", "cuda or cuda:N"), "cuda:x", "must be cuda or cuda:N, got 'cuda:x'"),
     (ListOf(Range(int, ge=0), min_len=1, unique=True), [0, 2], None),
