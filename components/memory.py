@@ -1,9 +1,10 @@
 """`activation_checkpointing: auto`: recompute layers in backward only when the activations would not fit.
 
-Checkpointing costs about a third of the student's forward again; it pays only when memory is short. The estimate
-is deliberately simple and errs high: the tensors a Llama-style layer keeps for backward (normed inputs, q/k/v,
-attention output, gate/up/product of the MLP) at the compute dtype, plus the training state still to come
-(gradients, fp32 moments and masters), plus a fixed reserve for the chunked loss and allocator slack.
+Checkpointing costs about a third of the student's forward again; it pays only when memory is short. The
+activations are what autograd saves for backward in an eager forward of the student's layers
+(`layer_saved_bytes_per_token`, a formula measured with `torch.autograd.graph.saved_tensors_hooks`;
+tests/test_activation_estimate.py re-measures it), plus the training state still to come (gradients, fp32 moments
+and masters), plus a fixed reserve for the chunked loss and allocator slack.
 """
 
 from __future__ import annotations
@@ -13,17 +14,65 @@ from torch import nn
 
 RESERVE_BYTES = 3 * 2**30  # loss chunks, allocator fragmentation, cuBLAS/cuDNN workspaces
 USABLE_FRACTION = 0.9
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def layer_saved_bytes_per_token(*, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                                dtype_bytes: int, trains: frozenset[str] | set[str], adapter_rank_sum: int = 0,
+                                norms_train: bool = False) -> int:
+    """Bytes one Llama-style decoder layer (our builder's torchtune layer, eager) saves for backward per token.
+
+    Measured on CPU with `saved_tensors_hooks` (storages counted once, weights and buffers left out) for full and
+    LoRA students; what is saved, per token:
+    - each of the two RMSNorms: its input upcast to fp32 (4 x hidden) and the fp32 rstd (4); when the norm's
+      scale trains, also the fp32 normed input (4 x hidden), for the scale's gradient;
+    - attention (SDPA, flash path): q, k and v (k and v copied out to every query head by torchtune, so heads x
+      head_dim each) and the output, at the run dtype, plus the fp32 log-sum-exp per head;
+    - RoPE: the cos/sin tables cast to the run dtype for q and for k (4 x head_dim per position; counted per token,
+      i.e. for one packed row, an upper bound for several shorter rows);
+    - a linear's input only when its weight trains or it carries an adapter (`trains`, PEFT names): a frozen
+      weight needs no input for its gradient. q/k/v share one input, gate/up another; o_proj's input is the
+      attention output already kept; down_proj's is the MLP product (intermediate);
+    - the MLP: gate output, silu(gate) and up output (3 x intermediate), kept whenever the layer's input needs a
+      gradient, whether or not its weights train. This, not the linears' inputs, is most of a LoRA student's share;
+    - each LoRA adapter: its rank-wide `lora_a` output (`adapter_rank_sum` = the ranks summed over the layer).
+    Not covered: DoRA's extra tensors and LoRA dropout masks (shipped dropout is 0). A frozen fp8 base saves only
+    its weight, like a frozen bf16 one (quantization/fp8_base.py). On GPU the fused rms_norm keeps the input at the
+    run dtype and torch.compile recomputes pointwise ops (about 0.6-0.7x of this measured on CPU with the min-cut
+    partitioner), so this is an upper estimate there.
+    """
+    e = dtype_bytes
+    norms = 2 * (4 * hidden + 4) + (2 * 4 * hidden if norms_train else 0)
+    attention = e * 4 * heads * head_dim + 4 * heads
+    rope = 4 * head_dim * e
+    inputs = e * (hidden * bool(trains & {"q_proj", "k_proj", "v_proj"})
+                  + hidden * bool(trains & {"gate_proj", "up_proj"}) + intermediate * ("down_proj" in trains))
+    return norms + attention + rope + inputs + 3 * intermediate * e + adapter_rank_sum * e
+
+
+def _out_dim(m: nn.Module) -> int:
+    return m.out_features if isinstance(m, nn.Linear) else m.out_dim  # torchtune's LoRA/DoRA layers: out_dim
 
 
 def activation_bytes(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes a forward of `micro_batch_tokens` tokens keeps for backward without checkpointing (an upper estimate):
-    per layer and token about 10 x hidden + 4 x intermediate values."""
+    """Bytes a forward of `micro_batch_tokens` tokens keeps for backward without checkpointing: every decoder
+    layer's `layer_saved_bytes_per_token` (shapes and which linears train read off the model), plus the final
+    norm's."""
     hidden = model.tok_embeddings.embedding_dim
     per_token = 0
     for layer in model.layers:
-        inter = max((m.out_features for m in layer.mlp.modules() if isinstance(m, nn.Linear)), default=4 * hidden)
-        per_token += 10 * hidden + 4 * inter
-    return per_token * micro_batch_tokens * dtype.itemsize
+        attn, mlp = layer.attn, layer.mlp
+        mods = dict(zip(LINEARS, (attn.q_proj, attn.k_proj, attn.v_proj, attn.output_proj,
+                                  mlp.w1, mlp.w3, mlp.w2), strict=True))
+        trains = {n for n, m in mods.items() if any(p.requires_grad for p in m.parameters())}
+        ranks = sum(m.lora_a.out_features for m in mods.values() if hasattr(m, "lora_a"))
+        per_token += layer_saved_bytes_per_token(
+            hidden=hidden, intermediate=_out_dim(mlp.w1), heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, dtype_bytes=dtype.itemsize, trains=trains, adapter_rank_sum=ranks,
+            norms_train=layer.sa_norm.scale.requires_grad)
+    final = model.norm.scale.requires_grad
+    per_token += 4 * hidden + 4 + (4 * hidden if final else 0)
+    return per_token * micro_batch_tokens
 
 
 def training_state_bytes(model: nn.Module) -> int:
