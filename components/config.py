@@ -12,7 +12,7 @@ import copy
 import importlib.resources
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,9 @@ def config_values(cfg: Any) -> dict[str, Any]:
     run.json's checksum and transfer.json record."""
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)
-    return copy.deepcopy(cfg.__dict__.get(_VALUES_ATTR, {}))
+    if _VALUES_ATTR in cfg.__dict__:
+        return copy.deepcopy(cfg.__dict__[_VALUES_ATTR])
+    return asdict(cfg)  # built in code (or by dataclasses.replace): every value, defaults included
 
 
 def _display_path(path: Path) -> str:

@@ -269,7 +269,7 @@ class OutputDir(_Folder):
     """The run's output folder (a string). `recipe run` checks it can be written and locks it for the run."""
 
     def describe(self) -> str:
-        return "a folder path"
+        return f"a folder path{' (or null)' if self.optional else ''}"
 
 
 # `device:` of every recipe: what llm_recipe.components.runtime.setup_runtime accepts.

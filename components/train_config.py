@@ -45,9 +45,9 @@ def dtype_key() -> Any:
     return setting("bf16", Choice(*DTYPES), "bf16 | fp32 | fp16 (bf16 falls back to fp32 on CPU)")
 
 
-def compile_key() -> Any:
+def compile_key(doc: str = "torch.compile each transformer layer") -> Any:
     """`compile:` (false)."""
-    return setting(False, bool, "torch.compile each transformer layer")
+    return setting(False, bool, doc)
 
 
 def batch_size_key() -> Any:

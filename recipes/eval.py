@@ -35,7 +35,8 @@ class EvalConfig:
     dtype: str = setting("float32", Choice(*DTYPES), "float32 | bfloat16 (float models; quantized folders keep "
                          "their types)")
     seed: int = setting(1234, Range(int, ge=0), "lm-eval's python/numpy/torch/few-shot seeds")
-    output_dir: str | None = setting(None, OutputDir(), "results.json goes here")
+    output_dir: str | None = setting(None, OutputDir(optional=True), "results.json goes here (null: "
+                                    "printed only)")
 
 
 CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys eval`)
@@ -46,7 +47,8 @@ def main(cfg: EvalConfig) -> None:
              batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
              seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
              max_length=cfg.max_length, log_samples=cfg.log_samples)
-    print(f"results: {cfg.output_dir}/results.json")
+    if cfg.output_dir is not None:
+        print(f"results: {cfg.output_dir}/results.json")
 
 
 if __name__ == "__main__":

@@ -113,8 +113,11 @@ def main(cfg: KDLogitsConfig) -> None:
     mode, temperature, per_shard = cfg.cache.mode, float(cfg.cache.temperature), cfg.cache.items_per_shard
     k, samples = cfg.cache.top_k, cfg.cache.samples
     targs = read_model_args(teacher_dir)
-    if mode == "topk" and not 1 <= k <= targs.vocab_size or targs.vocab_size > 2**24:
-        raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary, < 2^24)")
+    if targs.vocab_size > 2**24:  # ids are stored in 3 bytes
+        raise RecipeError(f"teacher.checkpoint_dir={teacher_dir}: a vocabulary of {targs.vocab_size} tokens is over "
+                          "the cache's 2^24 ids")
+    if mode == "topk" and not 1 <= k <= targs.vocab_size:
+        raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary)")
 
     # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
     # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).

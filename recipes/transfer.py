@@ -16,15 +16,15 @@ from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_values
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
 from llm_recipe.components.runtime import setup_runtime
-from llm_recipe.components.schema import Choice, Range
+from llm_recipe.components.schema import Range
 from llm_recipe.components.settings import REQUIRED, section, setting
 from llm_recipe.components.train_config import (
     ModelSection,
     compile_key,
     device_key,
+    dtype_key,
     output_dir_key,
     seed_key,
 )
@@ -61,12 +61,12 @@ class TransferConfig:
     output_dir: str = output_dir_key("passages.jsonl, chat.jsonl, transfer.json go here")
     seed: int = seed_key()
     device: str = device_key()
-    dtype: str = setting("bf16", Choice(*DTYPES), "bf16 | fp32 | fp16 (bf16 falls back to fp32 on CPU)")
+    dtype: str = dtype_key()
     teacher: ModelSection = section(ModelSection, "the model that writes the data")
     prompts: Prompts = section(Prompts, "which prompts")
     generation: Generation = section(Generation, "how the teacher samples")
     decontaminate: bool = setting(True, bool, "drop rows sharing a 13-word span with the eval pack")
-    compile: bool = compile_key()
+    compile: bool = compile_key("compile the teacher's one-token decode step with CUDA graphs (GPU)")
 
 
 CONFIG = TransferConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys transfer`)

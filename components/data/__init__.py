@@ -9,7 +9,7 @@ from .collate import (
     collate_packed,
     shift_labels,
 )
-from .dataset import DATASET_KEYS, TokenizedDataset, build_dataset, build_loader
+from .dataset import TokenizedDataset, build_dataset, build_loader
 from .formats import (
     IGNORE_INDEX,
     ChatFormat,
@@ -24,7 +24,6 @@ from .sources import Rows, load_rows
 from .transfer import transfer_set_path
 
 __all__ = [
-    "DATASET_KEYS",
     "IGNORE_INDEX",
     "ChatFormat",
     "InstructFormat",

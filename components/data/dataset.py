@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
@@ -136,7 +136,6 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, **options: 
     return TokenizedDataset(items, tokenizer.pad_id, max_seq_len, d.packed, d.shuffle, d.bucket, rows.origin)
 
 
-DATASET_KEYS = tuple(f.name for f in fields(DatasetConfig))
 
 
 def build_loader(dataset: TokenizedDataset, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
