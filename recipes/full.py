@@ -27,6 +27,7 @@ from llm_recipe.components.quantization import (
     set_fake_quant_enabled,
 )
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
+from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
@@ -61,6 +62,10 @@ class FullConfig(TrainConfig):
                                         "weight trains)", optional=True)
     qat: QATSettings | None = section(QATSettings, "quantization-aware training (null: no fake quantization)",
                                       optional=True)
+
+    def check(self) -> None:
+        """Checks across keys, at load: an fp8 LoRA base's device and dtype."""
+        check_fp8_base_config(self.lora, self.device, self.dtype)
 
 
 CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)

@@ -290,3 +290,18 @@ def test_gpu_compiled_fp8_base_does_not_recompile_per_layer():
     assert type(model.layers[0].attn.q_proj.weight).__name__ == "Float8Tensor"
     assert graphs[1] == graphs[0]
     assert rel(outs[1], outs[0]) < 0.1
+
+
+def test_validate_refuses_an_fp8_base_on_cpu_or_outside_bf16_before_anything_loads(tmp_path):
+    # `recipe validate` (config load) says it: no weights, no layer scoring before the refusal
+    from llm_recipe.components.config import load_recipe_config
+    from llm_recipe.recipes.full import CONFIG as FULL
+    from llm_recipe.recipes.kd import CONFIG as KD
+
+    for recipe, config, cfg_type in (("lora", "lora/smollm2", FULL), ("kd", "kd/smollm2_demo", KD)):
+        lora = [] if recipe == "lora" else ["lora={rank: 8}"]
+        with pytest.raises(RecipeError, match="needs a CUDA GPU .* but the model is on cpu"):
+            load_recipe_config(config, [*lora, "device=cpu", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+        with pytest.raises(RecipeError, match="needs dtype: bf16, got dtype: fp32"):
+            load_recipe_config(config, [*lora, "dtype=fp32", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+        load_recipe_config(config, [*lora, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)  # auto: checked on the GPU

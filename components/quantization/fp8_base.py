@@ -15,6 +15,8 @@ marks the layers with `fp8_base_pending`). One GPU only: FSDP2 sharding of these
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,17 @@ def pending_fp8_bases(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if getattr(m, "fp8_base_pending", False)}
 
 
+def check_fp8_base_config(lora: Any, device: str, dtype: str) -> None:
+    """At config load (`recipe validate` says it too): an fp8 base with `device: cpu` or a dtype other than bf16.
+    A GPU's capability and the process count are checked when the model is placed (`check_fp8_base`)."""
+    if lora is None or lora.quantize_base != "fp8":
+        return
+    if device == "cpu":
+        raise _needs_sm89("cpu")
+    if dtype != "bf16":
+        raise RecipeError(f"{KEY} needs dtype: bf16, got dtype: {dtype}")
+
+
 def check_fp8_base(device: torch.device, sharded: bool) -> None:
     """One-line RecipeErrors for where the fp8 base cannot run: several processes (FSDP2), CPU, GPUs below sm89."""
     from .schemes import check_device
@@ -79,8 +92,12 @@ def check_fp8_base(device: torch.device, sharded: bool) -> None:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             where = f"this GPU (compute capability {major}.{minor})"
-        raise RecipeError(f"{KEY} needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) for fp8 matmuls, "
-                          f"but the model is on {where}; use lora.quantize_base: nf4 or false") from None
+        raise _needs_sm89(where) from None
+
+
+def _needs_sm89(where: str) -> RecipeError:
+    return RecipeError(f"{KEY} needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) for fp8 matmuls, "
+                       f"but the model is on {where}; use lora.quantize_base: nf4 or false")
 
 
 def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = False) -> int:
