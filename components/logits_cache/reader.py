@@ -169,7 +169,7 @@ class CachedDataset(TokenizedDataset):
         # rows without a target: any proper filler (top-k), no draws (sampled)
         logp = torch.full((*labels.shape, k + 1), -math.log(k + 1)) if topk else torch.zeros((*labels.shape, k))
         ids = torch.zeros((*labels.shape, k), dtype=torch.int64)
-        counts = torch.zeros((*labels.shape, k), dtype=torch.int64)
+        counts = None if topk else torch.zeros((*labels.shape, k), dtype=torch.int64)  # draws: sampled caches only
         for r, item in enumerate(batch):
             rows = self.cache.rows(item["cache_index"])
             where = (labels[r] != IGNORE_INDEX).nonzero().squeeze(1)
