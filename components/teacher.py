@@ -12,7 +12,7 @@ from torch import nn
 
 from .errors import RecipeError
 from .logits_cache import LogitsCache
-from .losses import KDLoss, check_sampled_loss, same_tokenizer, shared_vocab
+from .losses import check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
 from .quantization.teacher import TEACHER_QUANT, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
@@ -67,15 +67,13 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
 
 
 def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, student_dir: str | Path,
-                 kd_loss: KDLoss, max_seq_len: int,
+                 temperature: float, max_seq_len: int,
                  compile: bool) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
     """`(teacher, teacher_args, None)`, or `(None, teacher_args, cache)` with `teacher.logits_dir`: the cache is
-    verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature,
-    a divergence a sampled cache can estimate) here, before any model is loaded; one-line errors name what
-    differs. `compile`: the run's `compile:`."""
+    verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature)
+    here, before any model is loaded; one-line errors name what differs. `compile`: the run's `compile:`."""
     if t.logits_dir is not None:
-        cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, kd_loss.temperature,
-                                    kd_loss.kind)
+        cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, temperature)
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.

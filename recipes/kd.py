@@ -97,8 +97,8 @@ def main(cfg: KDConfig) -> None:
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
     # top-k, verified and checked against this run before anything is loaded.
     with setup.phase("teacher cache check" if cfg.teacher.logits_dir else "teacher weights"):
-        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir, kd_loss, max_len,
-                                             cfg.compile)
+        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
+                                             kd_loss.temperature, max_len, cfg.compile)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):

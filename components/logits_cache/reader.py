@@ -22,7 +22,7 @@ from safetensors import safe_open
 from ..data.collate import collate
 from ..data.dataset import TokenizedDataset
 from ..errors import RecipeError
-from ..losses import CachedTeacher, SampledTeacher, check_sampled_loss
+from ..losses import CachedTeacher, SampledTeacher
 from ..models import ModelArgs
 from .manifest import (
     MANIFEST,
@@ -78,12 +78,11 @@ class LogitsCache:
 
     @classmethod
     def for_run(cls, cache_dir: str | Path, dataset_cfg: Mapping[str, Any], tokenizer_dir: str | Path,
-                teacher_dir: str | Path | None, temperature: float, kd_loss: str = "forward_kl") -> LogitsCache:
-        """Open and verify the cache, and check it against a run's teacher, tokenizer, dataset keys, temperature
-        and divergence `kd_loss` (the tokenized data itself is checked by `dataset`, once it is built)."""
+                teacher_dir: str | Path | None, temperature: float) -> LogitsCache:
+        """Open and verify the cache, and check it against a run's teacher, tokenizer, dataset keys and temperature
+        (the tokenized data itself is checked by `dataset`, once it is built; a sampled cache's divergence by
+        `teacher.check_teacher_and_student` before this, and by `SampledTeacher` for library callers)."""
         cache = cls(cache_dir)
-        if cache.mode == "sampled":
-            check_sampled_loss(kd_loss, cache.dir)
         cache.check_teacher(teacher_dir)
         cache._run = run_fields(dataset_cfg, tokenizer_dir, temperature, None)
         cache.check_run(cache._run)
