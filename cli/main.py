@@ -22,6 +22,7 @@ from ..components.config import (
 )
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
+from .launch import launch_torchrun, split_run_args
 from .recipes import discover_recipes, load_recipe, recipe_config, recipe_file, recipe_folder_importable
 from .script import configure_logging, print_error, recipe_argparser, run_recipe_script
 
@@ -325,69 +326,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
-    """`[torchrun options] RECIPE [recipe args]` -> (torchrun namespace or None, RECIPE, recipe args)."""
-    if not argv[0].startswith("-"):
-        return None, argv[0], argv[1:]
-    # torchrun's own parser knows which of its options take a value; importing it costs a torch import,
-    # paid only when torchrun options are present.
-    from torch.distributed.run import get_args_parser
-
-    parser = get_args_parser()
-    parser.prog = "recipe run"
-    ns = parser.parse_args(argv)
-    for opt in ("module", "no_python", "run_path"):
-        if getattr(ns, opt, False):
-            raise RecipeError(f"torchrun option --{opt.replace('_', '-')} is not supported by `recipe run`")
-    return ns, ns.training_script, list(ns.training_script_args)
-
-
-def _workers_failed_message(failures: dict) -> str:
-    """One line for torchrun's ChildFailedError: which rank failed first and how, and which ones torchrun then
-    stopped (SIGTERM), so a rank killed by a signal is not lost among the ranks stopped because of it."""
-    import signal
-
-    def how(code: int, plural: bool) -> str:
-        if code >= 0:
-            return f"exited with code {code}"
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        hint = " (the kernel's out-of-memory killer sends it when host memory runs out)" if name == "SIGKILL" else ""
-        return f"{'were' if plural else 'was'} killed by {name}{hint}"
-
-    stopped = sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGTERM)
-    causes = {r: f for r, f in failures.items() if r not in stopped} or failures
-    by_code: dict[int, list[int]] = {}
-    for r, f in sorted(causes.items()):
-        by_code.setdefault(f.exitcode, []).append(r)
-    first = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {how(code, len(rs) > 1)}"
-                      for code, rs in by_code.items())
-    rest = f"; torchrun then stopped rank(s) {', '.join(map(str, stopped))}" if len(causes) < len(failures) else ""
-    resume = ("; a training run continues from its latest complete checkpoint with resume=true"
-              if any(code < 0 for code in by_code) else "")
-    return f"{first}{rest}: see the errors above{resume}"
-
-
-def _launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
-
-    # Each worker is `python FILE ...` with this interpreter: it imports llm_recipe from the same install (wheel
-    # or editable) as this process, and FILE's folder is importable as for any script.
-    ns.training_script = str(file)
-    ns.training_script_args = script_args
-    try:
-        run(ns)
-    except ChildFailedError as e:  # each failed rank already printed its own `recipe: error: ...` line (or traceback)
-        raise RecipeError(_workers_failed_message(e.failures)) from e
-    return 0
-
-
 def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -> int:
     while run_argv and run_argv[0] == "--debug":
         debug, run_argv = True, run_argv[1:]
     if not run_argv or run_argv[0] in ("-h", "--help"):
         parser.parse_args(["run", "--help"])  # prints help and exits 0
-    torchrun_ns, recipe, script_args = _split_run_args(run_argv)
+    torchrun_ns, recipe, script_args = split_run_args(run_argv)
     if debug and "--debug" not in script_args:
         script_args.append("--debug")
     if "--config" not in script_args and not any(a.startswith("--config=") for a in script_args):
@@ -412,7 +356,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     file = recipe_file(recipe)[1]
     if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
         script_args = [*script_args, "--config", str(config_source(cfg).file)]
-    return _launch_torchrun(torchrun_ns, file, script_args)
+    return launch_torchrun(torchrun_ns, file, script_args)
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from llm_recipe.cli import main as cli_main
+from llm_recipe.cli.launch import split_run_args
 from llm_recipe.cli.lmeval import USAGE as LM_EVAL_USAGE
 from llm_recipe.cli.recipes import discover_recipes, is_recipe_path, load_recipe, recipe_config, recipe_file
 from llm_recipe.cli.script import recipe_argparser
@@ -131,7 +132,7 @@ def _check_cli(args: list[str], capsys) -> None:
 
 
 def _check_run(args: list[str]) -> None:
-    torchrun, recipe, script_args = cli_main._split_run_args(args)
+    torchrun, recipe, script_args = split_run_args(args)
     shipped = _stand_in_recipe(recipe) if is_recipe_path(recipe) else recipe
     if not any(a == "--config" or a.startswith("--config=") for a in script_args):  # prose: "`recipe run x.py`"
         load_recipe(recipe)
