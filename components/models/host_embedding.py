@@ -56,14 +56,14 @@ class HostEmbedding(nn.Module):
         n, dim = tokens.numel(), self.embedding_dim
         staged = self._stage(n)
         torch.index_select(self.weight, 0, tokens.reshape(-1), out=staged)
-        out = torch.empty((n, dim), dtype=self.weight.dtype, device=self.device)
-        out.copy_(staged, non_blocking=True)  # async from pinned memory on CUDA; a plain copy on the CPU
+        out = torch.empty((*tokens.shape, dim), dtype=self.weight.dtype, device=self.device)
+        out.view(n, dim).copy_(staged, non_blocking=True)  # async from pinned memory on CUDA; a plain copy on CPU
         if self.device.type == "cuda":
             if self._events[self._slot] is None:
                 self._events[self._slot] = torch.cuda.Event()
             self._events[self._slot].record(torch.cuda.current_stream(self.device))
         self._slot = (self._slot + 1) % self.SLOTS
-        return out.view(*tokens.shape, dim)
+        return out
 
     def _stage(self, n: int) -> Tensor:
         """This slot's staging buffer for `n` rows, once the copy that last read it is done."""
@@ -95,13 +95,13 @@ def input_tokens(model: nn.Module, batch: dict) -> Tensor:
 
 def why_not_on_host(model: nn.Module, device: torch.device) -> str | None:
     """None when `model`'s embedding can move to the host; else why not (CPU run, trainable, sharded, tied)."""
+    if device.type != "cuda":
+        return "not a CUDA run"
     from torch.distributed.fsdp import FSDPModule
 
     from .builder import output_weight
 
     embed = getattr(model, "tok_embeddings", None)
-    if device.type != "cuda":
-        return "not a CUDA run"
     if type(embed) is not nn.Embedding:
         return "no plain nn.Embedding"
     if any(p.requires_grad for p in model.parameters()):
