@@ -376,12 +376,14 @@ def prepare_teacher(rt: Runtime, teacher: nn.Module, placement: str = "auto", co
     `replicate` it (one full copy per process: no all-gather per layer, the fastest when it fits) or `shard` it
     with FSDP2 (1/N of it per process, an all-gather per layer and step). `auto` replicates when the teacher
     takes at most half of the free memory (the other half is left to the student's weights, gradients,
-    optimizer state and activations) and says what it chose. Returns the teacher in eval mode."""
+    optimizer state and activations) and says what it chose. An unsharded teacher on a GPU keeps its input
+    embedding table on the host when it is not tied to its head (components/models/host_embedding.py: ~1 GiB less
+    GPU memory for an 8B teacher, exact). Returns the teacher in eval mode."""
     if placement not in TEACHER_PLACEMENTS:
         raise RecipeError(f"teacher.placement={placement!r}: use one of {', '.join(TEACHER_PLACEMENTS)}")
     teacher.requires_grad_(False)
     if rt.world_size == 1:
-        return rt.prepare_model(teacher, compile=compile).eval()
+        return _embedding_to_host(rt, rt.prepare_model(teacher, compile=compile).eval())
     if placement == "auto":
         need = sum(t.numel() for t in [*teacher.parameters(), *teacher.buffers()]) * rt.dtype.itemsize
         free, where = _free_memory(rt)
@@ -391,7 +393,15 @@ def prepare_teacher(rt: Runtime, teacher: nn.Module, placement: str = "auto", co
             verdict = "<=" if placement == "replicate" else ">"
             print(f"teacher.placement=auto: {placement} (teacher {need / 2**30:.2f} GiB {verdict} half of the "
                   f"{free / 2**30:.2f} GiB free {where})", flush=True)
-    return rt.prepare_model(teacher, compile=compile, fsdp=placement == "shard").eval()
+    return _embedding_to_host(rt, rt.prepare_model(teacher, compile=compile, fsdp=placement == "shard").eval())
+
+
+def _embedding_to_host(rt: Runtime, teacher: nn.Module) -> nn.Module:
+    # Frozen, placed, unsharded and on a GPU: its (untied) input embedding table moves to the host; else a no-op.
+    from .models.host_embedding import teacher_embedding_to_host
+
+    teacher_embedding_to_host(teacher, rt.device, rt.is_main)
+    return teacher
 
 
 def _free_memory(rt: Runtime) -> tuple[float, str]:

@@ -24,6 +24,7 @@ from .data.loader import StatefulLoader
 from .losses import kd_and_ce
 from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
+from .models.host_embedding import input_tokens
 from .models.loader import merged_state_dict
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
@@ -117,8 +118,8 @@ def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
     """Final normed hidden states (the output projection is applied chunk by chunk by the loss); the model
     returns logits again afterwards."""
     model.skip_output = True
-    try:
-        return model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+    try:  # a teacher whose embedding stays on the host takes the batch's host tokens (models/host_embedding.py)
+        return model(input_tokens(model, batch), mask=batch.get("mask"), input_pos=batch.get("input_pos"))
     finally:
         model.skip_output = False
 

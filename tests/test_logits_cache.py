@@ -111,6 +111,21 @@ def test_kill_9_while_writing_then_rerun_gives_identical_shards(tmp_path, cache,
         (cache / "manifest.json").read_text())["shards"]
 
 
+def test_teacher_embedding_on_the_host_writes_the_same_shards(tmp_path, cache, teacher, monkeypatch, capsys):
+    """The cache writer with the teacher's embedding on the host (forced on this CPU run, as prepare_teacher does
+    on a GPU): byte for byte the same shards."""
+    from llm_recipe.components.models import host_embedding
+
+    monkeypatch.setattr(host_embedding, "why_not_on_host", lambda model, device: None)
+    out = tmp_path / "cache"
+    assert rc.run_in_process("kd_logits", "kd_logits/smollm2_demo", [*CACHE, f"teacher.checkpoint_dir={teacher}",
+                                                                     f"output_dir={out}"]) == 0
+    assert "teacher embeddings: on the host" in capsys.readouterr().out
+    for i in range(12):
+        name = f"shard_{i:05d}.safetensors"
+        assert (out / name).read_bytes() == (cache / name).read_bytes(), name
+
+
 def kd_args(out: Path, cache: Path, student: Path, *extra: str) -> list[str]:
     return [*KD, "teacher.checkpoint_dir=null", f"teacher.logits_dir={cache}", f"student.checkpoint_dir={student}",
             f"output_dir={out}", *extra]

@@ -617,3 +617,24 @@ def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_pat
     held = json.loads((out / "on_policy_eval.json").read_text())
     assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
     assert held["prompts"] == 3 and len(held["per_prompt"]["reverse_kl"]) == 3
+
+
+def test_teacher_embedding_on_the_host_changes_no_number(tmp_path, models, monkeypatch, capsys):
+    """The kd loop with the teacher's embedding on the host (forced on this CPU run, as prepare_teacher does on a
+    GPU): the same losses, on-policy metrics and held-out score as with it in place. On-policy micro-batches are
+    built on the host (completion_batch), so their tokens reach the host embedding without a device copy."""
+    from llm_recipe.components.models import host_embedding
+
+    runs = {}
+    for where in ("device", "host"):
+        if where == "host":
+            monkeypatch.setattr(host_embedding, "why_not_on_host", lambda model, device: None)
+        out = tmp_path / where
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "max_steps=2", f"output_dir={out}"]) == 0
+        rows = rc.assert_metrics(out, 2, {"loss", *ON_POLICY_KEYS})
+        held = json.loads((out / "on_policy_eval.json").read_text())
+        runs[where] = ([{k: v for k, v in r.items() if k not in TIMINGS} for r in rows], held["per_prompt"])
+        said = "teacher embeddings: on the host" in capsys.readouterr().out
+        assert said == (where == "host")
+    assert any(r["on_policy_batches"] for r in runs["host"][0])
+    assert runs["host"] == runs["device"]

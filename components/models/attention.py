@@ -14,13 +14,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .host_embedding import HOST_TOKENS
+
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (non-blocking copies); packed rows (with `input_pos`) also get their
-    attention mask there (`packed_attention_mask`)."""
-    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    attention mask there (`packed_attention_mask`). Host tokens are also kept as they are, under `host_tokens`: a
+    teacher whose embedding table stays on the host gathers its rows from them (components/models/host_embedding.py)
+    without a device-to-host copy, which would wait for the GPU every micro-batch."""
+    out = {k: v if k == HOST_TOKENS else v.to(device, non_blocking=True) for k, v in batch.items()}
     if "input_pos" in out:
         out["mask"] = packed_attention_mask(out["input_pos"])
+    tokens = batch.get("tokens")
+    if HOST_TOKENS not in out and isinstance(tokens, Tensor) and tokens.device.type == "cpu":
+        out[HOST_TOKENS] = tokens  # a reference, no copy
     return out
 
 
