@@ -101,7 +101,8 @@ class OnPolicySettings:
     held_out: int = setting(16, Range(int, ge=0), "the dataset's (with prompts set: the prompt set's) last N rows "
                             "never train; at the end their prompts score the student (0: none)")
     prompts_per_row: int = setting(8, Range(int, ge=1), "a prompt from each document of a row, up to N, while they "
-                                   "and their completions fit in max_seq_len")
+                                   "and their completions fit in max_seq_len (with prompts: batch_size x N of the "
+                                   "set per on-policy micro-batch)")
     decode: str = setting("auto", Choice(*DECODE_PATHS), "auto: compiled (CUDA graphs) on one CUDA process with "
                           "compile: true, else eager | compiled (one process only) | eager")
     prompts: DatasetConfig | None = section(DatasetConfig, "where on-policy prompts come from: null, each training "
