@@ -19,7 +19,8 @@
 # On-policy rows (issue 22): `start 540 --scale lease --rows onp50,onp100 --jobs 10` (after `restore` if a carried
 # transfer set of that scale exists): the driver retrains kd_r1 beside them (their reference, paired in the same
 # lease), probes the three step times one at a time before any training, and packs evals/*/on_policy.json,
-# onp_steps.json and probe/*.json too (bench/README.md, "On-policy rows").
+# onp_steps.json and probe/*.json too (bench/README.md, "On-policy rows"). The same with prompts from the chat set
+# (kd.on_policy.prompts): `start 540 --scale lease20m --rows onp50c,onp100c --jobs 10` after `restore`.
 #
 # Every stage that touches the study ends by packing the results into $OUT/study.tgz (one file, well under 16 MiB).
 # Everything lives under /tmp, which survives between calls while the machine stays warm (30 s after a call).

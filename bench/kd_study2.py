@@ -13,7 +13,8 @@ every cell carries a standard error. Rows:
   from the bf16 teacher (KD-QAT: kd recipe with `qat:`, kd_ratio 1.0); both at lr 1e-4, converted/evaluated as
   8da4w, with the fraction of the PTQ loss they recover: (row - ptq) / (teacher - ptq);
 - onp50, onp100 (issue 22, only when named in --rows): kd_r1 with on-policy KD at equal GPU time, scored by the
-  held-out on-policy metric too (bench/kd_study2_onp.py).
+  held-out on-policy metric too (bench/kd_study2_onp.py); onp50c, onp100c: the same with on-policy prompts from
+  the shipped chat set (`kd.on_policy.prompts`, rows apart from the evaluated ones) instead of passage openings.
 
     python bench/kd_study2.py plan                  # the commands (the layer list once `prune` has run)
     python bench/kd_study2.py run --jobs 6          # transfer set -> layer scores -> trainings -> evals -> table
@@ -476,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             print("# sft, kd, kd_r1, kd_logits, kd_cache, kd_qat, qat: printed once `prune` has written the layer "
                   "list")
         if onp.selected(s, parse_variants(s)) and not (out / onp.STEPS_FILE).is_file():
-            print("# onp50, onp100: printed once the probes have run (their steps match kd_r1's GPU time)")
+            print(f"# {', '.join(r for r in onp.selected(s, parse_variants(s)) if r in onp.ONP_ROWS)}: printed once "
+                  "the probes have run (their steps match kd_r1's GPU time)")
     elif args.phase == "run":
         out.mkdir(parents=True, exist_ok=True)
         (out / "scale.json").write_text(json.dumps(asdict(s), indent=2) + "\n")

@@ -2,8 +2,13 @@
 
 Rows `onp50` and `onp100` are kd_r1's training (forward KL, kd_ratio 1.0) with kd.on_policy.fraction 0.5 / 1.0
 (shipped defaults for the rest; `kd.on_policy.held_out=0`, so they read the very batches kd_r1 reads), paired
-against kd_r1, the off-policy reference. Rows naming one of them in `--rows` bring kd_r1 along (a model never
-leaves its lease, and the comparison needs both).
+against kd_r1, the off-policy reference. Their prompts are the openings of the training passages. Rows `onp50c`
+and `onp100c` are the same but sample on chat prompts, `kd.on_policy.prompts` = the shipped chat set from row 1043
+on (`CHAT_SPLIT`): the distribution the metric below samples, without its rows (`chat_prompts_override` checks
+that the two sets of rows, and of questions, are disjoint before any job is built), one prompt per row
+(`CHAT_PER_ROW`). Rows naming one of them in `--rows` bring kd_r1 along (a model never leaves its lease, and the
+comparison needs both). Every row is named, never a `--variant`: the prompts override holds commas, which a
+variant's `key=value,key=value` list would split.
 
 Equal GPU time: on-policy steps cost more (the student samples), so before the trainings each row's step time is
 probed alone on the GPU (`probe`: its training for `onp_probe_steps` steps, each step timed as its metrics line
@@ -26,7 +31,9 @@ same prompts with the same noise (one seed, prompt i's noise fixed by i), so row
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -38,7 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kd_study import Job  # noqa: E402
 
-ONP_ROWS = {"onp50": 0.5, "onp100": 1.0}  # kd.on_policy.fraction of each row
+ONP_ROWS = {"onp50": 0.5, "onp100": 1.0, "onp50c": 0.5, "onp100c": 1.0}  # kd.on_policy.fraction of each row
+CHAT_ROWS = ("onp50c", "onp100c")  # their prompts: kd.on_policy.prompts, the chat set's rows CHAT_SPLIT
+CHAT_SPLIT = "train[1043:]"  # rows 0..1042 hold the first 512 Natural Questions, which the metric below samples
+# One prompt per row: onp50 / onp100 sampled 32.5 prompts per on-policy micro-batch on average (one per packed
+# 512-token passage row; 2026-11-24 H200 study), and a prompt set gives a micro-batch batch_size x prompts_per_row:
+# 1 keeps 32 prompts and at most 32 x 512 tokens, so only where the prompts come from differs (the default, 8,
+# would make it 256 prompts padded to the longest, up to 8x a data micro-batch's tokens).
+CHAT_PER_ROW = 1
 REFERENCE = "kd_r1"  # the off-policy row they are paired against (their training without kd.on_policy)
 SCORED = ("pruned", "sft", "kd", REFERENCE)  # off-policy rows the on-policy metric also scores, when in --rows
 EVAL_FILE = "on_policy.json"  # out/evals/<row>/on_policy.json
@@ -70,7 +84,36 @@ def _argv(ref: Job, out_dir: Path, steps: int | str, extra: list[str]) -> list[s
 
 
 def _onp(s, row: str) -> list[str]:
-    return [f"kd.on_policy.fraction={ONP_ROWS[row]}", "kd.on_policy.held_out=0", *s.onp_overrides]
+    """A row's on-policy overrides (the chat rows' prompt set included, each one argv element)."""
+    chat = [chat_prompts_override(s.onp_prompts), f"kd.on_policy.prompts_per_row={CHAT_PER_ROW}"] \
+        if row in CHAT_ROWS else []
+    return [f"kd.on_policy.fraction={ONP_ROWS[row]}", "kd.on_policy.held_out=0", *chat, *s.onp_overrides]
+
+
+def eval_rows(n: int) -> list[int]:
+    """The shipped chat set's rows the on-policy metric samples: its first n Natural Questions (nq_open)."""
+    from llm_recipe.components.data.sources import load_rows
+
+    rows = load_rows("transfer:chat")
+    return [i for i in range(len(rows)) if rows[i].get("source") == "nq_open"][:n]
+
+
+@functools.lru_cache(maxsize=4)
+def chat_prompts_override(n: int) -> str:
+    """The chat rows' kd.on_policy.prompts override, once its rows (CHAT_SPLIT of the shipped chat set) are checked
+    disjoint from the n rows the metric samples, by row and by question: SystemExit naming the overlap if not."""
+    from llm_recipe.components.data.sources import load_rows
+
+    train, every = load_rows("transfer:chat", split=CHAT_SPLIT), load_rows("transfer:chat")
+    evaluated = eval_rows(n)
+    question = lambda row: row["messages"][0]["content"].strip().lower()  # noqa: E731
+    rows = sorted({train.source_index(i) for i in range(len(train))} & set(evaluated))
+    asked = {question(every[i]) for i in evaluated} & {question(r) for r in train}
+    if rows or asked or len(evaluated) < n:
+        raise SystemExit(f"chat prompts {CHAT_SPLIT}: {len(rows)} rows ({rows[:5]}...) and {len(asked)} questions "
+                         f"shared with the {len(evaluated)} of the {n} evaluated Natural Questions found: the "
+                         "on-policy metric would score prompts the student trained on")
+    return f'kd.on_policy.prompts={{source: transfer:chat, format: chat, split: "{CHAT_SPLIT}"}}'
 
 
 def probe_jobs(s, out: Path, ref: Job, variants: list[tuple[str, str, list[str]]]) -> list[Job]:
@@ -101,7 +144,7 @@ def training_jobs(s, out: Path, ref: Job) -> list[Job]:
     """The selected on-policy rows at their equal-GPU-time steps (none before the probes ran)."""
     path = out / STEPS_FILE
     steps = json.loads(path.read_text())["steps"] if path.is_file() else {}
-    return [Job(row, "train", argv, ref.deps, "kd", "recipe " + " ".join(argv[3:]))
+    return [Job(row, "train", argv, ref.deps, "kd", shlex.join(["recipe", *argv[3:]]))
             for row in (s.rows or []) if row in steps
             for argv in [_argv(ref, out / "train" / row, steps[row], _onp(s, row))]]
 
@@ -158,18 +201,20 @@ def probe(name: str, out: Path, argv: list[str]) -> int:
               "step_s": max(statistics.median(spans), 1e-9),
               "step_s_mean": (times[last] - times[first]) / (last - first), "tokens_per_s": mean("tokens_per_s"),
               "sampling_share": mean("sampling_share"), "sampled_tokens_per_s": mean("sampled_tokens_per_s"),
-              "cmd": "recipe " + " ".join(argv[3:])}
+              "cmd": shlex.join(["recipe", *argv[3:]])}
     (out / "probe" / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(run_dir)  # only the timing is kept
     return 0
 
 
 def chat_prompts(tokenizer, n: int) -> list[tuple[int, list[int]]]:
-    """(chat row, prompt tokens) of the first n Natural Questions of the shipped chat set, in row order."""
+    """(chat row, prompt tokens) of the first n Natural Questions of the shipped chat set (`eval_rows`), in row
+    order."""
     from llm_recipe.components.data.transfer.teacher import build_prompts
 
-    prompts = [p for p in build_prompts(tokenizer, "chat", None, 1, 1) if p.source == "nq_open"]
-    return sorted((int(p.id[1:].split(".")[0]), p.tokens) for p in prompts)[:n]
+    rows = set(eval_rows(n))
+    prompts = [(int(p.id[1:].split(".")[0]), p.tokens) for p in build_prompts(tokenizer, "chat", None, 1, 1)]
+    return sorted(p for p in prompts if p[0] in rows)
 
 
 def eval_one(name: str, model_dir: str, teacher_dir: str, out: Path, scale: dict) -> dict:

@@ -196,6 +196,10 @@ def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
             raise RecipeError(f"bad override '{ov}': expected key.path=value or ~key.path")
         try:
             OmegaConf.update(cfg, key, _parse_override_value(value), merge=False, force_add=True)
+        except yaml.YAMLError as e:  # e.g. {split: train[1043:]}: YAML reads the brackets as a list
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise RecipeError(f"override '{ov}': the value is not valid YAML ({problem}); quote strings that hold "
+                              "brackets, braces, commas or ': ', e.g. split: \"train[1043:]\"") from None
         except OmegaConfBaseException as e:
             raise RecipeError(f"override '{ov}': {str(e).splitlines()[0]}") from e
 

@@ -10,9 +10,21 @@ The blocks recipes/kd.py calls from its loop:
 - `OnPolicy`: `hold_out` (keeps the dataset's last `held_out` rows out of training), `sample_window` (the chosen
   micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
   `held_out_eval` (the end-of-run metric).
+- `load_prompt_set` (`kd.on_policy.prompts`: prompts from a dataset section of their own instead of the training
+  rows) and the stateless dealing of its rows, `on_policy_index` / `prompt_order` / `deal_prompts`.
 - plain functions, tested on their own: `is_on_policy`, `row_prompts` / `prompts_of`, `sample_completions`,
   `completion_batch`, `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric per prompt, also
   what bench/kd_study2_onp.py scores every student of the KD study with).
+
+Where prompts come from: by default each on-policy micro-batch takes the prompts of its own training rows (below).
+With `kd.on_policy.prompts` (a dataset section: source, format, split, ...) they come from that set instead, so the
+student samples on the prompts of the task it is meant for (GKD's setting) while the off-policy micro-batches still
+read the training data; the on-policy micro-batch's training rows go unused (the loader's position moves as
+before). The set is tokenized unpacked, each row gives one prompt (instruct/chat: the tokens before the response,
+the last max_seq_len - max_new_tokens of them; text: the first `prompt_tokens`), its last `held_out` rows are held
+out, and the m-th on-policy micro-batch of the run (m = `on_policy_index`) on rank r of W takes the
+batch_size x prompts_per_row positions p = (m * W + r) * rows + j of an endless order of the rest: pass p // N is a
+permutation of the N rows seeded by (seed, pass). No state, so resume is bit-identical and ranks never overlap.
 
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
@@ -40,9 +52,11 @@ import hashlib
 import inspect
 import json
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +64,24 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint.atomic import atomic_write_bytes
-from .data.dataset import TokenizedDataset
+from .data.dataset import DatasetConfig, TokenizedDataset, build_dataset
 from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
 from .models.generation import StaticDecode, generate_batch
 from .runtime import Runtime
 from .schema import Choice, Range
-from .settings import setting
+from .settings import section, setting
 from .training import hidden_states, to_device
 
 IGNORE_INDEX = -100
 EVAL_FILE = "on_policy_eval.json"  # held_out_eval's result, in output_dir
 KD_OPTIONS = ("beta", "alpha", "ratio")
 DECODE_PATHS = ("auto", "compiled", "eager")
+PROMPTS_KEY = "kd.on_policy.prompts"
+# the dataset keys a prompt set takes; the others are fixed (unpacked, uncut, no shuffle or bucketing: the dealing
+# orders the rows; train_on_input false: the prompt is what precedes the first target)
+PROMPT_SET_KEYS = ("source", "format", "split", "name", "data_files", "column_map", "limit", "use_chat_template")
+_WHOLE = 2**31 - 1  # tokenize prompt set rows whole: a prompt is cut to the budget, never dropped for its length
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,15 +94,22 @@ class OnPolicySettings:
                                   "token); below dataset.max_seq_len")
     temperature: float = setting(1.0, Range(float, gt=0), "sampling temperature (1.0: the student's own "
                                  "distribution)")
-    prompt_tokens: int = setting(32, Range(int, ge=1), "text rows: the first N tokens of a document are its prompt")
+    prompt_tokens: int = setting(32, Range(int, ge=1), "text rows (of the dataset, or of a text prompts set): the "
+                                 "first N tokens of a document are its prompt")
     loss: str = setting("reverse_kl", Choice(*KD_LOSSES), "the divergence on sampled tokens: any kd.loss kind "
                         "(kd.temperature/beta/... apply)")
-    held_out: int = setting(16, Range(int, ge=0), "the dataset's last N rows never train; at the end their prompts "
-                            "score the student (0: none)")
+    held_out: int = setting(16, Range(int, ge=0), "the dataset's (with prompts set: the prompt set's) last N rows "
+                            "never train; at the end their prompts score the student (0: none)")
     prompts_per_row: int = setting(8, Range(int, ge=1), "a prompt from each document of a row, up to N, while they "
-                                   "and their completions fit in max_seq_len")
+                                   "and their completions fit in max_seq_len (with prompts: batch_size x N of the "
+                                   "set per on-policy micro-batch)")
     decode: str = setting("auto", Choice(*DECODE_PATHS), "auto: compiled (CUDA graphs) on one CUDA process with "
                           "compile: true, else eager | compiled (one process only) | eager")
+    prompts: DatasetConfig | None = section(DatasetConfig, "where on-policy prompts come from: null, each training "
+                                            "row's own; or a dataset section (source, format, split, name, "
+                                            "data_files, column_map, limit, use_chat_template) whose rows' prompts "
+                                            "are dealt to the on-policy micro-batches (held_out: its last rows)",
+                                            optional=True, only=PROMPT_SET_KEYS)
 
 
 def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset: Any) -> None:
@@ -97,9 +123,10 @@ def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset:
     if s.max_new_tokens >= dataset.max_seq_len:
         raise RecipeError(f"kd.on_policy.max_new_tokens={s.max_new_tokens} must be below dataset.max_seq_len="
                           f"{dataset.max_seq_len}: prompt and completion share one row")
-    if dataset.format != "text" and dataset.train_on_input:
+    if s.prompts is None and dataset.format != "text" and dataset.train_on_input:
         raise RecipeError("kd.on_policy takes the prompt of instruct/chat rows from their labels, which "
-                          "dataset.train_on_input=true puts on the prompt too: set it to false")
+                          "dataset.train_on_input=true puts on the prompt too: set it to false (or take prompts "
+                          "from kd.on_policy.prompts)")
 
 
 def is_on_policy(seed: int, step: int, micro: int, accum: int, fraction: float) -> bool:
@@ -109,6 +136,32 @@ def is_on_policy(seed: int, step: int, micro: int, accum: int, fraction: float) 
     k = step * accum + micro
     phase = _key("phase", seed) / 2**63
     return math.floor((k + 1) * fraction + phase) > math.floor(k * fraction + phase)
+
+
+def on_policy_index(seed: int, k: int, fraction: float) -> int:
+    """How many micro-batches before global micro-batch k (= step * accum + micro) went on-policy (`is_on_policy`):
+    floor(k * fraction + phase), the same float expression is_on_policy compares, so the count telescopes exactly;
+    for an on-policy micro-batch, its 0-based rank among them (m: which prompts it is dealt)."""
+    phase = _key("phase", seed) / 2**63
+    return math.floor(k * fraction + phase)
+
+
+@lru_cache(maxsize=4)
+def prompt_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """Pass `epoch` over the n prompt rows: a permutation seeded by (seed, epoch) alone (random.Random's shuffle,
+    as the data loader's), so every rank and every resume orders them alike."""
+    order = list(range(n))
+    random.Random(_key("prompts", seed, epoch)).shuffle(order)
+    return tuple(order)
+
+
+def deal_prompts(seed: int, n: int, m: int, rank: int, world: int, rows: int) -> list[int]:
+    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`: positions
+    p = (m * world + rank) * rows + j, j < rows, of the endless order where p is row prompt_order(seed, p // n)[p % n].
+    Disjoint across ranks and micro-batches within a pass; rank r's prompts are global slots r * rows + j of what
+    one process with world x the batch takes."""
+    start = (m * world + rank) * rows
+    return [prompt_order(seed, p // n, n)[p % n] for p in range(start, start + rows)]
 
 
 def _key(*parts: Any) -> int:
@@ -161,6 +214,46 @@ def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int,
                max_new_tokens: int = 0) -> list[list[int]]:
     """`row_prompts`, row after row, in one list."""
     return [p for prompts in row_prompts(batch, prompt_tokens, budget, per_row, max_new_tokens) for p in prompts]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """`kd.on_policy.prompts` tokenized, one prompt per row in row order: `train` (dealt to on-policy
+    micro-batches), `held` (its last held_out rows: the end-of-run score), where it came from, and how many prompts
+    were longer than the budget (cut, as row_prompts cuts)."""
+
+    train: list[list[int]]
+    held: list[list[int]]
+    origin: str
+    cut: int
+
+
+def _prompt_rows(s: OnPolicySettings, tokenizer: Any) -> TokenizedDataset:
+    """The prompt set's rows tokenized whole and unpacked; its errors (a missing column, an empty split) as one
+    line naming kd.on_policy.prompts."""
+    d = replace(s.prompts, max_seq_len=_WHOLE, packed=False, shuffle=False, bucket=False, train_on_input=False)
+    try:
+        return build_dataset(tokenizer, d)
+    except RecipeError as e:
+        raise RecipeError(f"{PROMPTS_KEY}: {e}") from None
+
+
+def load_prompt_set(s: OnPolicySettings, max_seq_len: int, tokenizer: Any) -> PromptSet:
+    """`kd.on_policy.prompts` as prompts (module docstring): each row's prompt by `row_prompts`' rule, cut to
+    max_seq_len - max_new_tokens (instruct/chat keep their end, text its first `prompt_tokens`); a set with no row
+    left to train on after `held_out` is a one-line error with the counts."""
+    data, p = _prompt_rows(s, tokenizer), s.prompts
+    text = s.prompt_tokens if p.format == "text" else None
+    whole = [q for i in range(0, len(data), 256) for q in prompts_of(data.collate(data.items[i : i + 256]), text,
+                                                                     _WHOLE)]
+    budget = max_seq_len - s.max_new_tokens
+    prompts = [q[:budget] if text is not None else q[-budget:] for q in whole]
+    origin = f"{p.source}, split {p.split}" + (f", limit {p.limit}" if p.limit is not None else "")
+    n = len(prompts) - s.held_out
+    if n < 1:
+        raise RecipeError(f"{PROMPTS_KEY}: {len(prompts)} prompt rows in {origin}, and kd.on_policy.held_out="
+                          f"{s.held_out} holds them all out: none left to train on (lower held_out or add rows)")
+    return PromptSet(prompts[:n], prompts[n:], origin, sum(len(q) > budget for q in whole))
 
 
 def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_size: int) -> str:
@@ -287,17 +380,22 @@ class OnPolicy:
 
     `vocab_size`: the loss's shared vocabulary (None: whole heads), which sampling keeps to; `num_chunks`: the
     loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens.
-    `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`)."""
+    `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`).
+    `prompt_set`: `kd.on_policy.prompts` already loaded (`load_prompt_set`; loaded here when None and it is set)."""
 
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
-                 vocab_size: int | None, num_chunks: int) -> None:
+                 vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
         self.seed, self.accum = cfg.seed, cfg.gradient_accumulation_steps
         self.batch_size, self.num_chunks, self.vocab = cfg.batch_size, num_chunks, vocab_size
-        self.prompt_tokens = s.prompt_tokens if cfg.dataset.format == "text" else None
+        prompt_format = (s.prompts or cfg.dataset).format  # the rows the prompts come from
+        self.prompt_tokens = s.prompt_tokens if prompt_format == "text" else None
         self.budget = cfg.dataset.max_seq_len - s.max_new_tokens
+        if prompt_set is None and s.prompts is not None:
+            prompt_set = load_prompt_set(s, cfg.dataset.max_seq_len, tokenizer)
+        self.prompt_set = prompt_set
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
@@ -308,6 +406,10 @@ class OnPolicy:
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
             print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), {how}",
                   flush=True)
+            if prompt_set is not None:
+                print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
+                      f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
+                      "(max_seq_len - max_new_tokens) are cut", flush=True)
         self.held: list[dict] = []
         self.collate: Callable[[list[dict]], dict] | None = None
         self._batches_logged = 0
@@ -316,9 +418,10 @@ class OnPolicy:
     # ------------------------------------------------------------------ data
     def hold_out(self, dataset: Any) -> Any:
         """The training dataset without its last `held_out` rows (after packing), which `held_out_eval` prompts
-        with; the same rows on every rank and every resume (the dataset is tokenized deterministically)."""
+        with; the same rows on every rank and every resume (the dataset is tokenized deterministically). With
+        kd.on_policy.prompts the prompt set holds its rows out instead, and every training row trains."""
         k = self.s.held_out
-        if k == 0:
+        if k == 0 or self.prompt_set is not None:
             return dataset
         if k >= len(dataset):
             raise RecipeError(f"kd.on_policy.held_out={k} leaves no training rows: the dataset has {len(dataset)} "
@@ -338,6 +441,25 @@ class OnPolicy:
         return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
                                   self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done, self.static)
 
+    def _prompts_of_rows(self, batch: dict) -> tuple[list[list[int]], list[int]]:
+        """The prompts of a training micro-batch's rows and each one's noise slot in the global batch: prompt j of
+        global row g takes uniform g * per_row + j (the loader deals global row r * world + rank here)."""
+        world, rank = self.rt.world_size, self.rt.rank
+        prompts, slots = [], []
+        for r, row in enumerate(row_prompts(batch, self.prompt_tokens, self.budget, self.per_row,
+                                            self.s.max_new_tokens)):
+            prompts += row
+            slots += [(r * world + rank) * self.per_row + j for j in range(len(row))]
+        return prompts, slots
+
+    def _dealt(self, step: int, micro: int) -> tuple[list[list[int]], list[int]]:
+        """The prompt set's prompts this rank samples in on-policy micro-batch `micro` of step `step`
+        (`deal_prompts`) and their noise slots: rank r's j-th takes uniform r * rows + j of the global batch."""
+        m = on_policy_index(self.seed, step * self.accum + micro, self.s.fraction)
+        train, rank = self.prompt_set.train, self.rt.rank
+        rows = deal_prompts(self.seed, len(train), m, rank, self.rt.world_size, self.rows)
+        return [train[i] for i in rows], [rank * self.rows + j for j in range(self.rows)]
+
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by `completion_batch`es of the
         student's samples (host tensors, like the loader's); `step` counts finished optimizer steps."""
@@ -346,13 +468,10 @@ class OnPolicy:
             if not is_on_policy(self.seed, step, micro, self.accum, self.s.fraction):
                 out.append(batch)
                 continue
-            world, rank = self.rt.world_size, self.rt.rank  # the loader deals global row r * world + rank here
-            prompts, slots = [], []  # prompt j of global row g takes uniform g * per_row + j
-            for r, row in enumerate(row_prompts(batch, self.prompt_tokens, self.budget, self.per_row,
-                                                self.s.max_new_tokens)):
-                prompts += row
-                slots += [(r * world + rank) * self.per_row + j for j in range(len(row))]
-            completions = self._sample(model, prompts, _key(self.seed, step, micro), slots, self.rows * world)
+            prompts, slots = (self._dealt(step, micro) if self.prompt_set is not None else
+                              self._prompts_of_rows(batch))
+            completions = self._sample(model, prompts, _key(self.seed, step, micro), slots,
+                                       self.rows * self.rt.world_size)
             out.append(completion_batch(prompts, completions, self.tokenizer.pad_id))
             self._batches += 1
             self._prompts += len(prompts)
@@ -411,16 +530,24 @@ class OnPolicy:
         same sampling as training, seeded from the seed alone; every rank computes the same numbers), overall and
         per prompt: prompt i's noise depends on (seed, i) only, so two runs with the same seed and held_out sample
         their held-out prompts with the same noise and compare prompt by prompt."""
-        if not self.held:
+        if self.prompt_set is not None:
+            prompts = self.prompt_set.held
+            chosen = (f"the last kd.on_policy.held_out rows of {PROMPTS_KEY} ({self.prompt_set.origin}), never "
+                      "sampled in training")
+        elif self.held:
+            prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
+                                 self.s.max_new_tokens)
+            chosen = "the dataset's last kd.on_policy.held_out rows (after packing), never trained on"
+        else:
             return None
-        prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
-                             self.s.max_new_tokens)
+        if not prompts:  # a prompt set with held_out: 0
+            return None
         seed = _key(self.seed, "held_out")
         scores = score_samples(student, teacher, prompts, lambda chunk, rows: self._sample(
             student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab)
         return {"held_out_rows": len(prompts), "sampled_tokens": sum(scores["tokens"]),
                 "reverse_kl_per_token": sum(scores["reverse_kl_sum"]) / max(sum(scores["tokens"]), 1),
-                "chosen_as": "the dataset's last kd.on_policy.held_out rows (after packing), never trained on",
+                "chosen_as": chosen,
                 **per_prompt_summary(scores)}
 
     def report_held_out(self, student: nn.Module, teacher: nn.Module, output_dir: str | Path) -> dict[str, Any] | None:
@@ -429,6 +556,6 @@ class OnPolicy:
         if result is not None and self.rt.is_main:
             atomic_write_bytes(Path(output_dir) / EVAL_FILE, (json.dumps(result, indent=2) + "\n").encode())
             print(f"on-policy held-out: teacher-scored reverse KL {result['reverse_kl_per_token']:.4f} per sampled "
-                  f"token ({result['sampled_tokens']} tokens, {result['held_out_rows']} prompts of the dataset's "
-                  f"last rows, never trained on): {Path(output_dir) / EVAL_FILE}", flush=True)
+                  f"token ({result['sampled_tokens']} tokens, {result['held_out_rows']} prompts: "
+                  f"{result['chosen_as']}): {Path(output_dir) / EVAL_FILE}", flush=True)
         return result

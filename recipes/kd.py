@@ -20,7 +20,7 @@ from llm_recipe.components.losses import LiveTeacher, kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.models.prune import StudentSettings, student_layers
-from llm_recipe.components.on_policy import OnPolicy, check_on_policy
+from llm_recipe.components.on_policy import OnPolicy, check_on_policy, load_prompt_set
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import KD_QAT_KEYS, QATSettings, prepare_qat_student
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
@@ -88,6 +88,10 @@ def main(cfg: KDConfig) -> None:
     # same tokens (and a divergence a sampled cache can estimate)? before loading weights
     check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    on_policy, prompt_set = cfg.kd.on_policy, None
+    if on_policy is not None and on_policy.prompts is not None:  # before any weights: a bad set fails in seconds
+        with setup.phase("on-policy prompts"):
+            prompt_set = load_prompt_set(on_policy, max_len, tokenizer)
     with setup.phase("student layers"):
         keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,
                               cfg.output_dir if rt.is_main else None,
@@ -116,10 +120,11 @@ def main(cfg: KDConfig) -> None:
                          micro_batch_tokens=micro_batch_tokens(cfg))
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
-    # On-policy runs keep the dataset's last `kd.on_policy.held_out` rows out of training, to score at the end.
-    accum, chunks, on_policy = cfg.gradient_accumulation_steps, cfg.num_output_chunks, cfg.kd.on_policy
+    # On-policy runs keep the last `kd.on_policy.held_out` rows of the dataset (or of kd.on_policy.prompts) out of
+    # training, to score at the end.
+    accum, chunks = cfg.gradient_accumulation_steps, cfg.num_output_chunks
     with setup.phase("data and optimizer"):
-        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks) if on_policy is not None else None
+        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set) if on_policy is not None else None
         loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else
                                     op.hold_out if op is not None else None)
         steps = total_steps(cfg, loader)
@@ -133,8 +138,9 @@ def main(cfg: KDConfig) -> None:
     # KD against the frozen teacher) are computed from final hidden states chunk by chunk, with the student's
     # gradients in the same pass (components/losses/fused.py), summed over target tokens and divided by the
     # target tokens of the whole window on all ranks, times world_size (FSDP averages gradients over ranks).
-    # On-policy micro-batches (kd.on_policy) are sampled first, with the weights of the step's start; their loss is
-    # the on-policy divergence alone, on the sampled tokens alone (their labels cover nothing else).
+    # On-policy micro-batches (kd.on_policy) are sampled first, with the weights of the step's start, from their rows'
+    # prompts or from kd.on_policy.prompts; their loss is the on-policy divergence alone, on the sampled tokens
+    # alone (their labels cover nothing else).
     save_every, step, clock = cfg.save_every_n_steps, start, Throughput()
     student.train()
     with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,

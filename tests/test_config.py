@@ -90,6 +90,16 @@ def test_tilde_deletes_and_missing_delete_is_an_error(tmp_path):
         load_config(str(path), ["lr"])
 
 
+def test_override_value_that_is_not_yaml_is_one_error(tmp_path):
+    """A section override whose string holds brackets unquoted is a RecipeError naming the override, not a YAML
+    traceback; quoted, it parses."""
+    path = _write(tmp_path)
+    with pytest.raises(RecipeError, match=r"^override 'data=\{split: train\[1:\]\}': the value is not valid "
+                                          r"YAML \(expected ',' or '\}', but got '\['\); quote strings"):
+        load_config(str(path), ["data={split: train[1:]}"])
+    assert load_config(str(path), ['data={split: "train[1:]"}']).data.split == "train[1:]"
+
+
 def test_broken_interpolation_names_key_and_line(tmp_path):
     path = _write(tmp_path, CFG.replace("runs/${model.name}", "runs/${model.nme}"))
     with pytest.raises(RecipeError) as e:

@@ -5,6 +5,7 @@ online KD compared on the same items, the gap and the PTQ loss recovered compute
 the on-policy rows (issue 22): probes, equal-GPU-time steps, the held-out on-policy metric, paired with kd_r1."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,38 @@ def test_a_cache_variant_builds_its_own_cache_with_its_cache_keys(tmp_path):
         f"teacher.logits_dir={tmp_path / 'kd_logits_kd_cache_s32'}"]
     assert not any(a.startswith("cache.") for a in row.argv) and row.deps == ["prune", "kd_logits_kd_cache_s32"]
     assert by["kd_cache8"].argv[-1] == "kd.kd_ratio=1.0"
+
+
+def test_chat_prompt_rows_sample_chat_prompts_apart_from_the_evaluated_ones(tmp_path, monkeypatch):
+    """onp50c / onp100c: onp50 / onp100 (equal GPU time, kd_r1 along) whose on-policy prompts are the shipped chat
+    set past the rows the metric samples, one per row; the override reaches `recipe run` as one argument that the
+    kd config reads as a section (and the printed command keeps it quoted); a split reaching into the evaluated
+    Natural Questions stops the plan before any job."""
+    from llm_recipe.components.config import load_config, typed_config
+    from recipes.kd import KDConfig
+
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path / "teacher"), steps=400, rows=["onp50c", "onp100c"])
+    (tmp_path / "probe").mkdir()
+    for row, step_s in (("kd_r1", 0.1), ("onp50c", 0.2), ("onp100c", 0.4)):
+        (tmp_path / "probe" / f"{row}.json").write_text(json.dumps({"row": row, "step_s": step_s}))
+    assert onp.equal_time_steps(s, tmp_path)["steps"] == {"onp50c": 200, "onp100c": 100}
+    jobs = study.select(study.training_jobs(s, tmp_path, [0, 1]) + study.eval_jobs(s, tmp_path), s)
+    assert {j.name for j in jobs} == {"kd_r1", "onp50c", "onp100c", "eval:kd_r1", "eval:onp50c", "eval:onp100c",
+                                      "onp_eval:kd_r1", "onp_eval:onp50c", "onp_eval:onp100c"}
+    by = {j.name: j for j in jobs}
+    argv = by["onp100c"].argv
+    assert argv[-4:] == ["kd.on_policy.fraction=1.0", "kd.on_policy.held_out=0",
+                         'kd.on_policy.prompts={source: transfer:chat, format: chat, split: "train[1043:]"}',
+                         "kd.on_policy.prompts_per_row=1"]
+    assert shlex.split(by["onp100c"].recipe_cmd)[1:] == argv[3:]
+    cfg = typed_config(load_config("kd/smollm2_study", [*argv[argv.index("kd") + 3 :], "output_dir=o"]), KDConfig)
+    prompts = cfg.kd.on_policy.prompts
+    assert (prompts.source, prompts.format, prompts.split, cfg.kd.on_policy.held_out) == (
+        "transfer:chat", "chat", "train[1043:]", 0)
+    assert not set(onp.eval_rows(512)) & set(range(1043, 2000)) and max(onp.eval_rows(512)) == 1042
+    monkeypatch.setattr(onp, "CHAT_SPLIT", "train[1000:]")
+    onp.chat_prompts_override.cache_clear()
+    with pytest.raises(SystemExit, match=r"chat prompts train\[1000:\]: 26 rows .* shared with the 512"):
+        study.training_jobs(s, tmp_path, [0, 1])
+    onp.chat_prompts_override.cache_clear()

@@ -25,8 +25,11 @@ from llm_recipe.components.on_policy import (
     OnPolicySettings,
     check_on_policy,
     completion_batch,
+    deal_prompts,
     decode_path,
     is_on_policy,
+    load_prompt_set,
+    on_policy_index,
     on_policy_kd_loss,
     per_prompt_summary,
     prompts_of,
@@ -150,6 +153,85 @@ def test_completion_batch_labels_only_the_sampled_tokens():
         targets = [(t, int(y)) for t, y in enumerate(b["labels"][i]) if y != IGNORE]
         assert targets == [(len(p) - 1 + j, tok) for j, tok in enumerate(c)]  # labels[t] = tokens[t + 1]
     assert int((b["labels"] != IGNORE).sum()) == sum(map(len, COMPLETIONS))
+
+
+# ---------------------------------------------------------------------------------------- a prompt set
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.3, 0.5, 1.0])
+def test_on_policy_index_counts_the_on_policy_micro_batches_before(fraction):
+    """m of micro-batch k is how many of micro-batches 0..k-1 went on-policy: the on-policy ones get 0, 1, 2, ..."""
+    for seed in range(4):
+        picks = [is_on_policy(seed, k, 0, 1, fraction) for k in range(300)]
+        assert [on_policy_index(seed, k, fraction) for k in range(300)] == [sum(picks[:k]) for k in range(300)]
+
+
+def test_dealing_covers_each_pass_once_and_two_ranks_take_what_one_takes_with_twice_the_batch():
+    """Positions (m * W + r) * rows + j: the m-th on-policy micro-batch of 2 ranks of 3 prompts each is the m-th of
+    one process with 6, rank 0 first; consecutive micro-batches walk through a pass, each of the n rows once, then
+    the next pass in another order; the seed changes the order."""
+    n, seed = 7, 5
+    one = [deal_prompts(seed, n, m, 0, 1, 6) for m in range(7)]
+    two = [deal_prompts(seed, n, m, 0, 2, 3) + deal_prompts(seed, n, m, 1, 2, 3) for m in range(7)]
+    assert one == two
+    assert not set(deal_prompts(seed, n, 0, 0, 2, 3)) & set(deal_prompts(seed, n, 0, 1, 2, 3))  # ranks never overlap
+    stream = [i for batch in one for i in batch]  # 42 positions: 6 passes
+    passes = [stream[e * n : (e + 1) * n] for e in range(6)]
+    assert all(sorted(p) == list(range(n)) for p in passes)
+    assert len({tuple(p) for p in passes}) > 1
+    assert deal_prompts(seed + 1, n, 0, 0, 1, n) != deal_prompts(seed, n, 0, 0, 1, n)
+    assert deal_prompts(seed, n, 3, 1, 2, 3) == deal_prompts(seed, n, 3, 1, 2, 3)  # stateless: the same each time
+
+
+def _chat_prompts(tok, rows: range, budget: int) -> list[list[int]]:
+    """Each shipped chat row's prompt as the chat format tokenizes it: the tokens before the first target, cut to
+    their last `budget` (an independent reading of what the prompt set should hold)."""
+    from llm_recipe.components.data.formats import make_format
+    from llm_recipe.components.data.sources import load_rows
+
+    fmt, data = make_format("chat", tok), load_rows("transfer:chat")
+    out = []
+    for i in rows:
+        ex = fmt(data[i])
+        first = next(t for t, lab in enumerate(ex["labels"]) if lab != IGNORE)
+        out.append(ex["tokens"][:first][-budget:])
+    return out
+
+
+def test_prompt_set_rows_give_their_prompts_cut_to_the_budget_and_hold_out_the_tail(embedded_model_dir):
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(embedded_model_dir)
+    chat = DatasetConfig(source="transfer:chat", format="chat", split="train[1043:]", limit=6)
+    got = load_prompt_set(OnPolicySettings(prompts=chat, held_out=2, max_new_tokens=16), 64, tok)
+    whole = _chat_prompts(tok, range(1043, 1049), 10**6)
+    assert got.train + got.held == [p[-48:] for p in whole] and len(got.held) == 2  # budget 64 - 16
+    assert got.cut == sum(len(p) > 48 for p in whole) > 0 and got.origin == "transfer:chat, split train[1043:], limit 6"
+    assert all(tok.decode(p).rstrip().endswith("assistant") for p in got.train)  # the generation prompt ends each
+    text = load_prompt_set(OnPolicySettings(prompts=DatasetConfig(source="transfer:passages", limit=3),
+                                            prompt_tokens=5, held_out=0, max_new_tokens=16), 64, tok)
+    assert [len(p) for p in text.train] == [5, 5, 5] and text.held == []  # text rows: the first prompt_tokens
+
+
+@pytest.mark.parametrize("prompts, held_out, message", [
+    (dict(source="transfer:chat", format="text"), 0,
+     r"^kd.on_policy.prompts: \S*chat.jsonl:1: missing column 'text'"),
+    (dict(source="transfer:passages", format="chat"), 0,
+     r"^kd.on_policy.prompts: \S*passages.jsonl:1: missing column 'conversations' \(expected 'messages'"),
+    (dict(source="transfer:chat", format="chat", split="train[5000:]"), 0,
+     r"^kd.on_policy.prompts: dataset source 'transfer:chat' split 'train\[5000:\]' has no rows$"),
+    (dict(source="transfer:chat", format="chat", limit=4), 4,
+     r"^kd.on_policy.prompts: 4 prompt rows in transfer:chat, split train, limit 4, and kd.on_policy.held_out=4 holds "
+     r"them all out: none left to train on"),
+])
+def test_prompt_set_that_yields_no_prompts_is_one_error_naming_the_key(embedded_model_dir, prompts, held_out,
+                                                                        message):
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    s = OnPolicySettings(prompts=DatasetConfig(**prompts), held_out=held_out)
+    with pytest.raises(RecipeError, match=message) as e:
+        load_prompt_set(s, 128, Tokenizer.from_dir(embedded_model_dir))
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -416,6 +498,10 @@ def test_settings_defaults_and_cross_key_errors():
     with pytest.raises(RecipeError, match=r"dataset.train_on_input=true"):
         check_on_policy(OnPolicySettings(), None, DatasetConfig(source="x", max_seq_len=128, format="chat",
                                                                 train_on_input=True))
+    # prompts from their own set: the training rows' labels no longer give them; a text set is fine too
+    for fmt in ("chat", "text"):
+        check_on_policy(OnPolicySettings(prompts=DatasetConfig(source="p", format=fmt)), None,
+                        DatasetConfig(source="x", max_seq_len=128, format="chat", train_on_input=True))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -427,6 +513,10 @@ def test_settings_defaults_and_cross_key_errors():
     ("kd.on_policy.top_k=5", "unknown key 'kd.on_policy.top_k'"),
     ("kd.on_policy.prompts_per_row=0", "key 'kd.on_policy.prompts_per_row' must be an int >= 1, got 0"),
     ("kd.on_policy.decode=fast", "key 'kd.on_policy.decode' must be one of auto, compiled, eager"),
+    ("kd.on_policy.prompts={source: transfer:chat, packed: true}", "unknown key 'kd.on_policy.prompts.packed' "
+     "(recipe kd reads: kd.on_policy.prompts.source, kd.on_policy.prompts.format"),
+    ("kd.on_policy.prompts={format: chat}", "key 'kd.on_policy.prompts.source' is required"),
+    ("kd.on_policy.prompts.format=jsonl", "key 'kd.on_policy.prompts.format' must be one of text, instruct, chat"),
 ])
 def test_validate_names_the_key(tmp_path, override, message):
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", "--recipe",
@@ -473,6 +563,9 @@ def short_docs(tmp_path_factory) -> list[str]:
                                                 + "."}) + "\n" for _ in range(80)))
     return [f"dataset.source={path}", "dataset.max_seq_len=96", "dataset.limit=null",
             "kd.on_policy.prompts_per_row=3"]
+
+
+CHAT_PROMPTS = 'kd.on_policy.prompts={source: transfer:chat, format: chat, split: "train[1043:]", limit: 8}'
 
 
 def _kd(models, *extra: str) -> list[str]:
@@ -538,13 +631,70 @@ def test_held_out_rows_never_train(models):
                  4).hold_out(data)
 
 
-@pytest.mark.parametrize("data", ["one_prompt_per_row", "short_docs"])
+def test_on_policy_micro_batches_sample_the_prompt_set_by_the_dealing_rule(tmp_path, models, monkeypatch):
+    """With kd.on_policy.prompts (8 shipped chat rows past the evaluated ones, the last 3 held out): every
+    on-policy micro-batch samples the chosen rows' prompts in the dealing order (each pass over the 5 rows uses each
+    once), never a held-out one, and those 3 score the student at the end; the training rows still feed the
+    off-policy micro-batches, all 16 of them (the dataset keeps its tail)."""
+    from llm_recipe.components import on_policy as onp
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    sampled, windows = [], []
+    batch = onp.completion_batch
+    monkeypatch.setattr(onp, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
+    window = onp.OnPolicy.sample_window
+    monkeypatch.setattr(onp.OnPolicy, "sample_window",
+                        lambda self, model, w, step: windows.append((w, window(self, model, w, step))) or windows[-1][1])
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, CHAT_PROMPTS), "kd.on_policy.prompts_per_row=2",
+                                                       "gradient_accumulation_steps=2", "max_steps=4", "seed=3",
+                                                       f"output_dir={out}"]) == 0
+    tok = Tokenizer.from_dir(models[0])
+    chat = _chat_prompts(tok, range(1043, 1051), 48 - 8)
+    train, held = chat[:5], chat[5:]
+    sampled, scored = sampled[:-1], sampled[-1]  # the last batch: the held-out score at the end
+    assert scored == held
+    assert len(sampled) == 4 and all(len(p) == 4 for p in sampled)  # half of 8 micro-batches, 2 rows x 2 prompts
+    assert not [p for batch in sampled for p in batch if p in held]
+    stream = [p for batch in sampled for p in batch]
+    assert all(sorted(stream[e * 5 : e * 5 + 5]) == sorted(train) for e in range(3))  # each pass: every row once
+    assert sampled == [[train[i] for i in deal_prompts(3, 5, m, 0, 1, 4)] for m in range(4)]
+    data = build_dataset(tok, DatasetConfig(source="transfer:passages", max_seq_len=48, packed=True, limit=16))
+    rows = {tuple(r["tokens"]) for r in data}
+    seen = set()
+    for w, replaced in windows:
+        seen |= {tuple(t) for b in w for t in b["tokens"].tolist()}
+        off = [b for b, r in zip(w, replaced, strict=True) if r is b]
+        assert all(tuple(t) in rows for b in off for t in b["tokens"].tolist())
+        assert len(off) + sum("prompt_lens" in r for r in replaced) == len(w)
+    assert sum(r is b for w, rr in windows for b, r in zip(w, rr, strict=True)) == 4 and seen == rows
+    evaluated = json.loads((out / "on_policy_eval.json").read_text())
+    assert evaluated["held_out_rows"] == 3 and evaluated["prompts"] == 3 and evaluated["sampled_tokens"] > 0
+    assert "kd.on_policy.prompts (transfer:chat, split train[1043:], limit 8)" in evaluated["chosen_as"]
+
+
+def test_a_bad_prompt_set_stops_the_run_in_setup_with_one_line(tmp_path, models):
+    """A prompt set whose rows have no prompt in its format fails before any weights load, in one line naming
+    kd.on_policy.prompts and the row."""
+    proc = rc.run_cli("kd", "kd/smollm2_demo", [*_kd(models, "kd.on_policy.prompts={source: transfer:passages, "
+                                                               "format: chat}"), f"output_dir={tmp_path / 'out'}"],
+                      cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    assert line.startswith("recipe: error: kd.on_policy.prompts: ") and "passages.jsonl:1: missing column" in line
+    assert "student weights" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("data", ["one_prompt_per_row", "short_docs", "prompt_set"])
 def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, data):
     """Killed after a checkpoint and resumed: the same samples (nothing saved for them: seed, step and micro-batch
     fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit; with one
-    prompt per row and with several (short documents packed together)."""
-    args = [*_kd(models, *(short_docs if data == "short_docs" else [])), "max_steps=6",
-            "gradient_accumulation_steps=2", "lr_scheduler.name=cosine", "lr_scheduler.warmup_steps=2"]
+    prompt per row, with several (short documents packed together), and with prompts dealt from a prompt set."""
+    extra = {"one_prompt_per_row": [], "short_docs": short_docs,
+             "prompt_set": [CHAT_PROMPTS, "kd.on_policy.prompts_per_row=2"]}[data]
+    args = [*_kd(models, *extra), "max_steps=6", "gradient_accumulation_steps=2", "lr_scheduler.name=cosine",
+            "lr_scheduler.warmup_steps=2"]
     ref_out, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={ref_out}"]) == 0
     ckpt = [*args, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
@@ -557,17 +707,19 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, dat
     assert strip(resumed) == strip(uninterrupted)
     assert sum(r["on_policy_batches"] for r in resumed) == 6  # half of 12 micro-batches, sampled the same way
     prompts = sum(r["on_policy_prompts"] for r in resumed)
-    assert prompts == 12 if data == "one_prompt_per_row" else prompts > 18  # 2 rows of 2-3 prompts each
+    # 2 rows of one prompt each; of 2-3 prompts each; 2 x 2 prompts dealt from the set
+    assert {"one_prompt_per_row": prompts == 12, "short_docs": prompts > 18, "prompt_set": prompts == 24}[data]
     assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
 
 
-@pytest.mark.slow  # ~1 min: a torchrun launch of 2 processes and the 1-process reference
-def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs):
+@pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
+@pytest.mark.parametrize("prompts", ["rows", "prompt_set"])
+def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs, prompts):
     """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
-    process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row),
-    losses, reverse KL and weights."""
-    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs), "max_steps=3",
-            "max_grad_norm=1.0"]
+    process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row, or
+    dealt from a prompt set: the ranks' halves of the one process's), losses, reverse KL and weights."""
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs,
+                 *([CHAT_PROMPTS] if prompts == "prompt_set" else [])), "max_steps=3", "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",

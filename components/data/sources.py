@@ -47,6 +47,10 @@ class Rows(Sequence):
             return self._locations[j]
         return f"{self.origin}:row {j}"
 
+    def source_index(self, i: int) -> int:
+        """Row i's position in the unsliced source (what a split slice or a `select` kept it as)."""
+        return self._index[i]
+
     def select(self, index: Sequence[int]) -> Rows:
         """A view of some rows (positions relative to this view), keeping their original locations."""
         return Rows(self._rows, self.origin, self._locations, [self._index[i] for i in index])
