@@ -1,0 +1,158 @@
+"""Which micro-batches of a KD run go on-policy, and which prompts they sample (`kd.on_policy`; the rest of it is
+components/on_policy.py).
+
+- `is_on_policy` / `on_policy_index`: micro-batch k goes on-policy when floor(k * fraction + phase) steps up; the
+  count below k says which prompts it is dealt.
+- Prompts from the training rows (the default): `row_prompts` / `prompts_of`, one per document of a packed row.
+- Prompts from a set of their own (`kd.on_policy.prompts`): `load_prompt_set` tokenizes it, one prompt per row,
+  and `deal_prompts` deals the rows statelessly (`prompt_order`: a seeded permutation per pass), so resume is
+  bit-identical and ranks never overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from torch import Tensor
+
+from .data.dataset import TokenizedDataset, build_dataset
+from .errors import RecipeError
+
+IGNORE_INDEX = -100
+PROMPTS_KEY = "kd.on_policy.prompts"
+# the dataset keys a prompt set takes; the others are fixed (unpacked, uncut, no shuffle or bucketing: the dealing
+# orders the rows; train_on_input false: the prompt is what precedes the first target)
+PROMPT_SET_KEYS = ("source", "format", "split", "name", "data_files", "column_map", "limit", "use_chat_template")
+_WHOLE = 2**31 - 1  # tokenize prompt set rows whole: a prompt is cut to the budget, never dropped for its length
+
+
+def is_on_policy(seed: int, step: int, micro: int, accum: int, fraction: float) -> bool:
+    """Whether micro-batch `micro` of optimizer step `step` (0-based) goes on-policy: micro-batch k = step * accum
+    + micro is when floor(k * fraction + phase) steps up, so any k consecutive micro-batches hold k * fraction of
+    them (rounded either way); the phase in [0, 1) comes from the seed."""
+    k = step * accum + micro
+    phase = _key("phase", seed) / 2**63
+    return math.floor((k + 1) * fraction + phase) > math.floor(k * fraction + phase)
+
+
+def on_policy_index(seed: int, k: int, fraction: float) -> int:
+    """How many micro-batches before global micro-batch k (= step * accum + micro) went on-policy (`is_on_policy`):
+    floor(k * fraction + phase), the same float expression is_on_policy compares, so the count telescopes exactly;
+    for an on-policy micro-batch, its 0-based rank among them (m: which prompts it is dealt)."""
+    phase = _key("phase", seed) / 2**63
+    return math.floor(k * fraction + phase)
+
+
+@lru_cache(maxsize=4)
+def prompt_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """Pass `epoch` over the n prompt rows: a permutation seeded by (seed, epoch) alone (random.Random's shuffle,
+    as the data loader's), so every rank and every resume orders them alike."""
+    order = list(range(n))
+    random.Random(_key("prompts", seed, epoch)).shuffle(order)
+    return tuple(order)
+
+
+def deal_prompts(seed: int, n: int, m: int, rank: int, world: int, rows: int) -> list[int]:
+    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`: positions
+    p = (m * world + rank) * rows + j, j < rows, of the endless order where p is row prompt_order(seed, p // n)[p % n].
+    Disjoint across ranks and micro-batches within a pass; rank r's prompts are global slots r * rows + j of what
+    one process with world x the batch takes."""
+    start = (m * world + rank) * rows
+    return [prompt_order(seed, p // n, n)[p % n] for p in range(start, start + rows)]
+
+
+def _key(*parts: Any) -> int:
+    """A 63-bit seed from `parts` (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def row_prompts(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int, per_row: int = 1,
+                max_new_tokens: int = 0) -> list[list[list[int]]]:
+    """Each row's prompts, one per document, in order, from the documents that carry a target (a packed row's
+    documents restart `input_pos` at 0, and its trailing padding is a document without targets; an unpacked row
+    is one document, ending after its last target): at most `per_row`, and only while the row's prompts plus
+    `max_new_tokens` each fit in budget + max_new_tokens (max_seq_len: an on-policy micro-batch then holds no more
+    tokens than the loader's); a row's first document always gives one.
+    `prompt_tokens`: text rows, the document's first N tokens (never its last, the end-of-text); None:
+    instruct/chat rows, the tokens before the first one that carries a loss. At most `budget` tokens
+    (max_seq_len - max_new_tokens): a longer instruct/chat prompt keeps its end."""
+    tokens, labels, pos = batch["tokens"], batch["labels"], batch.get("input_pos")
+    out = []
+    for i, row in enumerate(tokens.tolist()):
+        if pos is not None:
+            starts = [0, *((pos[i, 1:] == 0).nonzero().flatten() + 1).tolist()]
+            ends = [*starts[1:], len(row)]
+        else:
+            targets = (labels[i] != IGNORE_INDEX).nonzero()
+            starts, ends = [0], [int(targets[-1]) + 2 if len(targets) else len(row)]
+        prompts: list[list[int]] = []
+        room = budget + max_new_tokens
+        for start, end in zip(starts, ends):
+            targets = (labels[i, start:end] != IGNORE_INDEX).nonzero()
+            if not len(targets) and start > 0:
+                continue  # padding, or a document whose targets were cut off
+            if prompt_tokens is not None:
+                prompt = row[start : start + max(1, min(prompt_tokens, end - start - 1, budget))]
+            else:  # labels[t] is the target of token t + 1
+                first = start + int(targets[0]) + 1 if len(targets) else end
+                prompt = row[start:first][-budget:]
+            room -= len(prompt) + max_new_tokens
+            if prompts and room < 0:
+                break
+            prompts.append(prompt)
+            if len(prompts) == per_row:
+                break
+        out.append(prompts)
+    return out
+
+
+def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int, per_row: int = 1,
+               max_new_tokens: int = 0) -> list[list[int]]:
+    """`row_prompts`, row after row, in one list."""
+    return [p for prompts in row_prompts(batch, prompt_tokens, budget, per_row, max_new_tokens) for p in prompts]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """`kd.on_policy.prompts` tokenized, one prompt per row in row order: `train` (dealt to on-policy
+    micro-batches), `held` (its last held_out rows: the end-of-run score), where it came from, and how many prompts
+    were longer than the budget (cut, as row_prompts cuts)."""
+
+    train: list[list[int]]
+    held: list[list[int]]
+    origin: str
+    cut: int
+
+
+def _prompt_rows(s: Any, tokenizer: Any) -> TokenizedDataset:
+    """The prompt set's rows tokenized whole and unpacked; its errors (a missing column, an empty split) as one
+    line naming kd.on_policy.prompts."""
+    d = replace(s.prompts, max_seq_len=_WHOLE, packed=False, shuffle=False, bucket=False, train_on_input=False)
+    try:
+        return build_dataset(tokenizer, d)
+    except RecipeError as e:
+        raise RecipeError(f"{PROMPTS_KEY}: {e}") from None
+
+
+def load_prompt_set(s: Any, max_seq_len: int, tokenizer: Any) -> PromptSet:
+    """`kd.on_policy.prompts` as prompts (module docstring): each row's prompt by `row_prompts`' rule, cut to
+    max_seq_len - max_new_tokens (instruct/chat keep their end, text its first `prompt_tokens`); a set with no row
+    left to train on after `held_out` is a one-line error with the counts."""
+    data, p = _prompt_rows(s, tokenizer), s.prompts
+    text = s.prompt_tokens if p.format == "text" else None
+    whole = [q for i in range(0, len(data), 256) for q in prompts_of(data.collate(data.items[i : i + 256]), text,
+                                                                     _WHOLE)]
+    budget = max_seq_len - s.max_new_tokens
+    prompts = [q[:budget] if text is not None else q[-budget:] for q in whole]
+    origin = f"{p.source}, split {p.split}" + (f", limit {p.limit}" if p.limit is not None else "")
+    n = len(prompts) - s.held_out
+    if n < 1:
+        raise RecipeError(f"{PROMPTS_KEY}: {len(prompts)} prompt rows in {origin}, and kd.on_policy.held_out="
+                          f"{s.held_out} holds them all out: none left to train on (lower held_out or add rows)")
+    return PromptSet(prompts[:n], prompts[n:], origin, sum(len(q) > budget for q in whole))
