@@ -158,10 +158,12 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
         kd_student("sft", ["kd.kd_ratio=0.0"], ["prune"]),
         kd_student("kd", ["kd.kd_ratio=0.5"], ["prune"]),
         kd_student("kd_r1", ["kd.kd_ratio=1.0"], ["prune"]),
-        # the teacher's top-k log-probs over the same tokenized, packed transfer set (kd checks the manifest)
+        # the teacher's top-k log-probs over the same tokenized, packed transfer set (kd checks the manifest);
+        # cache.mode=topk pinned: kd_cache is the measured top-32 row, whatever kd_logits' default (sampled)
         _recipe("kd_logits", "kd_logits", "kd_logits/smollm2_demo", [
             f"output_dir={cache}", f"teacher.checkpoint_dir={t}", f"device={s.device}", *data,
-            f"batch_size={s.batch_size}", f"cache.top_k={s.cache_top_k}", "compile=false"], ["transfer"], "cache"),
+            f"batch_size={s.batch_size}", "cache.mode=topk", f"cache.top_k={s.cache_top_k}", "compile=false"],
+                ["transfer"], "cache"),
         kd_student("kd_cache", ["kd.kd_ratio=0.5", f"teacher.logits_dir={cache}"], ["prune", "kd_logits"]),
         _recipe("kd_qat", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd_qat'}", *common, *quant,
                                                      "student.every=null", "kd.loss=forward_kl", "kd.kd_ratio=1.0",

@@ -57,7 +57,8 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "ours_full_compile": ("ours", "full", ["compile=true", "teacher.quantize=null"]),
     "ours_full_compile_fp8": ("ours", "full", ["compile=true", "teacher.quantize=fp8"]),
     # Offline teacher: the student trains from the teacher's top-32 cache (built first by `recipe run kd_logits`
-    # over the same packed transfer set, reused when complete); the teacher is never loaded.
+    # with cache.mode=topk pinned, over the same packed transfer set, reused when complete); the teacher is never
+    # loaded.
     "ours_lora_cache": ("ours", "lora", ["compile=true", "teacher.quantize=null", "CACHE"]),
     # What a user runs: the shipped kd/llama3_1_8b_to_llama3_2_1b with only paths changed (models, the local
     # transfer set instead of the Hub's Alpaca, output_dir), a run length, and for LoRA the LoRA section.
@@ -110,14 +111,16 @@ def _data(a) -> list[str]:
 
 
 def build_cache(a) -> tuple[Path, dict]:
-    """`recipe run kd_logits` for the rows' teacher and data (top-32, T=1); a complete cache is only verified."""
+    """`recipe run kd_logits` for the rows' teacher and data (top-32, T=1); a complete cache is only verified.
+    cache.mode=topk is pinned: `ours_lora_cache` is the measured top-32 row, whatever kd_logits' default (sampled)."""
     cache = a.out / f"cache_{a.shapes}_{a.seq_len}"
     teacher = ([f"teacher.checkpoint_dir={a.out / 'teacher_8b'}", f"tokenizer_dir={a.out / 'student_1b'}"]
                if a.shapes == "llama" else [])
     config = "kd_logits/llama3_1_8b" if a.shapes == "llama" else "kd_logits/smollm2_demo"
     cmd = [sys.executable, "-m", "llm_recipe.cli.main", "run", "kd_logits", "--config", config, *teacher, *_data(a),
            f"output_dir={cache}", f"device={a.device}", f"dtype={a.dtype}", f"batch_size={a.batch_size}",
-           f"compile={'true' if a.device.startswith('cuda') else 'false'}", "teacher.quantize=null"]
+           f"compile={'true' if a.device.startswith('cuda') else 'false'}", "teacher.quantize=null",
+           "cache.mode=topk", "cache.top_k=32"]
     t0 = time.time()
     with open(a.out / f"{cache.name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode

@@ -22,19 +22,19 @@ from .settings import setting
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherSettings:
-    """kd's `teacher:` section: the frozen teacher, or its cached top-k (`logits_dir`)."""
+    """kd's `teacher:` section: the frozen teacher, or its cache (`logits_dir`: a sample of its tokens or its top-k)."""
 
     checkpoint_dir: str | None = setting(None, ModelDir(optional=True), "HF folder of the teacher (frozen, no grad)")
     placement: str = setting("auto", Choice(*TEACHER_PLACEMENTS), "several GPUs: replicate (a full copy per GPU), "
                              "shard (FSDP) or auto (replicate if it takes <= half the free memory)")
     quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True),
                                    "fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only (null: none)")
-    logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its top-k (or sample) "
+    logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its sample (or top-k) "
                                      "replaces the teacher, which is never loaded")
 
 
 def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, tokenizer_vocab: int,
-                              kd_loss: str = "forward_kl") -> None:
+                              kd_loss: str) -> None:
     """Teacher and student speak the same tokens, and each config.json describes its weights: checked from
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The

@@ -53,7 +53,7 @@ from llm_recipe.components.training import (
 class KDConfig(TrainConfig):
     """The kd recipe's config: the training keys (components/train_config.py) and its model and loss sections."""
 
-    teacher: TeacherSettings = section(TeacherSettings, "the frozen teacher, or its cached top-k")
+    teacher: TeacherSettings = section(TeacherSettings, "the frozen teacher, or its cached sample or top-k")
     student: StudentSettings = section(StudentSettings, "the student's weights and the teacher layers it keeps")
     lora: LoRASettings | None = section(LoRASettings, "LoRA adapters on the student (null: the whole student "
                                         "trains)", optional=True)

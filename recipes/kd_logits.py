@@ -1,11 +1,12 @@
-"""Offline teacher: run the KD teacher once over the transfer set and cache its top-k log-probabilities, or a
-sample of its tokens.
+"""Offline teacher: run the KD teacher once over the transfer set and cache a sample of its tokens (the default),
+or its top-k log-probabilities.
 
 The transfer set is tokenized and packed exactly as `kd` does it (the same `dataset:` section, the same builder).
-Per target token the cache keeps (`cache.mode`) either the teacher's k largest log-probs at temperature T (fp16),
-their ids (3 bytes) and the log of the rest of the mass (fp16): 162 bytes at k = 32 (topk); or N tokens drawn from
-the teacher's softmax at T, as the distinct ids, their counts and log-probs: 6 bytes per distinct id + 1, at most
-193 at N = 32 (sampled: an unbiased forward-KL gradient, docs/losses.md). `recipe run kd ... teacher.logits_dir=DIR` then
+Per target token the cache keeps (`cache.mode`) either N tokens drawn from the teacher's softmax at temperature T,
+as the distinct ids, their counts and log-probs: 6 bytes per distinct id + 1, at most 193 at N = 32, ~81 on the
+demo set (sampled, the default: an unbiased forward-KL gradient, forward_kl only; docs/losses.md); or the teacher's
+k largest log-probs at T (fp16), their ids (3 bytes) and the log of the rest of the mass (fp16): 162 bytes at
+k = 32 (topk: any kd.loss, a biased gradient). `recipe run kd ... teacher.logits_dir=DIR` then
 distils any number of students without loading the teacher. Shards are written atomically; a rerun after a
 crash keeps the finished ones; under torchrun each rank writes every world_size-th shard with its own copy of
 the teacher. Format: components/logits_cache/manifest.py.
@@ -54,7 +55,7 @@ from llm_recipe.components.training import hidden_states, load_tokenizer, to_dev
 
 @dataclass(frozen=True, kw_only=True)
 class Teacher:
-    """The `teacher:` section: the model whose top-k is cached."""
+    """The `teacher:` section: the model whose sample (or top-k) is cached."""
 
     checkpoint_dir: str = setting(REQUIRED, ModelDir(), "HF folder of the teacher")
     quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True), "null | fp8 (sm89+ GPU) | "
@@ -65,8 +66,9 @@ class Teacher:
 class Cache:
     """The `cache:` section: what the cache keeps per target token, and how it is sharded."""
 
-    mode: str = setting("topk", Choice("topk", "sampled"), "topk: the k largest teacher log-probs + the tail's | "
-                        "sampled: cache.samples draws from the teacher (unbiased forward-KL gradient)")
+    mode: str = setting("sampled", Choice("topk", "sampled"), "sampled: cache.samples draws from the teacher "
+                        "(unbiased forward-KL gradient; kd.loss forward_kl only) | topk: the k largest teacher "
+                        "log-probs + the tail's (any kd.loss)")
     top_k: int = setting(32, Range(int, ge=1, le=2**24), "teacher log-probs kept per token (mode topk)")
     samples: int = setting(32, Range(int, ge=1, le=255), "tokens drawn per token from the teacher's softmax, with "
                            "replacement (mode sampled; seeded by `seed`)")

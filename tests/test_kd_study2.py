@@ -62,6 +62,7 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
     cmd = (out / "logs" / "kd_cache8.log").read_text().splitlines()[0]
     assert f"teacher.logits_dir={out / 'kd_logits_kd_cache8'}" in cmd and cmd.endswith("kd.kd_ratio=1.0")
     assert json.loads((out / "kd_logits_kd_cache8" / "manifest.json").read_text())["top_k"] == 8
+    assert json.loads((out / "kd_logits" / "manifest.json").read_text())["mode"] == "topk"
     assert set(res["kd_cache8_vs_kd_cache"]) == set(res["kd_vs_sft"]) and "qat_lr" in res["ptq_loss_recovered"]
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "plan", "--variant", "x=nope:a=1"],
                          cwd=ROOT, capture_output=True, text=True)
@@ -170,7 +171,11 @@ def test_a_cache_variant_builds_its_own_cache_with_its_cache_keys(tmp_path):
     own = by["kd_logits_kd_cache_s32"].argv
     assert own[-3:] == [f"output_dir={tmp_path / 'kd_logits_kd_cache_s32'}", "cache.mode=sampled",
                         "cache.samples=32"] and "cache.top_k=32" in own
+    assert "cache.mode=topk" not in own  # the variant's mode replaces the pinned one
     assert [a for a in by["kd_logits_kd_cache8"].argv if a.startswith("cache.top_k=")] == ["cache.top_k=8"]
+    assert [a for a in by["kd_logits_kd_cache8"].argv if a.startswith("cache.mode=")] == ["cache.mode=topk"]
+    base = {j.name: j for j in study.training_jobs(s, tmp_path, [0, 1])}["kd_logits"]
+    assert "cache.mode=topk" in base.argv  # kd_cache stays the measured top-32 row, whatever kd_logits' default
     row = by["kd_cache_s32"]
     assert [a for a in row.argv if a.startswith("teacher.logits_dir=")] == [
         f"teacher.logits_dir={tmp_path / 'kd_logits_kd_cache_s32'}"]

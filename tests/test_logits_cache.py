@@ -1,9 +1,10 @@
-"""The offline teacher end to end: `recipe run kd_logits` writes the cache (contents = the teacher's top-k at T,
-<= 200 bytes/token), a kill -9 mid-write then a rerun gives the same shards, `kd` trains from it without the
-teacher, and every bad cache (incomplete, truncated, altered, another teacher, another run) is a one-line error
-before anything trains. A sampled cache (`cache.mode=sampled`, the embedded SmolLM2 as teacher) holds the teacher's
-seeded draws, the same whatever the batch and chunking, and `kd` trains from it with forward KL only. The quality
-comparison with online KD on the embedded model is slow-marked."""
+"""The offline teacher end to end: the shipped config writes a sampled cache of 32 draws per token by default, from
+which any kd.loss but forward_kl is a one-line error. `recipe run kd_logits ... cache.mode=topk` writes the
+teacher's top-k at T (<= 200 bytes/token), a kill -9 mid-write then a rerun gives the same shards, `kd` trains
+from it without the teacher, and every bad cache (incomplete, truncated, altered, another teacher, another run) is
+a one-line error before anything trains. A sampled cache (`cache.mode=sampled`, the embedded SmolLM2 as teacher)
+holds the teacher's seeded draws, the same whatever the batch and chunking, and `kd` trains from it with forward KL
+only. The quality comparison with online KD on the embedded model is slow-marked."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ if "recipes_common" not in sys.modules:
     _spec.loader.exec_module(rc)
 
 DATA = ["device=cpu", "dtype=fp32", "dataset.max_seq_len=48", "dataset.limit=24"]
-CACHE = [*DATA, "cache.items_per_shard=2", "batch_size=2", "num_output_chunks=2"]
+BASE = [*DATA, "cache.items_per_shard=2", "batch_size=2", "num_output_chunks=2"]
+CACHE = [*BASE, "cache.mode=topk"]  # the top-k tests pin the mode: the shipped default is sampled
 KD = [*rc.KD_COMMON, "dataset.limit=24", "max_steps=2", "optimizer.lr=1e-3", "lr_scheduler.name=constant"]
 
 
@@ -198,7 +200,24 @@ def test_rebuilding_into_a_cache_of_another_run_is_refused(tmp_path, cache, teac
     assert "holds a cache of another run (top_k: 32 there, 16 now)" in err
 
 
-SAMPLED = [*CACHE, "cache.mode=sampled", "cache.samples=8"]
+def test_the_shipped_config_builds_a_sampled_cache_from_which_only_forward_kl_trains(capsys, tmp_path,
+                                                                                     tiny_model_dir):
+    """No cache.mode: 32 draws per token (the shipped and the typed default; docs/kd_study.md "Sampled cache"); kd
+    with kd.loss=reverse_kl from it is one line naming kd.loss and cache.mode and how to rebuild the cache."""
+    out = tmp_path / "default"
+    proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*DATA, "batch_size=4", f"output_dir={out}"],
+                      cwd=tmp_path)
+    rc.assert_ok(proc)
+    assert "bytes/token at 32 samples per token (at most 193: every draw distinct)" in proc.stdout
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["mode"], m["samples"], m["payload_bytes_per_token"]) == ("sampled", 32, 193) and "top_k" not in m
+    assert m["bytes_per_token"] < 193
+    err = _error(capsys, tmp_path, out, tiny_model_dir, "kd.loss=reverse_kl")
+    assert f"kd.loss=reverse_kl cannot be trained from teacher.logits_dir={out}: a sampled cache (cache.mode=sampled" in err
+    assert "rebuild the cache with `recipe run kd_logits ... cache.mode=topk`" in err
+
+
+SAMPLED = [*BASE, "cache.mode=sampled", "cache.samples=8"]
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +304,7 @@ def test_kd_from_the_top32_or_sampled_cache_matches_online_kd_on_the_embedded_mo
     rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={cache}"],
                             cwd=tmp_path))
     sample = tmp_path / "sample"
-    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, *data, f"output_dir={sample}",
+    rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*BASE, *data, f"output_dir={sample}",
                                                                     "cache.mode=sampled"], cwd=tmp_path))
     common = [*KD, *data, "max_steps=12", "batch_size=4", f"student.checkpoint_dir={tiny_model_dir}",
               "optimizer.lr=3e-3"]

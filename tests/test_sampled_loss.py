@@ -167,3 +167,4 @@ def test_other_divergences_are_a_one_line_error_naming_kd_loss_and_the_cache(fus
                   0.5)
     msg = str(e.value)
     assert "\n" not in msg and "kd.loss=jsd" in msg and "teacher.logits_dir" in msg and "forward_kl" in msg
+    assert "cache.mode=sampled" in msg and "rebuild the cache with `recipe run kd_logits ... cache.mode=topk`" in msg

@@ -215,4 +215,5 @@ def test_kd_logits_says_what_is_left_and_shows_an_eta(tiny_model_dir, tmp_path, 
     manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert line == (f"teacher: {manifest['tokens']:,} target tokens to go in {manifest['num_shards']} shard(s); "
                     "ETA on the bar below")
-    assert "teacher top-k: 100%" in err and "tok/s" in err  # the bar, with a total: rate and ETA
+    assert manifest["mode"] == "sampled"  # the shipped default
+    assert "teacher sample: 100%" in err and "tok/s" in err  # the bar, with a total: rate and ETA

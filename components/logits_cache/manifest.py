@@ -137,7 +137,7 @@ def unpack_ids(packed: torch.Tensor) -> torch.Tensor:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
 
 
-def bytes_per_token(k: int, mode: str = "topk") -> int:
+def bytes_per_token(k: int, mode: str) -> int:
     """Payload bytes per target token: exact for top-k; for a sample of k draws, the most (every draw distinct)."""
     return 2 * k + ID_BYTES * k + 2 if mode == "topk" else (2 + ID_BYTES + 1) * k + 1
 

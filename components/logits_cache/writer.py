@@ -134,7 +134,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 def _payload(header: dict) -> int:
     """Payload bytes per token (a sampled cache: the most, with every draw distinct)."""
     if header.get("mode", "topk") == "topk":
-        return bytes_per_token(header["top_k"])
+        return bytes_per_token(header["top_k"], "topk")
     return bytes_per_token(header["samples"], "sampled")
 
 

@@ -130,5 +130,6 @@ def check_sampled_loss(kind: str, cache_dir: object = None) -> None:
     if kind != "forward_kl":
         where = "" if cache_dir is None else f"={cache_dir}"
         raise RecipeError(f"kd.loss={kind} cannot be trained from teacher.logits_dir{where}: a sampled cache "
-                          "(cache.mode=sampled) estimates forward KL only; use kd.loss=forward_kl, a top-k cache "
-                          "or the live teacher")
+                          "(cache.mode=sampled, kd_logits' default) estimates forward KL only; use kd.loss=forward_kl, "
+                          "or rebuild the cache with `recipe run kd_logits ... cache.mode=topk` (or train from the "
+                          "live teacher)")
