@@ -27,7 +27,7 @@ def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, lis
 
 
 def _workers_failed_message(failures: dict) -> str:
-    """One line for torchrun's ChildFailedError: which rank failed first and how, and which ones torchrun then
+    """One line for torchrun's ChildFailedError: which ranks failed and how, apart from the ranks torchrun then
     stopped (SIGTERM), so a rank killed by a signal is not lost among the ranks stopped because of it."""
     import signal
 
@@ -48,7 +48,8 @@ def _workers_failed_message(failures: dict) -> str:
     rest = f"; torchrun then stopped rank(s) {', '.join(map(str, stopped))}" if len(causes) < len(failures) else ""
     resume = ("; a training run continues from its latest complete checkpoint with resume=true"
               if any(code < 0 for code in by_code) else "")
-    return f"{first}{rest}: see the errors above{resume}"
+    above = ": see the errors above" if any(code >= 0 for code in by_code) else ""  # a killed rank prints nothing
+    return f"{first}{rest}{above}{resume}"
 
 
 def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:

@@ -280,9 +280,15 @@ class OnPolicy:
         if rt.is_main:
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
-            print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), {how}",
-                  flush=True)
-            if prompt_set is not None:
+            if prompt_set is None:
+                print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), "
+                      f"{how}", flush=True)
+            else:
+                tokens = prompt_set.micro_batch_tokens(self.rows, s.max_new_tokens)
+                data = self.batch_size * cfg.dataset.max_seq_len
+                print(f"on-policy sampling: {self.rows} prompts of {PROMPTS_KEY} per micro-batch (batch_size x "
+                      f"prompts_per_row), each in a row of its own: up to {tokens} tokens ({tokens / data:.1f}x a data "
+                      f"micro-batch; prompts_per_row=1 keeps it at most 1x), {how}", flush=True)
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)

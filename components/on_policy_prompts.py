@@ -129,6 +129,11 @@ class PromptSet:
     origin: str
     cut: int
 
+    def micro_batch_tokens(self, rows: int, max_new_tokens: int) -> int:
+        """Tokens of an on-policy micro-batch of `rows` prompts at most: each row padded to the longest prompt
+        plus its completion (what the student's activations scale with; the loader's rows may hold fewer)."""
+        return rows * (max(map(len, self.train + self.held)) + max_new_tokens)
+
 
 def _prompt_rows(s: Any, tokenizer: Any) -> TokenizedDataset:
     """The prompt set's rows tokenized whole and unpacked; its errors (a missing column, an empty split) as one

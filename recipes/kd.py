@@ -116,8 +116,12 @@ def main(cfg: KDConfig) -> None:
             freeze_all_but_adapters(student)
         qat_files = prepare_qat_student(student, cfg.qat, rt.device)  # KD-QAT (null: none)
         vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
+        tokens = micro_batch_tokens(cfg)  # activation checkpointing `auto` sizes for the largest micro-batch
+        if prompt_set is not None:  # on-policy rows of the prompt set: batch_size x prompts_per_row of them
+            tokens = max(tokens, prompt_set.micro_batch_tokens(cfg.batch_size * on_policy.prompts_per_row,
+                                                               on_policy.max_new_tokens))
         rt.prepare_model(student, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                         micro_batch_tokens=micro_batch_tokens(cfg))
+                         micro_batch_tokens=tokens)
 
     # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
     # On-policy runs keep the last `kd.on_policy.held_out` rows of the dataset (or of kd.on_policy.prompts) out of

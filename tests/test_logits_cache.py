@@ -286,7 +286,7 @@ def test_rebuilding_a_cache_with_another_mode_or_sample_count_is_refused(tmp_pat
     proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"teacher.checkpoint_dir={teacher}",
                                                               f"output_dir={cache}"], cwd=tmp_path)
     (err,) = rc.error_lines(proc)
-    assert "holds a cache of another run (mode: 'topk' there, 'sampled' now)" in err
+    assert "holds a cache of another run (mode: 'topk' there, 'sampled' now); pass cache.mode=topk to continue it" in err
 
 
 @pytest.mark.slow

@@ -211,6 +211,8 @@ def test_prompt_set_rows_give_their_prompts_cut_to_the_budget_and_hold_out_the_t
     text = load_prompt_set(OnPolicySettings(prompts=DatasetConfig(source="transfer:passages", limit=3),
                                             prompt_tokens=5, held_out=0, max_new_tokens=16), 64, tok)
     assert [len(p) for p in text.train] == [5, 5, 5] and text.held == []  # text rows: the first prompt_tokens
+    # an on-policy micro-batch of 4 prompts: 4 rows padded to the longest prompt (held-out ones too) + completion
+    assert got.micro_batch_tokens(4, 16) == 4 * (max(map(len, got.train + got.held)) + 16)
 
 
 @pytest.mark.parametrize("prompts, held_out, message", [

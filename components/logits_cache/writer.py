@@ -60,9 +60,10 @@ class CacheWriter:
                 old, new = {"mode": "topk", **_flat(read_manifest(path))}, _flat(self.header)
                 key = first_difference(old, new, sorted(set(old) | set(new)))
                 if key is not None:
+                    hint = (f"pass cache.mode={old.get(key)} to continue it, or " if key == "mode" else "")
                     raise RecipeError(f"output_dir={self.out} holds a cache of another run ({key}: "
                                       f"{old.get(key)!r} there, {new.get(key)!r} now); "
-                                      "pick another output_dir or delete it")
+                                      f"{hint}pick another output_dir or delete it")
         if rt.is_main:  # merge what earlier (killed) runs recorded, keeping only intact shards
             intact = {i: r for i, r in _known_records(self.out).items() if shard_problem(self.out, r) is None}
             self._write(self.out / MANIFEST, intact)
