@@ -434,6 +434,6 @@ def _check_nf4_shardable(model: nn.Module, world_size: int) -> None:
 
 
 def _is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from .models.builder import is_sharded
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return is_sharded(model)

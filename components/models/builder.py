@@ -212,6 +212,13 @@ def build_model(args: ModelArgs, lora: LoRASettings | None = None,
     )
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards any part of `model` (its parameters are DTensor shards, not whole tensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def output_weight(model: TransformerDecoder) -> torch.Tensor:
     """The output projection's weight (the embedding when tied)."""
     import_torchtune()

@@ -97,16 +97,14 @@ def why_not_on_host(model: nn.Module, device: torch.device) -> str | None:
     """None when `model`'s embedding can move to the host; else why not (CPU run, trainable, sharded, tied)."""
     if device.type != "cuda":
         return "not a CUDA run"
-    from torch.distributed.fsdp import FSDPModule
-
-    from .builder import output_weight
+    from .builder import is_sharded, output_weight
 
     embed = getattr(model, "tok_embeddings", None)
     if type(embed) is not nn.Embedding:
         return "no plain nn.Embedding"
     if any(p.requires_grad for p in model.parameters()):
         return "not frozen"
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if is_sharded(model):
         return "sharded"
     if output_weight(model) is embed.weight:
         return "tied to the output head"

@@ -25,9 +25,9 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device)
     if mode not in TEACHER_QUANT:
         raise RecipeError(f"teacher.quantize: {mode!r} is not one of null, {', '.join(TEACHER_QUANT)}")
     scheme = TEACHER_QUANT[mode]
-    from torch.distributed.fsdp import FSDPModule
+    from ..models.builder import is_sharded
 
-    if any(isinstance(m, FSDPModule) for m in teacher.modules()):
+    if is_sharded(teacher):
         raise RecipeError(f"teacher.quantize={mode} needs an unsharded teacher (one full copy per GPU); "
                           "set teacher.placement: replicate, or teacher.quantize: null to shard it")
     try:
