@@ -158,9 +158,8 @@ def cmd_recipes(a) -> None:
                **log_facts(out_dir.with_suffix(".log"))}
         if rc:
             row["error"] = out_dir.with_suffix(".log").read_text(errors="replace")[-1500:]
-        elif (out_dir / "adapter").is_dir() and a.hf_path is not None and name != "qlora":
-            base = a.models / ("teacher_8b" if name == "qlora" else "student_1b")
-            row["peft"] = peft_check(a, base, out_dir)
+        elif (out_dir / "adapter").is_dir() and a.hf_path is not None and name != "qlora":  # QLoRA: NF4 base
+            row["peft"] = peft_check(a, a.models / "student_1b", out_dir)
         append(a.out / "recipes.jsonl", row)
 
 
@@ -202,7 +201,7 @@ def cmd_fault(a) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    left = [p for p in workers(proc.pid).values()]
+    left = list(workers(proc.pid).values())
     text = log.read_text(errors="replace")
     row = {"fault": "rank 1 SIGKILL after step 5", "victim_pid": victim, "rc": proc.returncode,
            "exit_after_kill_s": round(time.time() - killed_at, 1) if killed_at else None,
