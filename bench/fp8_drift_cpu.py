@@ -34,18 +34,26 @@ def e4m3_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-class EmulatedFp8Linear(nn.Module):
-    """A frozen linear whose weight (per output row) and input (per token) are rounded as fp8 rowwise does."""
+def int8_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x rounded to symmetric int8 with one amax scale per row along `dim`, back in fp32."""
+    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127.0
+    return (x / scale).round().clamp(-127, 127) * scale
 
-    def __init__(self, linear: nn.Linear, weights: bool, activations: bool) -> None:
+
+class EmulatedFp8Linear(nn.Module):
+    """A frozen linear whose weight (per output row) and input (per token) are rounded as fp8 rowwise does
+    (or, with `fmt="int8"`, as int8 dynamic-activation int8-weight does)."""
+
+    def __init__(self, linear: nn.Linear, weights: bool, activations: bool, fmt: str = "e4m3") -> None:
         super().__init__()
+        self.round = e4m3_rowwise if fmt == "e4m3" else int8_rowwise
         w = linear.weight.detach().float()
-        self.weight = e4m3_rowwise(w, 1) if weights else w
+        self.weight = self.round(w, 1) if weights else w
         self.bias = linear.bias
         self.activations = activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xin = e4m3_rowwise(x.float(), -1) if self.activations else x.float()
+        xin = self.round(x.float(), -1) if self.activations else x.float()
         y = F.linear(xin, self.weight)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
@@ -62,6 +70,9 @@ VARIANTS = {
     "keep down (w2)": (("mlp.w2",), True, True),
     "keep gate+up": (("mlp.w1", "mlp.w3"), True, True),
     "keep the MLP": (("mlp.",), True, True),
+    "int8 all linears": ((), True, True, "int8"),
+    "int8 weights only": ((), True, False, "int8"),
+    "int8 activations only": ((), False, True, "int8"),
 }
 
 
@@ -88,14 +99,14 @@ def main() -> None:
     reference, _ = load_model(model_dir, dtype=torch.float32)
     ref = logprobs(reference.eval())
     for name in a.variants.split(","):
-        keep, weights, activations = VARIANTS[name]
+        keep, weights, activations, *fmt = VARIANTS[name]
         model, _ = load_model(model_dir, dtype=torch.float32)
         for layer in model.eval().layers:
             for fqn, mod in list(layer.named_modules()):
                 if isinstance(mod, nn.Linear) and not fqn.startswith(keep or ("\0",)):
                     parent, _, attr = fqn.rpartition(".")
                     setattr(layer.get_submodule(parent) if parent else layer, attr,
-                            EmulatedFp8Linear(mod, weights, activations))
+                            EmulatedFp8Linear(mod, weights, activations, *fmt))
         kls, agree, n = [], 0, 0
         for lp_ref, lp_q in zip(ref, logprobs(model)):
             kls.append((lp_ref.exp() * (lp_ref - lp_q)).sum(-1))
