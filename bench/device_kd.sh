@@ -8,7 +8,8 @@
 #                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
 #                                          # prints what is done after ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
-#   bash bench/device_kd.sh profile [ROW]  # carry .whl .carry/tok: wheels, random HF folders, one row under torch.profiler
+#   bash bench/device_kd.sh profile [ROW [ARGS]]  # carry .whl .carry/tok: wheels, random HF folders, one row under
+#                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
 #   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
@@ -17,7 +18,7 @@
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
-stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW] | kl | onpolicy [ROWS]}
+stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW [ARGS]] | kl | onpolicy [ROWS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site "$@"; }
@@ -53,11 +54,11 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
-one_row_tool() {  # script row outfile: wheels, repo, random HF folders, then one bench tool on one row
+one_row_tool() {  # script row outfile [args]: wheels, repo, random HF folders, then one bench tool on one row
     install_ours
     copy_repo
     python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
-    ours python3 "bench/$1" --out $B --row "$2" 2>&1 | grep -v "^train" | tee "$3"
+    ours python3 "bench/$1" --out $B --row "$2" "${@:4}" 2>&1 | grep -v "^train" | tee "$3"
     [[ -n ${OUT:-} ]] && cp "$3" "$OUT/"
 }
 
@@ -121,7 +122,7 @@ onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config 
     ours python3 bench/on_policy_speed.py --out $B ${2:+--rows "$2"}
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
-    one_row_tool profile_kd.py "${2:-ours_lora_compile}" /tmp/profile.txt
+    one_row_tool profile_kd.py "${2:-ours_lora_compile}" /tmp/profile.txt "${@:3}"
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
     one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt

@@ -5,6 +5,8 @@
 Runs the real `recipe run kd` (the row's exact arguments) and profiles `--active` optimizer steps after `--skip`
 (compilation and warm-up excluded; steps are counted with torch.optim's global step hook). Prints the top CUDA
 kernels by total device time and the share of each kernel family (matmul, attention, triton-fused, copies).
+`--gaps`: also records host ops and prints where the GPU sat idle inside the profiled steps (the largest gaps
+between kernels, the kernels around each and the host ops running meanwhile), and the busy share of the span.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--active", type=int, default=4)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: SmolLM2 shapes, CPU op times")
+    p.add_argument("--gaps", action="store_true", help="GPU idle time between kernels and what the host did")
     a = p.parse_args()
     side, student, extra = kd_throughput.ROWS.get(a.row, ("qat", "full", []))
     gpu = a.device == "cuda"
@@ -60,7 +63,8 @@ def main() -> None:
 
     sched = torch.profiler.schedule(wait=a.skip, warmup=1, active=a.active, repeat=1)
     activity = torch.profiler.ProfilerActivity.CUDA if gpu else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity], schedule=sched) as prof:
+    activities = [activity, torch.profiler.ProfilerActivity.CPU] if gpu and a.gaps else [activity]
+    with torch.profiler.profile(activities=activities, schedule=sched) as prof:
         register_optimizer_step_post_hook(lambda *_: prof.step())
         rc = recipe_main(argv)
     key = "device_time_total" if gpu else "self_cpu_time_total"
@@ -75,6 +79,48 @@ def main() -> None:
                       "profiled_steps": a.active,
                       "ms_per_step": total / 1000 / a.active,
                       "share": {k: round(v, 3) for k, v in sorted(share.items(), key=lambda kv: -kv[1])}}))
+    if gpu and a.gaps:
+        print_gaps(prof.events(), a.active)
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], min_us: float) -> tuple[float, float, list[tuple]]:
+    """(busy us, span us, gaps) of kernel intervals (start us, end us, name): the union of the intervals, first start
+    to last end, and each idle stretch of at least `min_us` as (length, start, kernel before, kernel after)."""
+    kernels = sorted(kernels)
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = kernels[0]
+    for start, end, name in kernels[1:]:
+        if start > cur_end:  # the GPU idles from cur_end to start
+            busy += cur_end - cur_start
+            if start - cur_end >= min_us:
+                gaps.append((start - cur_end, cur_end, cur_name, name))
+            cur_start = start
+        if end >= cur_end:
+            cur_end, cur_name = end, name
+    busy += cur_end - cur_start
+    return busy, kernels[-1][1] - kernels[0][0], sorted(gaps, reverse=True)
+
+
+def print_gaps(events, steps: int, min_us: float = 200.0, top: int = 25) -> None:
+    """Where the GPU idled in the profiled steps, and the outermost host ops that ran during each gap."""
+    from torch.autograd import DeviceType
+
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    if not kernels:
+        print(json.dumps({"gaps": "no CUDA kernels recorded"}))
+        return
+    busy, span, gaps = idle_gaps(kernels, min_us)
+    print(f"GPU busy {busy / 1000:.1f} ms of a {span / 1000:.1f} ms span ({busy / span:.1%}); idle "
+          f"{(span - busy) / 1000 / steps:.1f} ms per step, {sum(g[0] for g in gaps) / 1000 / steps:.1f} ms of it in "
+          f"gaps >= {min_us / 1000:.1f} ms ({len(gaps)} gaps)")
+    for length, start, before, after in gaps[:top]:
+        during = sorted(((min(e.time_range.end, start + length) - max(e.time_range.start, start), e.name)
+                         for e in host if e.time_range.start < start + length and e.time_range.end > start),
+                        reverse=True)[:4]
+        print(f"- {length / 1000:6.2f} ms after {before[:60]!r} before {after[:60]!r}; host: "
+              + ", ".join(f"{n[:50]} {d / 1000:.2f} ms" for d, n in during))
+    print(json.dumps({"gpu_busy_share": round(busy / span, 4), "idle_ms_per_step": round((span - busy) / 1000 / steps, 2)}))
 
 
 if __name__ == "__main__":
