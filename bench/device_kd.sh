@@ -23,7 +23,9 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIP
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site "$@"; }
 
-install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `ours` puts first on PYTHONPATH
+install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `ours` puts first on PYTHONPATH; a
+                  # call without .whl (64 MiB per call) uses those an earlier call on this machine installed
+    [[ -d .whl || ! -d /tmp/site/torchao ]] || { echo "no .whl: the wheels already in /tmp/site"; return 0; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 }
 
