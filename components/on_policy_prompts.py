@@ -6,7 +6,8 @@ components/on_policy.py).
 - Prompts from the training rows (the default): `row_prompts` / `prompts_of`, one per document of a packed row.
 - Prompts from a set of their own (`kd.on_policy.prompts`): `load_prompt_set` tokenizes it, one prompt per row
   (an instruct/chat row may be prompt-only: no response), and `deal_prompts` deals the rows statelessly
-  (`prompt_order`: a seeded permutation per pass), so resume is bit-identical and ranks never overlap.
+  (`prompt_order`: a seeded permutation per pass, cut into whole micro-batches), so resume is bit-identical, ranks
+  never overlap and a micro-batch never repeats a prompt.
 """
 
 from __future__ import annotations
@@ -58,12 +59,22 @@ def prompt_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
 
 
 def deal_prompts(seed: int, n: int, m: int, rank: int, world: int, rows: int) -> list[int]:
-    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`: positions
-    p = (m * world + rank) * rows + j, j < rows, of the endless order where p is row prompt_order(seed, p // n)[p % n].
-    Disjoint across ranks and micro-batches within a pass; rank r's prompts are global slots r * rows + j of what
-    one process with world x the batch takes."""
-    start = (m * world + rank) * rows
-    return [prompt_order(seed, p // n, n)[p % n] for p in range(start, start + rows)]
+    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`, `rows` each.
+
+    All ranks' micro-batch m takes g = world * rows prompts, rank r the r-th `rows` of them. A pass is the
+    permutation prompt_order(seed, pass) of the n rows cut into k = max(1, n // g) micro-batches of g consecutive
+    positions, and micro-batch m is the (m % k)-th of pass m // k: whole micro-batches, so none straddles two passes
+    (a straddling one could take a row at the end of one pass and again at the start of the next). So when n >= g,
+    a micro-batch's prompts are distinct, on all ranks together, and no row is dealt twice within a pass; the
+    n - k * g rows left at a pass's end wait for a later one (each pass reshuffles: every row keeps equal odds), as a
+    shuffled loader with drop_last leaves them. When n < g (k = 1), rank r takes positions (r * rows + j) mod n of
+    its pass: still distinct while rows <= n, the ranks then overlapping (they must). A function of its arguments
+    only, so resume is bit-identical; rank r's prompts are slots r * rows + j of what one process with world x the
+    batch takes."""
+    g = world * rows
+    k = max(1, n // g)
+    order, start = prompt_order(seed, m // k, n), (m % k) * g + rank * rows
+    return [order[(start + j) % n] for j in range(rows)]
 
 
 def _key(*parts: Any) -> int:
