@@ -120,7 +120,7 @@ def tokenize_segments(tok: Tokenizer, segments: Sequence[tuple[str, bool]], add_
     return {"tokens": ids, "labels": labels}
 
 
-def prompt_tokens(tok: Tokenizer, prompt: str) -> dict[str, list[int]]:
+def prompt_only_row(tok: Tokenizer, prompt: str) -> dict[str, list[int]]:
     """A prompt-only row: the rendered prompt's tokens (BOS first, as a training row's; no EOS: the response
     follows) and no target, so its prompt is all of it."""
     ids = tok.encode(prompt, add_bos=True)
@@ -163,7 +163,7 @@ class TextFormat:
 
 class InstructFormat:
     """Alpaca-style `instruction` / `input` (optional) / `output`; loss on the output unless train_on_input.
-    `prompt_only`: a row with no output (missing, null or blank) is its prompt alone (`prompt_tokens`)."""
+    `prompt_only`: a row with no output (missing, null or blank) is its prompt alone (`prompt_only_row`)."""
 
     def __init__(self, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
                  train_on_input: bool = False, use_chat_template: bool = False, prompt_only: bool = False) -> None:
@@ -185,14 +185,14 @@ class InstructFormat:
         if self.use_chat_template:
             user = instruction + ("\n\n" + inp if inp.strip() else "")
             if not output.strip():
-                return prompt_tokens(self.tok, self.tok.apply_chat_template([{"role": "user", "content": user}],
-                                                                            add_generation_prompt=True))
+                return prompt_only_row(self.tok, self.tok.apply_chat_template([{"role": "user", "content": user}],
+                                                                              add_generation_prompt=True))
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
             segments = chat_segments(self.tok, messages)
         else:
             tmpl = ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT
             if not output.strip():
-                return prompt_tokens(self.tok, tmpl.format(instruction=instruction, input=inp))
+                return prompt_only_row(self.tok, tmpl.format(instruction=instruction, input=inp))
             segments = [(tmpl.format(instruction=instruction, input=inp), False), (output, True)]
         return tokenize_segments(self.tok, segments, train_on_input=self.train_on_input)
 
@@ -255,7 +255,7 @@ def chat_segments(tok: Tokenizer, messages: list[dict[str, str]]) -> list[tuple[
 class ChatFormat:
     """Conversations rendered with the model's chat template; loss only on assistant turns by default.
     `prompt_only`: a conversation that does not end in an assistant turn (GKD's prompt-only input) is its prompt
-    alone: all of it, rendered with the generation prompt (`prompt_tokens`)."""
+    alone: all of it, rendered with the generation prompt (`prompt_only_row`)."""
 
     def __init__(self, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
                  train_on_input: bool = False, prompt_only: bool = False) -> None:
@@ -279,7 +279,7 @@ class ChatFormat:
         if self.prompt_only and messages[-1]["role"] != "assistant":
             if not messages[-1]["content"].strip():
                 raise RowError(f"column '{col}' ends in an empty {messages[-1]['role']} turn: no prompt to answer")
-            return prompt_tokens(self.tok, self.tok.apply_chat_template(messages, add_generation_prompt=True))
+            return prompt_only_row(self.tok, self.tok.apply_chat_template(messages, add_generation_prompt=True))
         segments = chat_segments(self.tok, messages)
         if not any(trained and text.strip() for text, trained in segments):
             raise RowError(f"column '{col}' is empty after applying the chat template")
