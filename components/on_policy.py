@@ -21,10 +21,11 @@ With `kd.on_policy.prompts` (a dataset section: source, format, split, ...) they
 student samples on the prompts of the task it is meant for (GKD's setting) while the off-policy micro-batches still
 read the training data; the on-policy micro-batch's training rows go unused (the loader's position moves as
 before). The set is tokenized unpacked, each row gives one prompt (instruct/chat: the tokens before the response,
-the last max_seq_len - max_new_tokens of them; text: the first `prompt_tokens`), its last `held_out` rows are held
-out, and the m-th on-policy micro-batch of the run (m = `on_policy_index`) on rank r of W takes the
-batch_size x prompts_per_row positions p = (m * W + r) * rows + j of an endless order of the rest: pass p // N is a
-permutation of the N rows seeded by (seed, pass). No state, so resume is bit-identical and ranks never overlap.
+or all of a prompt-only row, the last max_seq_len - max_new_tokens of them; text: the first `prompt_tokens`), its
+last `held_out` rows are held out, and the m-th on-policy micro-batch of the run (m = `on_policy_index`) on rank r
+of W takes the r-th rows = batch_size x prompts_per_row of a seeded pass over the N others, cut into whole
+micro-batches of W x rows (`deal_prompts`). No state, so resume is bit-identical, ranks never overlap and no
+micro-batch repeats a prompt (given N >= W x rows).
 
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to

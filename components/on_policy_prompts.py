@@ -4,9 +4,10 @@ components/on_policy.py).
 - `is_on_policy` / `on_policy_index`: micro-batch k goes on-policy when floor(k * fraction + phase) steps up; the
   count below k says which prompts it is dealt.
 - Prompts from the training rows (the default): `row_prompts` / `prompts_of`, one per document of a packed row.
-- Prompts from a set of their own (`kd.on_policy.prompts`): `load_prompt_set` tokenizes it, one prompt per row,
-  and `deal_prompts` deals the rows statelessly (`prompt_order`: a seeded permutation per pass), so resume is
-  bit-identical and ranks never overlap.
+- Prompts from a set of their own (`kd.on_policy.prompts`): `load_prompt_set` tokenizes it, one prompt per row
+  (an instruct/chat row may be prompt-only: no response), and `deal_prompts` deals the rows statelessly
+  (`prompt_order`: a seeded permutation per pass, cut into whole micro-batches), so resume is bit-identical, ranks
+  never overlap and a micro-batch never repeats a prompt.
 """
 
 from __future__ import annotations
@@ -58,12 +59,22 @@ def prompt_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
 
 
 def deal_prompts(seed: int, n: int, m: int, rank: int, world: int, rows: int) -> list[int]:
-    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`: positions
-    p = (m * world + rank) * rows + j, j < rows, of the endless order where p is row prompt_order(seed, p // n)[p % n].
-    Disjoint across ranks and micro-batches within a pass; rank r's prompts are global slots r * rows + j of what
-    one process with world x the batch takes."""
-    start = (m * world + rank) * rows
-    return [prompt_order(seed, p // n, n)[p % n] for p in range(start, start + rows)]
+    """The prompt rows (indices below n) of the m-th on-policy micro-batch on `rank` of `world`, `rows` each.
+
+    All ranks' micro-batch m takes g = world * rows prompts, rank r the r-th `rows` of them. A pass is the
+    permutation prompt_order(seed, pass) of the n rows cut into k = max(1, n // g) micro-batches of g consecutive
+    positions, and micro-batch m is the (m % k)-th of pass m // k: whole micro-batches, so none straddles two passes
+    (a straddling one could take a row at the end of one pass and again at the start of the next). So when n >= g,
+    a micro-batch's prompts are distinct, on all ranks together, and no row is dealt twice within a pass; the
+    n - k * g rows left at a pass's end wait for a later one (each pass reshuffles: every row keeps equal odds), as a
+    shuffled loader with drop_last leaves them. When n < g (k = 1), rank r takes positions (r * rows + j) mod n of
+    its pass: still distinct while rows <= n, the ranks then overlapping (they must). A function of its arguments
+    only, so resume is bit-identical; rank r's prompts are slots r * rows + j of what one process with world x the
+    batch takes."""
+    g = world * rows
+    k = max(1, n // g)
+    order, start = prompt_order(seed, m // k, n), (m % k) * g + rank * rows
+    return [order[(start + j) % n] for j in range(rows)]
 
 
 def _key(*parts: Any) -> int:
@@ -136,23 +147,35 @@ class PromptSet:
 
 
 def _prompt_rows(s: Any, tokenizer: Any) -> TokenizedDataset:
-    """The prompt set's rows tokenized whole and unpacked; its errors (a missing column, an empty split) as one
-    line naming kd.on_policy.prompts."""
+    """The prompt set's rows tokenized whole and unpacked, instruct/chat rows with or without a response
+    (`prompt_only`); its errors (a missing column, an empty prompt, an empty split) as one line naming
+    kd.on_policy.prompts and the row."""
     d = replace(s.prompts, max_seq_len=_WHOLE, packed=False, shuffle=False, bucket=False, train_on_input=False)
     try:
-        return build_dataset(tokenizer, d)
+        return build_dataset(tokenizer, d, prompt_only=True)
     except RecipeError as e:
         raise RecipeError(f"{PROMPTS_KEY}: {e}") from None
 
 
+def _whole_prompts(data: TokenizedDataset, text: int | None) -> list[list[int]]:
+    """Each row's prompt, uncut: a prompt-only row (no target: the format rendered its prompt alone) is all its
+    tokens; any other row's, `row_prompts`' rule (instruct/chat: the tokens before the response)."""
+    out = []
+    for i in range(0, len(data), 256):
+        chunk = data.items[i : i + 256]
+        found = prompts_of(data.collate(chunk), text, _WHOLE)  # unpacked: one prompt per row
+        out += [q if any(lab != IGNORE_INDEX for lab in x["labels"]) else list(x["tokens"])
+                for x, q in zip(chunk, found, strict=True)]
+    return out
+
+
 def load_prompt_set(s: Any, max_seq_len: int, tokenizer: Any) -> PromptSet:
-    """`kd.on_policy.prompts` as prompts (module docstring): each row's prompt by `row_prompts`' rule, cut to
+    """`kd.on_policy.prompts` as prompts (module docstring): each row's prompt (`_whole_prompts`), cut to
     max_seq_len - max_new_tokens (instruct/chat keep their end, text its first `prompt_tokens`); a set with no row
     left to train on after `held_out` is a one-line error with the counts."""
     data, p = _prompt_rows(s, tokenizer), s.prompts
     text = s.prompt_tokens if p.format == "text" else None
-    whole = [q for i in range(0, len(data), 256) for q in prompts_of(data.collate(data.items[i : i + 256]), text,
-                                                                     _WHOLE)]
+    whole = _whole_prompts(data, text)
     budget = max_seq_len - s.max_new_tokens
     prompts = [q[:budget] if text is not None else q[-budget:] for q in whole]
     origin = f"{p.source}, split {p.split}" + (f", limit {p.limit}" if p.limit is not None else "")

@@ -94,18 +94,20 @@ def loss_tokens(item: dict) -> int:
     return sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
 
 
-def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, **options: Any) -> TokenizedDataset:
+def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_only: bool = False,
+                  **options: Any) -> TokenizedDataset:
     """Load rows, tokenize them in `format`, truncate to max_seq_len and optionally pack.
 
     `source`: a `DatasetConfig` (a `dataset:` section), or its `source` key with any of its other keys as keywords
     (`build_dataset(tok, "rows.jsonl", format="chat")`; DatasetConfig holds their defaults and docs). source: file,
     `save_to_disk` folder, HF dataset name/path, or `transfer:passages|chat`. split may slice (`train[:90%]`,
     `train[-200:]`). limit keeps the first N rows after slicing. shuffle/bucket are read by `build_loader`. A
-    malformed row raises RecipeError naming `file:line` (or `row N`).
+    malformed row raises RecipeError naming `file:line` (or `row N`). `prompt_only` (an on-policy prompt set, not
+    a `dataset:` key): instruct/chat rows may lack a response, and are then their prompt with no target (formats.py).
     """
     d = replace(source, **options) if isinstance(source, DatasetConfig) else DatasetConfig(source=source, **options)
     source, split, max_seq_len, limit = d.source, d.split, d.max_seq_len, d.limit
-    fmt = make_format(d.format, tokenizer, d.column_map, d.train_on_input, d.use_chat_template)
+    fmt = make_format(d.format, tokenizer, d.column_map, d.train_on_input, d.use_chat_template, prompt_only)
     rows = load_rows(source, split=split, name=d.name, data_files=d.data_files)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
@@ -121,8 +123,9 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, **options: 
         except RowError as e:
             raise RecipeError(f"{rows.where(i)}: {e}") from None
         item = {"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
-        # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many).
-        if any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
+        # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many); a prompt-only
+        # row has none by design.
+        if prompt_only or any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
             items.append(item)
     dropped = len(rows) - len(items)
     if dropped:

@@ -2,7 +2,8 @@
 
 `text` (plain completion), `instruct` (Alpaca columns) and `chat` (`messages` or ShareGPT `conversations`).
 All go through `tokenize_segments`, which tokenizes the rendered text once and maps the trained character
-spans (responses) to token positions.
+spans (responses) to token positions. With `prompt_only` (an on-policy prompt set, never training data) an
+instruct/chat row without a response is its prompt alone: rendered up to where the response would start, no target.
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ def tokenize_segments(tok: Tokenizer, segments: Sequence[tuple[str, bool]], add_
     return {"tokens": ids, "labels": labels}
 
 
+def prompt_only_row(tok: Tokenizer, prompt: str) -> dict[str, list[int]]:
+    """A prompt-only row: the rendered prompt's tokens (BOS first, as a training row's; no EOS: the response
+    follows) and no target, so its prompt is all of it."""
+    ids = tok.encode(prompt, add_bos=True)
+    return {"tokens": ids, "labels": [IGNORE_INDEX] * len(ids)}
+
+
 def _column(row: Mapping, column_map: Mapping[str, str], key: str, required: bool = True) -> Any:
     col = column_map.get(key, key)
     if col not in row or row[col] is None:
@@ -154,36 +162,44 @@ class TextFormat:
 
 
 class InstructFormat:
-    """Alpaca-style `instruction` / `input` (optional) / `output`; loss on the output unless train_on_input."""
+    """Alpaca-style `instruction` / `input` (optional) / `output`; loss on the output unless train_on_input.
+    `prompt_only`: a row with no output (missing, null or blank) is its prompt alone (`prompt_only_row`)."""
 
     def __init__(self, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
-                 train_on_input: bool = False, use_chat_template: bool = False) -> None:
+                 train_on_input: bool = False, use_chat_template: bool = False, prompt_only: bool = False) -> None:
         self.tok = tokenizer
         self.column_map = dict(column_map or {})
         self.train_on_input = train_on_input
         self.use_chat_template = use_chat_template
+        self.prompt_only = prompt_only
 
     def __call__(self, row: Mapping) -> dict[str, list[int]]:
         """Tokenize one row."""
         instruction = _string(row, self.column_map, "instruction")
         inp = _string(row, self.column_map, "input", required=False)
-        output = _string(row, self.column_map, "output")
+        output = _string(row, self.column_map, "output", required=not self.prompt_only)
         if not instruction.strip():
             raise RowError(f"column '{self.column_map.get('instruction', 'instruction')}' is empty")
-        if not output.strip():
+        if not output.strip() and not self.prompt_only:
             raise RowError(f"column '{self.column_map.get('output', 'output')}' is empty")
         if self.use_chat_template:
             user = instruction + ("\n\n" + inp if inp.strip() else "")
+            if not output.strip():
+                return prompt_only_row(self.tok, self.tok.apply_chat_template([{"role": "user", "content": user}],
+                                                                              add_generation_prompt=True))
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
             segments = chat_segments(self.tok, messages)
         else:
             tmpl = ALPACA_PROMPT if inp.strip() else ALPACA_PROMPT_NO_INPUT
+            if not output.strip():
+                return prompt_only_row(self.tok, tmpl.format(instruction=instruction, input=inp))
             segments = [(tmpl.format(instruction=instruction, input=inp), False), (output, True)]
         return tokenize_segments(self.tok, segments, train_on_input=self.train_on_input)
 
 
-def normalize_messages(raw: Any, column: str) -> list[dict[str, str]]:
-    """`messages` ({role, content}) or ShareGPT ({from, value}) turns -> list of {role, content}."""
+def normalize_messages(raw: Any, column: str, need_assistant: bool = True) -> list[dict[str, str]]:
+    """`messages` ({role, content}) or ShareGPT ({from, value}) turns -> list of {role, content}; without an
+    assistant turn an error unless `need_assistant` is false (a prompt)."""
     if not isinstance(raw, list) or not raw:
         raise RowError(f"column '{column}' must be a non-empty list of turns, got {type(raw).__name__}"
                        + (" (empty)" if isinstance(raw, list) else ""))
@@ -205,7 +221,7 @@ def normalize_messages(raw: Any, column: str) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RowError(f"{column}[{i}].content must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise RowError(f"column '{column}' has no assistant turn to train on")
     return out
 
@@ -237,13 +253,16 @@ def chat_segments(tok: Tokenizer, messages: list[dict[str, str]]) -> list[tuple[
 
 
 class ChatFormat:
-    """Conversations rendered with the model's chat template; loss only on assistant turns by default."""
+    """Conversations rendered with the model's chat template; loss only on assistant turns by default.
+    `prompt_only`: a conversation that does not end in an assistant turn (GKD's prompt-only input) is its prompt
+    alone: all of it, rendered with the generation prompt (`prompt_only_row`)."""
 
     def __init__(self, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
-                 train_on_input: bool = False) -> None:
+                 train_on_input: bool = False, prompt_only: bool = False) -> None:
         self.tok = tokenizer
         self.column_map = dict(column_map or {})
         self.train_on_input = train_on_input
+        self.prompt_only = prompt_only
 
     def __call__(self, row: Mapping) -> dict[str, list[int]]:
         """Tokenize one row."""
@@ -254,9 +273,13 @@ class ChatFormat:
         if col not in row:
             raise RowError(f"missing column '{col}' (expected 'messages' or ShareGPT 'conversations'); "
                            f"row has {', '.join(map(str, row)) or 'no columns'}")
-        messages = normalize_messages(row[col], col)
+        messages = normalize_messages(row[col], col, need_assistant=not self.prompt_only)
         if any(not m["content"].strip() for m in messages if m["role"] == "assistant"):
             raise RowError(f"column '{col}' has an empty assistant turn")
+        if self.prompt_only and messages[-1]["role"] != "assistant":
+            if not messages[-1]["content"].strip():
+                raise RowError(f"column '{col}' ends in an empty {messages[-1]['role']} turn: no prompt to answer")
+            return prompt_only_row(self.tok, self.tok.apply_chat_template(messages, add_generation_prompt=True))
         segments = chat_segments(self.tok, messages)
         if not any(trained and text.strip() for text, trained in segments):
             raise RowError(f"column '{col}' is empty after applying the chat template")
@@ -267,12 +290,12 @@ FORMATS = ("text", "instruct", "chat")
 
 
 def make_format(format: str, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
-                train_on_input: bool = False, use_chat_template: bool = False) -> Any:
-    """The row -> tokens callable for a format name."""
+                train_on_input: bool = False, use_chat_template: bool = False, prompt_only: bool = False) -> Any:
+    """The row -> tokens callable for a format name (`prompt_only`: instruct/chat rows may lack a response)."""
     if format == "text":
         return TextFormat(tokenizer, column_map)
     if format == "instruct":
-        return InstructFormat(tokenizer, column_map, train_on_input, use_chat_template)
+        return InstructFormat(tokenizer, column_map, train_on_input, use_chat_template, prompt_only)
     if format == "chat":
-        return ChatFormat(tokenizer, column_map, train_on_input)
+        return ChatFormat(tokenizer, column_map, train_on_input, prompt_only)
     raise RecipeError(f"dataset.format '{format}' is not one of {', '.join(FORMATS)}")
