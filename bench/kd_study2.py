@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import kd_study2_data as mixdata  # noqa: E402
 from bench import kd_study2_onp as onp  # noqa: E402
 from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
 
@@ -66,6 +67,8 @@ class Scale:
     gen_batch_size: int = 512
     passages: int | None = None  # transfer prompts (None: all shipped ones)
     chat: int | None = 0  # chat answers: none (the students train on passages.jsonl only)
+    mix_chat: int = 1043  # data=chat_mix rows: the teacher answers the first N chat questions (the on-policy rows'
+    #                       prompts and held-out metric use the rest: transfer:chat train[1043:])
     eval_limit: int | None = None  # None: full LAMBADA (5153), HellaSwag (10042), ARC-Easy (2376), PIQA (1838)
     eval_batch_size: int = 64
     device: str = "auto"
@@ -91,7 +94,7 @@ class Scale:
 
 
 TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
-            max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, eval_limit=4, eval_batch_size=4, device="cpu",
+            max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, mix_chat=16, eval_limit=4, eval_batch_size=4, device="cpu",
             compile=False, onp_probe_steps=3, onp_prompts=4, onp_new_tokens=4, onp_batch=4,
             onp_overrides=["kd.on_policy.max_new_tokens=8", "kd.on_policy.prompt_tokens=8"])
 # One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 400 steps x
@@ -187,8 +190,11 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
                             + [f"output_dir={cache_dir}", *own], logits.deps, "cache"))
             deps = [d for d in deps if d != "kd_logits"] + [f"kd_logits_{name}"]
             argv = [a for a in argv if not a.startswith("teacher.logits_dir=")] + [f"teacher.logits_dir={cache_dir}"]
+        argv, deps, overrides = mixdata.with_mix(argv, deps, overrides, out)  # data=chat_mix: its own data
         argv += [o for o in overrides if o not in own]
         jobs.append(Job(name, "train", argv, deps, job.group, shlex.join(["recipe", *argv[3:]])))
+    if mixdata.uses_mix(parse_variants(s)):
+        jobs += mixdata.mix_jobs(s, out, t, _recipe, Job)
     jobs += onp.training_jobs(s, out, next(j for j in jobs if j.name == onp.REFERENCE))
     # the most expensive first, so the longest runs start at once and the cheap ones fill in around them
     order = ["kd_qat", "qat", "kd", "kd_r1", "kd_logits", "sft", "kd_cache"]
@@ -417,7 +423,7 @@ def collect(s: Scale, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=["plan", "run", "collect", "plot", "prune", "eval-one"])
+    p.add_argument("phase", choices=["plan", "run", "collect", "plot", "prune", "eval-one", "mix"])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "kd_study2")
     p.add_argument("--jobs", type=int, default=6, help="processes at once (they share one GPU)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized settings: checks the pipeline end to end")
@@ -429,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps (every row)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:k=v[,k=v]",
                    help="a sweep row: BASE's training (sft, kd, kd_r1, kd_cache, qat, kd_qat) with these overrides "
-                        "(cache.top_k=K, cache.mode=sampled, cache.samples=N: its own cache); repeatable")
+                        "(cache.top_k=K, cache.mode=sampled, cache.samples=N: its own cache; data=chat_mix: passages "
+                        "+ the teacher's chat answers, bench/kd_study2_data.py); repeatable")
     p.add_argument("--pair", action="append", default=[], metavar="BASE:ROW",
                    help="also compare ROW with BASE on the same items (collect); repeatable")
     p.add_argument("--rows", default=None, help="comma-separated rows to run (and what they need); default: all")
@@ -466,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.kd_study2_plot import plot
 
         print(plot(out))
+    elif args.phase == "mix":  # the data=chat_mix rows' file (bench/kd_study2_data.py)
+        mixdata.write_mix(out, _teacher(s))
     elif args.phase == "eval-one":
         eval_one(args.name, args.model, out, args.quant, args.pruned, s)
     elif args.phase == "plan":

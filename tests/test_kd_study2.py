@@ -68,6 +68,37 @@ def test_kd_study2_tiny_end_to_end(tmp_path, tiny_model_dir):
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "--variant 'x=nope:a=1'" in bad.stderr
 
+    # A data sweep row: SFT on the passages plus the teacher's answers to the first chat questions, one text file.
+    # The tiny random teacher's chat replies decode to nothing (the transfer recipe drops empty rows), so its
+    # answers are written here in the recipe's row format and its job marked done; the plan shows the real job.
+    plan = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "plan", "--tiny", "--out", str(out),
+                           "--variant", "sft_mix=sft:data=chat_mix", "--rows", "sft_mix"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert "run transfer" in plan.stdout and "prompts.passages=0 prompts.chat=16" in plan.stdout, plan.stdout[-2000:]
+    (out / "transfer_chat").mkdir()
+    (out / "transfer_chat" / "chat.jsonl").write_text("".join(json.dumps(
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}?"},
+                                     {"role": "assistant", "content": f"answer number {i}."}]}) + "\n"
+        for i in range(3)))
+    (out / "status" / "transfer_chat.json").write_text(json.dumps({"rc": 0, "wall_s": 0.0}))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kd_study2.py"), "run", "--tiny", "--teacher",
+                        str(tiny_model_dir), "--out", str(out), "--jobs", "2", "--variant", "sft_mix=sft:data=chat_mix",
+                        "--rows", "sft_mix"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*")) if "mix" in p.name
+                     or "transfer_chat" in p.name)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
+    chat = (out / "transfer_chat" / "chat.jsonl").read_text().splitlines()
+    passages = (out / "transfer" / "passages.jsonl").read_text().splitlines()
+    mix = [json.loads(x) for x in (out / "transfer_mix" / "mix.jsonl").read_text().splitlines()]
+    assert len(chat) == 3 and len(mix) == len(passages) + len(chat)
+    assert [m["text"] for m in mix[:len(passages)]] == [json.loads(x)["text"] for x in passages]
+    text = mix[len(passages)]["text"]  # the conversation rendered with the teacher's chat template
+    assert "question 0?" in text and "answer number 0." in text and text.index("question") < text.index("answer")
+    cmd = (out / "logs" / "sft_mix.log").read_text().splitlines()[0]
+    assert f"dataset.source={out / 'transfer_mix' / 'mix.jsonl'}" in cmd and "data=chat_mix" not in cmd
+    assert set(json.loads((out / "results.json").read_text())["sft_mix_vs_sft"]) == set(res["kd_vs_sft"])
+    assert (out / "logs" / "sft.log").stat().st_mtime_ns == sft_log
+
     # The on-policy rows alone (as a lease after `restore` runs them): kd_r1 is their reference, already trained
     # here; each row's step time is probed, onp50 / onp100 train kd_r1's GPU time, and every one of the three is
     # scored on the same held-out chat prompts with the same sampling noise, paired prompt by prompt with kd_r1.
