@@ -52,9 +52,9 @@ def write_mix(out: Path, tokenizer_dir: str) -> dict:
     from llm_recipe.components.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
-    passages = [json.loads(x) for x in (out / "transfer" / "passages.jsonl").read_text().splitlines() if x.strip()]
+    passages = _jsonl(out / "transfer" / "passages.jsonl")
     chat_file = out / "transfer_chat" / "chat.jsonl"
-    chats = [json.loads(x) for x in chat_file.read_text().splitlines() if x.strip()] if chat_file.is_file() else []
+    chats = _jsonl(chat_file) if chat_file.is_file() else []
     if not chats:  # every answer empty or dropped as contaminated: the transfer job's log says which
         raise SystemExit(f"mix: {chat_file} has no chat answers (see logs/transfer_chat.log)")
     rows = [{"text": p["text"]} for p in passages] + [{"text": tok.apply_chat_template(c["messages"])} for c in chats]
@@ -66,3 +66,9 @@ def write_mix(out: Path, tokenizer_dir: str) -> dict:
     counts = {"passages": len(passages), "chat": len(chats), "rows": len(rows), "file": str(path)}
     print(json.dumps(counts), flush=True)
     return counts
+
+
+def _jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file, split on "\\n" only: the teacher's text may hold U+2028 and other characters
+    that str.splitlines() also breaks on (json.dumps with ensure_ascii=False leaves them raw)."""
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()]
