@@ -67,7 +67,8 @@ def main() -> None:
     with torch.profiler.profile(activities=activities, schedule=sched) as prof:
         register_optimizer_step_post_hook(lambda *_: prof.step())
         rc = recipe_main(argv)
-    key = "device_time_total" if gpu else "self_cpu_time_total"
+    # self time: with --gaps the host ops are recorded too, and their total device time is their kernels' again
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")]
     total = sum(getattr(e, key) for e in events) or 1.0
     share: dict[str, float] = {}
