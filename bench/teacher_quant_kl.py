@@ -1,11 +1,13 @@
 """How far a quantized KD teacher moves from the bf16 one: mean per-token KL(bf16 teacher || quantized teacher).
 
-    python bench/teacher_quant_kl.py [--model DIR] [--modes fp8,int8_weight_only] [--rows 64] [--seq-len 512]
+    python bench/teacher_quant_kl.py [--model DIR] [--modes fp8,fp8@0.01,int8_weight_only] [--rows 64] [--seq-len 512]
 
 The embedded SmolLM2-135M-Instruct by default (real weights), over the shipped transfer passages packed as
 `recipe run kd` packs them (the data KD trains on), with `teacher.quantize`'s own code path
 (llm_recipe.components.quantization.teacher). Prints one JSON line per mode: mean and 99th-percentile token KL in nats and
-the top-1 agreement with the bf16 teacher.
+the top-1 agreement with the bf16 teacher. `fp8@BOUND` is `teacher.quantize=fp8` with `teacher.max_drift=BOUND` (the
+shipped default 0.01): the projections the setup-time drift check keeps in bf16 stay there; plain `fp8` is
+`teacher.max_drift=null` (every linear in fp8).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from llm_recipe.components.training import hidden_states
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--modes", default="fp8,int8_weight_only")
+    p.add_argument("--modes", default="fp8,fp8@0.01,int8_weight_only")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
@@ -55,7 +57,10 @@ def main() -> None:
     ref = logprobs(ref_model.eval())
     for mode in a.modes.split(","):
         model, _ = load_model(model_dir, dtype=torch.bfloat16, device=device, max_seq_len=a.seq_len)
-        quantize_teacher(model.eval(), mode, device)
+        name, _, bound = mode.partition("@")
+        quantize_teacher(model.eval(), name, device, max_drift=float(bound) if bound else None, model_dir=model_dir,
+                         max_seq_len=a.seq_len)
+        fp8_linears = sum(type(m.weight).__name__ == "Float8Tensor" for m in model.modules() if hasattr(m, "weight"))
         kls, agree, n = [], 0, 0
         for lp_ref, lp_q in zip(ref, logprobs(model)):
             kls.append((lp_ref.exp() * (lp_ref - lp_q)).sum(-1))
@@ -64,7 +69,7 @@ def main() -> None:
         kl = torch.cat(kls)
         print(json.dumps({"model": model_dir, "mode": mode, "device": torch.cuda.get_device_name(device)
                           if device.type == "cuda" else "cpu", "tokens": n, "mean_kl_nats": float(kl.mean()),
-                          "p99_kl_nats": float(kl.quantile(0.99)), "top1_agreement": agree / n}), flush=True)
+                          "p99_kl_nats": float(kl.quantile(0.99)), "top1_agreement": agree / n, "fp8_weights": fp8_linears}), flush=True)
 
 
 if __name__ == "__main__":

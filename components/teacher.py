@@ -14,7 +14,7 @@ from .errors import RecipeError
 from .logits_cache import LogitsCache
 from .losses import check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
-from .quantization.teacher import TEACHER_QUANT, quantize_teacher
+from .quantization.teacher import TEACHER_QUANT, max_drift_setting, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
 from .schema import Choice, ModelDir
 from .settings import setting
@@ -29,6 +29,7 @@ class TeacherSettings:
                              "shard (FSDP) or auto (replicate if it takes <= half the free memory)")
     quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True),
                                    "fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only (null: none)")
+    max_drift: float | None = max_drift_setting()
     logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its sample (or top-k) "
                                      "replaces the teacher, which is never loaded")
 
@@ -79,7 +80,8 @@ def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, stude
     # quantized (fp8 / int8) and compiled.
     teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_seq_len)
     prepare_teacher(rt, teacher, t.placement, compile)
-    quantize_teacher(teacher, t.quantize, rt.device)
+    quantize_teacher(teacher, t.quantize, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
+                     max_seq_len=max_seq_len, rt=rt)
     return teacher, targs, None
 
 

@@ -37,7 +37,7 @@ from llm_recipe.components.logits_cache import (
 from llm_recipe.components.losses.sampled import teacher_samples
 from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
-from llm_recipe.components.quantization.teacher import TEACHER_QUANT, quantize_teacher
+from llm_recipe.components.quantization.teacher import TEACHER_QUANT, max_drift_setting, quantize_teacher
 from llm_recipe.components.runtime import prepare_teacher, setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
@@ -60,6 +60,7 @@ class Teacher:
     checkpoint_dir: str = setting(REQUIRED, ModelDir(), "HF folder of the teacher")
     quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True), "null | fp8 (sm89+ GPU) | "
                                    "int8_weight_only")
+    max_drift: float | None = max_drift_setting()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,7 @@ def main(cfg: KDLogitsConfig) -> None:
     header = {
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
         "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.quantize,
+                    **({"max_drift": cfg.teacher.max_drift} if cfg.teacher.quantize == "fp8" else {}),
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
         "mode": mode, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
         "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
@@ -146,7 +148,8 @@ def main(cfg: KDLogitsConfig) -> None:
     if todo:
         teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=dataset.max_seq_len)
         prepare_teacher(rt, teacher, "replicate", cfg.compile)
-        quantize_teacher(teacher, cfg.teacher.quantize, rt.device)
+        quantize_teacher(teacher, cfg.teacher.quantize, rt.device, max_drift=cfg.teacher.max_drift,
+                         model_dir=teacher_dir, max_seq_len=dataset.max_seq_len, rt=rt)
     if rt.is_main and writer.records:
         print(f"resuming: {len(writer.records)} of {header['num_shards']} shards already written and verified",
               flush=True)

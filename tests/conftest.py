@@ -53,3 +53,28 @@ def tiny_copy(tiny_model_dir, tmp_path) -> Path:
     dst = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, dst)
     return dst
+
+
+@pytest.fixture
+def cpu_fp8(monkeypatch):
+    """The fp8 path on the CPU: the recipe's device checks (fp8 LoRA base, fp8 teacher) and torchao's sm89 assert
+    off (torch runs _scaled_mm on the CPU)."""
+    import torchao.quantization.quant_api as quant_api
+
+    from llm_recipe.components.quantization import fp8_base, teacher
+
+    if not _cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (rowwise came with torch 2.13)")
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    monkeypatch.setattr(fp8_base, "check_fp8_base", lambda device, sharded: None)
+    monkeypatch.setattr(teacher, "check_device", lambda scheme, device: None)
+
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether torch runs an fp8 matmul with per-row scales on the CPU (torch 2.11's CPU kernel asserts)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

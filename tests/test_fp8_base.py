@@ -69,29 +69,6 @@ def adapter_grads(model):
     return {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
 
 
-@pytest.fixture
-def cpu_fp8(monkeypatch):
-    """The fp8 path on the CPU: the recipe's device check and torchao's sm89 assert off (torch runs _scaled_mm)."""
-    import torchao.quantization.quant_api as quant_api
-
-    from llm_recipe.components.quantization import fp8_base
-
-    if not _cpu_rowwise_scaled_mm():
-        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (rowwise came with torch 2.13)")
-    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
-    monkeypatch.setattr(fp8_base, "check_fp8_base", lambda device, sharded: None)
-
-
-def _cpu_rowwise_scaled_mm() -> bool:
-    """Whether torch runs an fp8 matmul with per-row scales on the CPU (torch 2.11's CPU kernel asserts)."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
 # -------------------------------------------------------------------------------------------- settings
 def test_quantize_base_values():
     assert LoRASettings(quantize_base=True).quantize_base == "nf4"  # the older spelling keeps working

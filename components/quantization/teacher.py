@@ -1,9 +1,10 @@
 """A cheaper frozen KD teacher: its transformer linears quantized with torchao (the output head stays as is).
 
 `fp8` is torchao's float8 dynamic-activation / float8 weight with per-row scales (sm89+ GPUs): the teacher's
-matmuls run on the fp8 tensor cores. `int8_weight_only` halves the teacher's weight memory (CPU and GPU). The
-head is left in the run dtype because the KD target is read from its logits; docs/losses.md reports the KL
-between the bf16 and quantized teacher on real weights.
+matmuls run on the fp8 tensor cores. With a drift bound (`teacher.max_drift`) the fp8 error is measured first
+(fp8_drift.py) and the projections that would push it past the bound stay in the run dtype. `int8_weight_only`
+halves the teacher's weight memory (CPU and GPU). The head is left in the run dtype because the KD target is read
+from its logits; docs/benchmarks.md reports the KL between the bf16 and quantized teacher on real weights.
 """
 
 from __future__ import annotations
@@ -12,14 +13,29 @@ import torch
 from torch import nn
 
 from ..errors import RecipeError
+from ..schema import Range
+from ..settings import setting
 from .schemes import base_config, check_device, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
+DEFAULT_MAX_DRIFT = 0.01  # nats/token: issue 19's bound for the fp8 teacher
 
 
-def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device) -> nn.Module:
-    """Quantize the (already placed, frozen) teacher in place per `teacher.quantize`; None leaves it alone."""
+def max_drift_setting():
+    """The `teacher.max_drift` key (kd and kd_logits each have a teacher section; one definition)."""
+    return setting(DEFAULT_MAX_DRIFT, Range(float, gt=0, optional=True),
+                   "fp8 only: the most KL(teacher || fp8 teacher) per token accepted, measured at setup on ~5k "
+                   "tokens; above it the MLP, then the whole teacher, stays in the run dtype (null: no check)")
+
+
+def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device, *, max_drift: float | None = None,
+                     model_dir: str | None = None, max_seq_len: int = 512, rt=None) -> nn.Module:
+    """Quantize the (already placed, frozen) teacher in place per `teacher.quantize`; None leaves it alone.
+
+    fp8 with `max_drift`: the drift of each choice of fp8 projections is emulated on calibration text tokenized
+    from `model_dir` (components/quantization/fp8_drift.py) and the fastest one under the bound is applied, or
+    none; the decision is printed. With a Runtime `rt` of several processes, rank 0's decision is every rank's."""
     if mode is None:
         return teacher
     if mode not in TEACHER_QUANT:
@@ -36,10 +52,50 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device)
         raise RecipeError(f"teacher.quantize={mode}: {e}") from None
     from torchao.quantization import quantize_
 
+    use = linear_filter(include_output=False)
     if mode == "fp8":
         _check_fp8_shapes(teacher)
-    quantize_(teacher, base_config(scheme), filter_fn=linear_filter(include_output=False))
+        if max_drift is not None:
+            keep = _keep_for_drift(teacher, device, max_drift, model_dir, max_seq_len, rt)
+            if keep is None:
+                return teacher
+            from .fp8_drift import fp8_filter
+
+            use = fp8_filter(keep)
+        elif rt is None or rt.is_main:
+            print("teacher.quantize=fp8 with teacher.max_drift=null: every linear in fp8, its drift not measured "
+                  "(SmolLM2-135M: 0.027 nats/token; teacher.max_drift: 0.01 measures it at setup and keeps in bf16 "
+                  "what would pass the bound)", flush=True)
+    quantize_(teacher, base_config(scheme), filter_fn=use)
     return teacher
+
+
+def _keep_for_drift(teacher: nn.Module, device: torch.device, max_drift: float, model_dir: str | None,
+                    max_seq_len: int, rt) -> tuple[str, ...] | None:
+    # The projections that stay in the run dtype (None: all of them): an earlier run's decision for this teacher,
+    # dtype and bound, else measured now and kept. Rank 0's is broadcast so every rank quantizes the same layers.
+    from .fp8_drift import (
+        calibration_batches,
+        choose_fp8_projections,
+        decision_file,
+        load_decision,
+        save_decision,
+    )
+
+    if model_dir is None:
+        raise ValueError("quantize_teacher: max_drift needs model_dir (its tokenizer writes the calibration text)")
+    dtype = next(teacher.parameters()).dtype
+    path = decision_file(model_dir, dtype, max_drift)
+    choice = load_decision(path)
+    if choice is None:
+        choice = choose_fp8_projections(teacher, calibration_batches(model_dir, device, max_seq_len), max_drift)
+        if rt is None or rt.is_main:
+            save_decision(path, choice)
+    if rt is not None:
+        choice = rt.broadcast_object(choice)
+    if rt is None or rt.is_main:
+        print(choice.message(), flush=True)
+    return choice.keep
 
 
 def _check_fp8_shapes(model: nn.Module) -> None:
