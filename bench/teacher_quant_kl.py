@@ -7,7 +7,8 @@ The embedded SmolLM2-135M-Instruct by default (real weights), over the shipped t
 (llm_recipe.components.quantization.teacher). Prints one JSON line per mode: mean and 99th-percentile token KL in nats and
 the top-1 agreement with the bf16 teacher. `fp8@BOUND` is `teacher.quantize=fp8` with `teacher.max_drift=BOUND` (the
 shipped default 0.01): the projections the setup-time drift check keeps in bf16 stay there; plain `fp8` is
-`teacher.max_drift=null` (every linear in fp8).
+`teacher.max_drift=null` (every linear in fp8). `emulated@KEEP` is the setup's emulation of fp8 (KEEP: projection
+prefixes kept in bf16, joined by +, e.g. `emulated@mlp.`) on the same tokens, to check it against the kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from llm_recipe.components.assets import embedded_model_dir
 from llm_recipe.components.data.dataset import build_dataset, build_loader
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.quantization.fp8_drift import _tf32_matmuls, emulated_fp8
 from llm_recipe.components.quantization.teacher import quantize_teacher
 from llm_recipe.components.training import hidden_states
 
@@ -58,11 +60,18 @@ def main() -> None:
     for mode in a.modes.split(","):
         model, _ = load_model(model_dir, dtype=torch.bfloat16, device=device, max_seq_len=a.seq_len)
         name, _, bound = mode.partition("@")
-        quantize_teacher(model.eval(), name, device, max_drift=float(bound) if bound else None, model_dir=model_dir,
-                         max_seq_len=a.seq_len)
-        fp8_linears = sum(type(m.weight).__name__ == "Float8Tensor" for m in model.modules() if hasattr(m, "weight"))
+        if name == "emulated":  # teacher.max_drift's emulation (fp8_drift.py) on these tokens; @KEEP: kept prefixes
+            with emulated_fp8(model.eval(), tuple(k for k in bound.split("+") if k)), _tf32_matmuls():
+                quantized = logprobs(model)
+            fp8_linears = 0
+        else:
+            quantize_teacher(model.eval(), name, device, max_drift=float(bound) if bound else None,
+                             model_dir=model_dir, max_seq_len=a.seq_len)
+            fp8_linears = sum(type(m.weight).__name__ == "Float8Tensor" for m in model.modules()
+                              if hasattr(m, "weight"))
+            quantized = logprobs(model)
         kls, agree, n = [], 0, 0
-        for lp_ref, lp_q in zip(ref, logprobs(model)):
+        for lp_ref, lp_q in zip(ref, quantized):
             kls.append((lp_ref.exp() * (lp_ref - lp_q)).sum(-1))
             agree += int((lp_ref.argmax(-1) == lp_q.argmax(-1)).sum())
             n += lp_ref.shape[0]

@@ -24,6 +24,7 @@ from llm_recipe.components.on_policy import OnPolicy, check_on_policy, load_prom
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import KD_QAT_KEYS, QATSettings, prepare_qat_student
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
+from llm_recipe.components.quantization.teacher import check_teacher_quant_config
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
@@ -63,9 +64,10 @@ class KDConfig(TrainConfig):
 
     def check(self) -> None:
         """Checks across keys, at load: one way to pick the student's layers, an fp8 LoRA base's device and dtype,
-        the loss's options fit its kind, and kd.on_policy fits the rest."""
+        an fp8 teacher's device, the loss's options fit its kind, and kd.on_policy fits the rest."""
         self.student.check()
         check_fp8_base_config(self.lora, self.device, self.dtype)
+        check_teacher_quant_config(self.teacher.quantize, self.device)
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)
 

@@ -37,7 +37,12 @@ from llm_recipe.components.logits_cache import (
 from llm_recipe.components.losses.sampled import teacher_samples
 from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
-from llm_recipe.components.quantization.teacher import TEACHER_QUANT, max_drift_setting, quantize_teacher
+from llm_recipe.components.quantization.teacher import (
+    TEACHER_QUANT,
+    check_teacher_quant_config,
+    max_drift_setting,
+    quantize_teacher,
+)
 from llm_recipe.components.runtime import prepare_teacher, setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
@@ -95,6 +100,10 @@ class KDLogitsConfig:
     teacher: Teacher = section(Teacher, "the teacher")
     dataset: DatasetConfig = section(DatasetConfig, "the kd run's dataset section")
     cache: Cache = section(Cache, "what the cache keeps")
+
+    def check(self) -> None:
+        """Checks across keys, at load: an fp8 teacher needs a GPU."""
+        check_teacher_quant_config(self.teacher.quantize, self.device)
 
 
 CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd_logits`)

@@ -37,13 +37,14 @@ LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention in fp8, the MLP in the run dtype", ("mlp.",)),
 )
 # calibration: packed rows of the embedded transfer passages (the data KD trains on), tokenized by the teacher
-# 64 rows spread over the passages, ~24k target tokens: on SmolLM2 (fp32, CPU) every linear 0.0299 and the
-# attention alone 0.0090 nats/token, against 0.027 and 0.0091 on 222,809 tokens with the H200's kernels; 16 rows
-# (~5.5k tokens) were 10-20% off, too coarse for a bound the attention-only rung sits within 10% of.
-CALIBRATION_ROWS = 64
-CALIBRATION_LEN = 512
-CALIBRATION_BATCH = 8
-VERSION = 1  # of the ladder, calibration and emulation: a cached decision of another version is measured again
+# The drift depends on the context the teacher sees (SmolLM2, H200, attention-only fp8: 0.0107 nats/token on
+# 512-token rows, 0.0091 on 1024-token rows of the same passages), so calibration rows are the run's length.
+# ~32k token slots, spread over the passages: on SmolLM2 (fp32, CPU, 64 x 512) every linear 0.0299 and the
+# attention alone 0.0090, against 0.0301 and 0.0107 on 96k tokens of 512-token rows with the H200's kernels in
+# bf16; 16 rows (~5.5k tokens) were 10-20% off, too coarse for a bound the attention-only rung sits near.
+CALIBRATION_TOKENS = 32768
+CALIBRATION_BATCH_TOKENS = 4096  # per eager forward: attention materialises its scores (2 x 2048 rows: ~1 GiB, 8B)
+VERSION = 2  # of the ladder, calibration and emulation: a cached decision of another version is measured again
 
 
 def e4m3_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,21 +108,20 @@ def emulated_fp8(model: nn.Module, keep: tuple[str, ...]) -> Iterator[int]:
 
 
 def calibration_batches(model_dir: str | Path, device: torch.device, max_seq_len: int) -> list[dict]:
-    """CALIBRATION_ROWS packed rows (CALIBRATION_LEN tokens, or max_seq_len if shorter) spread evenly over the
-    embedded transfer passages (their first rows alone drift ~17% more than the whole set on SmolLM2), tokenized with
-    the teacher's tokenizer, on `device` as the training loop moves them, in micro-batches of CALIBRATION_BATCH
-    rows (eager attention materialises its scores: this bounds their memory)."""
+    """CALIBRATION_TOKENS token slots of the embedded transfer passages packed into rows of the run's `max_seq_len`,
+    the rows spread evenly over the whole set (its first rows alone drift ~17% more on SmolLM2), tokenized with the
+    teacher's tokenizer, on `device` as the training loop moves them, CALIBRATION_BATCH_TOKENS per micro-batch."""
     from ..data.dataset import build_dataset
     from ..models.tokenizer import Tokenizer
     from ..training import to_device
 
     data = build_dataset(Tokenizer.from_dir(model_dir), source="transfer:passages", format="text",
-                         max_seq_len=min(CALIBRATION_LEN, max_seq_len), packed=True, use_chat_template=False,
-                         limit=None, shuffle=False)
-    rows = min(CALIBRATION_ROWS, len(data))
+                         max_seq_len=max_seq_len, packed=True, use_chat_template=False, limit=None, shuffle=False)
+    rows = max(1, min(CALIBRATION_TOKENS // max_seq_len, len(data)))
+    per_batch = max(1, CALIBRATION_BATCH_TOKENS // max_seq_len)
     picked = [i * (len(data) - 1) // max(rows - 1, 1) for i in range(rows)]
-    return [to_device(data.collate([data[i] for i in picked[k:k + CALIBRATION_BATCH]]), device)
-            for k in range(0, rows, CALIBRATION_BATCH)]
+    return [to_device(data.collate([data[i] for i in picked[k:k + per_batch]]), device)
+            for k in range(0, rows, per_batch)]
 
 
 @dataclass
@@ -197,13 +197,15 @@ def _kl_sum(reference: torch.Tensor, hidden: torch.Tensor, head: nn.Module, chun
     return total
 
 
-def decision_file(model_dir: str | Path, dtype: torch.dtype, max_drift: float) -> Path:
-    """Where the decision for this teacher (its sampled fingerprint), run dtype and bound is kept between runs,
-    under recipe's cache (`$RECIPE_CACHE`): a second run skips the measurement (seconds of its first step)."""
+def decision_file(model_dir: str | Path, dtype: torch.dtype, max_drift: float, max_seq_len: int) -> Path:
+    """Where the decision for this teacher (its sampled fingerprint), run dtype, bound and row length is kept
+    between runs, under recipe's cache (`$RECIPE_CACHE`): a second run skips the measurement (seconds of its
+    first step; 13 s for an 8B teacher on an H200)."""
     from ..assets import cache_dir
     from ..logits_cache.manifest import teacher_fingerprint
 
-    name = f"{teacher_fingerprint(model_dir)[:32]}-{str(dtype).removeprefix('torch.')}-{max_drift:g}-v{VERSION}.json"
+    name = (f"{teacher_fingerprint(model_dir)[:32]}-{str(dtype).removeprefix('torch.')}-{max_drift:g}-"
+            f"{max_seq_len}-v{VERSION}.json")
     return cache_dir() / "fp8_drift" / name
 
 

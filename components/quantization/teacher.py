@@ -25,16 +25,28 @@ DEFAULT_MAX_DRIFT = 0.01  # nats/token: issue 19's bound for the fp8 teacher
 def max_drift_setting():
     """The `teacher.max_drift` key (kd and kd_logits each have a teacher section; one definition)."""
     return setting(DEFAULT_MAX_DRIFT, Range(float, gt=0, optional=True),
-                   "fp8 only: the most KL(teacher || fp8 teacher) per token accepted, measured at setup on ~5k "
-                   "tokens; above it the MLP, then the whole teacher, stays in the run dtype (null: no check)")
+                   "fp8 only: the most KL(teacher || fp8 teacher) per token accepted, measured at setup on ~32k "
+                   "tokens; above it the down projections, the MLP, then the whole teacher stay in the run dtype "
+                   "(null: no check)")
+
+
+def check_teacher_quant_config(mode: str | None, device: str) -> None:
+    """At config load (`recipe validate` says it too): an fp8 teacher on a CPU run, before minutes of setup."""
+    if mode == "fp8" and (device == "cpu" or device == "auto" and not torch.cuda.is_available()):
+        raise RecipeError(_NEEDS_FP8_GPU.format(where=f"device: {device}" + (" found no GPU" if device == "auto"
+                                                                             else "")))
+
+
+_NEEDS_FP8_GPU = ("teacher.quantize=fp8 needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls), but "
+                  "{where}; use teacher.quantize: int8_weight_only or null")
 
 
 def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device, *, max_drift: float | None = None,
-                     model_dir: str | None = None, max_seq_len: int = 512, rt=None) -> nn.Module:
+                     model_dir: str | None = None, max_seq_len: int = 1024, rt=None) -> nn.Module:
     """Quantize the (already placed, frozen) teacher in place per `teacher.quantize`; None leaves it alone.
 
     fp8 with `max_drift`: the drift of each choice of fp8 projections is emulated on calibration text tokenized
-    from `model_dir` (components/quantization/fp8_drift.py) and the fastest one under the bound is applied, or
+    from `model_dir` and packed into rows of the run's `max_seq_len` (components/quantization/fp8_drift.py) and the fastest one under the bound is applied, or
     none; the decision is printed. With a Runtime `rt` of several processes, rank 0's decision is every rank's."""
     if mode is None:
         return teacher
@@ -49,6 +61,9 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device,
     try:
         check_device(scheme, device)
     except RecipeError as e:
+        if mode == "fp8":
+            where = "the teacher is on the CPU" if device.type != "cuda" else "this GPU is older (sm < 8.9)"
+            raise RecipeError(_NEEDS_FP8_GPU.format(where=where)) from None
         raise RecipeError(f"teacher.quantize={mode}: {e}") from None
     from torchao.quantization import quantize_
 
@@ -85,7 +100,7 @@ def _keep_for_drift(teacher: nn.Module, device: torch.device, max_drift: float, 
     if model_dir is None:
         raise ValueError("quantize_teacher: max_drift needs model_dir (its tokenizer writes the calibration text)")
     dtype = next(teacher.parameters()).dtype
-    path = decision_file(model_dir, dtype, max_drift)
+    path = decision_file(model_dir, dtype, max_drift, max_seq_len)
     choice = load_decision(path)
     if choice is None:
         choice = choose_fp8_projections(teacher, calibration_batches(model_dir, device, max_seq_len), max_drift)
