@@ -23,15 +23,14 @@ from llm_recipe.components.assets import embedded_model_dir
 from llm_recipe.components.data.dataset import build_dataset, build_loader
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.quantization.fp8_drift import e4m3_rows
 from llm_recipe.components.training import hidden_states
-
-E4M3_MAX = 448.0
 
 
 def e4m3_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x rounded to e4m3 with one amax scale per row along `dim`, back in fp32."""
-    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+    """x rounded to e4m3 with one amax scale per row along `dim` (teacher.max_drift's rounding), back in fp32."""
+    values, scale = e4m3_rows(x, dim)
+    return values.float() * scale
 
 
 def int8_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:

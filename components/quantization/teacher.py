@@ -46,8 +46,9 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device,
     """Quantize the (already placed, frozen) teacher in place per `teacher.quantize`; None leaves it alone.
 
     fp8 with `max_drift`: the drift of each choice of fp8 projections is emulated on calibration text tokenized
-    from `model_dir` and packed into rows of the run's `max_seq_len` (components/quantization/fp8_drift.py) and the fastest one under the bound is applied, or
-    none; the decision is printed. With a Runtime `rt` of several processes, rank 0's decision is every rank's."""
+    from `model_dir` and packed into rows of the run's `max_seq_len` (components/quantization/fp8_drift.py), and
+    the fastest one under the bound is applied, or none; the decision is printed. With a Runtime `rt` of several
+    processes, rank 0's decision is every rank's."""
     if mode is None:
         return teacher
     if mode not in TEACHER_QUANT:
@@ -88,7 +89,7 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device,
 def _keep_for_drift(teacher: nn.Module, device: torch.device, max_drift: float, model_dir: str | None,
                     max_seq_len: int, rt) -> tuple[str, ...] | None:
     # The projections that stay in the run dtype (None: all of them): an earlier run's decision for this teacher,
-    # dtype and bound, else measured now and kept. Rank 0's is broadcast so every rank quantizes the same layers.
+    # dtype, bound and row length, else measured now and kept. Rank 0's is broadcast so every rank quantizes the same layers.
     from .fp8_drift import (
         calibration_batches,
         choose_fp8_projections,
