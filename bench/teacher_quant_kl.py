@@ -22,7 +22,7 @@ from llm_recipe.components.assets import embedded_model_dir
 from llm_recipe.components.data.dataset import build_dataset, build_loader
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.tokenizer import Tokenizer
-from llm_recipe.components.quantization.fp8_drift import _tf32_matmuls, emulated_fp8
+from llm_recipe.components.quantization.fp8_drift import emulated_fp8
 from llm_recipe.components.quantization.teacher import quantize_teacher
 from llm_recipe.components.training import hidden_states
 
@@ -61,7 +61,7 @@ def main() -> None:
         model, _ = load_model(model_dir, dtype=torch.bfloat16, device=device, max_seq_len=a.seq_len)
         name, _, bound = mode.partition("@")
         if name == "emulated":  # teacher.max_drift's emulation (fp8_drift.py) on these tokens; @KEEP: kept prefixes
-            with emulated_fp8(model.eval(), tuple(k for k in bound.split("+") if k)), _tf32_matmuls():
+            with emulated_fp8(model.eval(), tuple(k for k in bound.split("+") if k)):
                 quantized = logprobs(model)
             fp8_linears = 0
         else:
@@ -78,7 +78,8 @@ def main() -> None:
         kl = torch.cat(kls)
         print(json.dumps({"model": model_dir, "mode": mode, "device": torch.cuda.get_device_name(device)
                           if device.type == "cuda" else "cpu", "tokens": n, "mean_kl_nats": float(kl.mean()),
-                          "p99_kl_nats": float(kl.quantile(0.99)), "top1_agreement": agree / n, "fp8_weights": fp8_linears}), flush=True)
+                          "p99_kl_nats": float(kl.quantile(0.99)), "top1_agreement": agree / n,
+                          "fp8_weights": fp8_linears}), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,7 @@ class EmulatedFp8Linear(nn.Module):
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # e4m3 values (4 significant bits) multiply exactly in fp32 and in TF32 (`choose_fp8_projections` allows
-        # it), accumulate in fp32 and are scaled before the one rounding to x's dtype, as the fp8 kernel does
+        # e4m3 values (4 significant bits) multiply exactly in fp32 and in TF32 (`emulated_fp8` allows it), accumulate in fp32 and are scaled before the one rounding to x's dtype, as the fp8 kernel does
         xq, sx = e4m3_rows(x, -1)
         wq, sw = e4m3_rows(self.linear.weight, 1)
         y = (F.linear(xq.float(), wq.float()) * sx * sw.view(-1)).to(x.dtype)
@@ -91,15 +90,16 @@ def _in_layer(fqn: str) -> str:
 
 @contextmanager
 def emulated_fp8(model: nn.Module, keep: tuple[str, ...]) -> Iterator[int]:
-    """Within the block, the linears `fp8_filter(keep)` selects compute as fp8 ones (EmulatedFp8Linear); the
-    model is restored on exit. Yields how many were swapped."""
+    """Within the block, the linears `fp8_filter(keep)` selects compute as fp8 ones (EmulatedFp8Linear, with TF32
+    fp32 matmuls); the model is restored on exit. Yields how many were swapped."""
     use = fp8_filter(keep)
     swapped = [(fqn, m) for fqn, m in model.named_modules() if use(m, fqn)]
     try:
         for fqn, m in swapped:
             parent, _, attr = fqn.rpartition(".")
             setattr(model.get_submodule(parent), attr, EmulatedFp8Linear(m))
-        yield len(swapped)
+        with _tf32_matmuls():
+            yield len(swapped)
     finally:
         for fqn, m in swapped:
             parent, _, attr = fqn.rpartition(".")
@@ -156,7 +156,7 @@ def choose_fp8_projections(model: nn.Module, batches: list[dict], max_drift: flo
 
     start = time.perf_counter()
     choice = Fp8Choice(keep=None, bound=max_drift, tokens=0, seconds=0.0)
-    with torch.inference_mode(), torch.compiler.set_stance("force_eager"), _tf32_matmuls():
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         targets = [b["labels"].to(b["tokens"].device) != IGNORE_INDEX for b in batches]
         references = [hidden_states(model, b)[t] for b, t in zip(batches, targets)]
         choice.tokens = sum(int(t.sum()) for t in targets)

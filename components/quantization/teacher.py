@@ -32,9 +32,10 @@ def max_drift_setting():
 
 def check_teacher_quant_config(mode: str | None, device: str) -> None:
     """At config load (`recipe validate` says it too): an fp8 teacher on a CPU run, before minutes of setup."""
-    if mode == "fp8" and (device == "cpu" or device == "auto" and not torch.cuda.is_available()):
-        raise RecipeError(_NEEDS_FP8_GPU.format(where=f"device: {device}" + (" found no GPU" if device == "auto"
-                                                                             else "")))
+    if mode == "fp8" and device == "cpu":
+        raise RecipeError(_NEEDS_FP8_GPU.format(where="device: cpu"))
+    if mode == "fp8" and device == "auto" and not torch.cuda.is_available():
+        raise RecipeError(_NEEDS_FP8_GPU.format(where="device: auto found no GPU"))
 
 
 _NEEDS_FP8_GPU = ("teacher.quantize=fp8 needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls), but "
