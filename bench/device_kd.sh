@@ -10,6 +10,8 @@
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
 #   bash bench/device_kd.sh profile [ROW [ARGS]]  # carry .whl .carry/tok: wheels, random HF folders, one row under
 #                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
+#   bash bench/device_kd.sh qat [COMPILES]  # carry .whl .carry/tok: QAT's cost (plain vs fake-quantized steps of the
+#                                          # shipped qat/llama3_2_1b) per compile setting, e.g. "true false"
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
@@ -126,6 +128,13 @@ onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config 
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
     one_row_tool profile_kd.py "${2:-ours_lora_compile}" /tmp/profile.txt "${@:3}"
+    ;;
+qat)  # carry .whl .carry/tok: QAT's cost for each compile setting in $2 (default "true"), in the foreground
+    install_ours
+    copy_repo
+    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    cd /tmp/repo && for c in ${2:-true}; do qat_cost "$c" | tee -a $B/qat_cost.jsonl; done
+    [[ -n ${OUT:-} ]] && cp $B/qat_cost.jsonl "$OUT/"
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
     one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt

@@ -5,8 +5,9 @@
 Runs the real `recipe run kd` (the row's exact arguments) and profiles `--active` optimizer steps after `--skip`
 (compilation and warm-up excluded; steps are counted with torch.optim's global step hook). Prints the top CUDA
 kernels by total device time and the share of each kernel family (matmul, attention, triton-fused, copies).
-`--gaps`: also records host ops and prints where the GPU sat idle inside the profiled steps (the largest gaps
-between kernels, the kernels around each and the host ops running meanwhile), and the busy share of the span.
+`--gaps`: also records host ops (a table by host time) and prints where the GPU sat idle inside the profiled steps
+(the largest gaps between kernels, the kernels around each and the host ops running meanwhile), and the busy share
+of the span. `--host`: cProfile the host's Python in those steps instead (what a host-bound step spends it on).
 """
 
 from __future__ import annotations
@@ -33,25 +34,28 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/kdb"))
     p.add_argument("--row", default="ours_lora_compile", choices=[k for k, v in kd_throughput.ROWS.items()
                                                                   if v[0] in ("ours", "shipped") and "CACHE" not in v[2]
-                                                                  and "DENSE_MASK" not in v[2]] + ["qat"])
+                                                                  and "DENSE_MASK" not in v[2]] + ["qat", "qat_plain"])
     p.add_argument("--skip", type=int, default=8)
     p.add_argument("--active", type=int, default=4)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: SmolLM2 shapes, CPU op times")
     p.add_argument("--gaps", action="store_true", help="GPU idle time between kernels and what the host did")
+    p.add_argument("--host", action="store_true", help="cProfile the host's Python instead (a host-bound step)")
     a = p.parse_args()
-    side, student, extra = kd_throughput.ROWS.get(a.row, ("qat", "full", []))
+    side, student, extra = kd_throughput.ROWS.get(a.row, (a.row, "full", []))
     gpu = a.device == "cuda"
     row_args = argparse.Namespace(nproc=1, shapes="llama" if gpu else "smollm2", out=a.out, device=a.device,
                                   dtype="bf16" if gpu else "fp32", batch_size=4 if gpu else 2,
                                   seq_len=1024 if gpu else 128, data_limit=None if gpu else 64,
                                   steps=a.active + 1, warmup=a.skip)
     out_dir = a.out / "runs" / f"profile_{a.row}"
-    if side == "qat":  # the shipped QAT config on the 1B folder, fake quantization from the first step
+    if side in ("qat", "qat_plain"):  # the shipped QAT config on the 1B folder, fake quantization from the first
+        # step (qat_plain: never, for the same step without it)
+        after = "null" if side == "qat" else "100000"
         cmd = ["python", "-m", "llm_recipe.cli.main", "run", "qat", "--config", "qat/llama3_2_1b",
                f"model.checkpoint_dir={a.out / 'student_1b'}", f"output_dir={out_dir}", "overwrite=true",
                "dataset.source=transfer:passages", "dataset.format=text", "dataset.use_chat_template=false",
-               f"max_steps={a.skip + a.active + 1}", "qat.fake_quant_after_n_steps=null", "qat.convert=false",
+               f"max_steps={a.skip + a.active + 1}", f"qat.fake_quant_after_n_steps={after}", "qat.convert=false",
                "save_every_n_steps=null", "compile=true"]
     elif side == "shipped":  # the shipped 8B -> 1B config, paths only (optimizer steps of 8 micro-batches)
         cmd = kd_throughput._shipped_cmd(row_args, student, extra, out_dir) + ["overwrite=true"]
@@ -61,6 +65,8 @@ def main() -> None:
 
     from llm_recipe.cli.main import main as recipe_main
 
+    if a.host:
+        return profile_host(recipe_main, argv, a)
     sched = torch.profiler.schedule(wait=a.skip, warmup=1, active=a.active, repeat=1)
     activity = torch.profiler.ProfilerActivity.CUDA if gpu else torch.profiler.ProfilerActivity.CPU
     activities = [activity, torch.profiler.ProfilerActivity.CPU] if gpu and a.gaps else [activity]
@@ -80,8 +86,40 @@ def main() -> None:
                       "profiled_steps": a.active,
                       "ms_per_step": total / 1000 / a.active,
                       "share": {k: round(v, 3) for k, v in sorted(share.items(), key=lambda kv: -kv[1])}}))
-    if gpu and a.gaps:
+    if gpu and a.gaps:  # the host's side too: the ops that take the most host time (a host-bound step shows here)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=90))
         print_gaps(prof.events(), a.active)
+
+
+def profile_host(recipe_main, argv: list[str], a: argparse.Namespace) -> None:
+    """cProfile `--active` steps after `--skip`: where the host's time goes in Python (Dynamo's guards and side
+    effects, autograd, the recipe), which torch.profiler's op table does not show. Prints the top functions by
+    own time and by cumulative time, and the wall time per profiled step."""
+    import cProfile
+    import pstats
+    import time
+
+    prof, seen, marks = cProfile.Profile(), [0], {}
+
+    def on_step(*_):
+        seen[0] += 1
+        if seen[0] == a.skip:
+            torch.cuda.synchronize()
+            marks["start"] = time.perf_counter()
+            prof.enable()
+        elif seen[0] == a.skip + a.active:
+            prof.disable()
+            torch.cuda.synchronize()
+            marks["end"] = time.perf_counter()
+
+    register_optimizer_step_post_hook(on_step)
+    rc = recipe_main(argv)
+    stats = pstats.Stats(prof)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(a.top)
+    wall = (marks["end"] - marks["start"]) / a.active if "end" in marks else None
+    print(json.dumps({"row": a.row, "rc": rc, "host_profile": True, "wall_ms_per_step_under_cprofile":
+                      None if wall is None else round(wall * 1000, 1)}))
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], min_us: float) -> tuple[float, float, list[tuple]]:
@@ -106,7 +144,10 @@ def print_gaps(events, steps: int, min_us: float = 200.0, top: int = 25) -> None
     """Where the GPU idled in the profiled steps, and the outermost host ops that ran during each gap."""
     from torch.autograd import DeviceType
 
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA]
+    # kernels, copies and memsets only: a user annotation (ProfilerStep*, Optimizer.step#...) spans a whole step on
+    # the GPU's timeline and would hide every gap inside it
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation and not e.name.startswith("ProfilerStep")]
     host = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
     if not kernels:
         print(json.dumps({"gaps": "no CUDA kernels recorded"}))

@@ -86,6 +86,33 @@ def test_prepare_fake_quantizes_block_linears_only_and_switch_restores_float():
     torch.testing.assert_close(again, on, rtol=0, atol=0)  # deterministic flag flip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_fake_quantizer_matches_torchaos_and_traces_in_one_graph(dtype):
+    # prepare_qat swaps torchao's per-token activation quantizer for one that Dynamo traces in one piece (torchao's
+    # broke every linear's compiled graph on torch 2.11); outputs and gradients must stay torchao's, bit for bit
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    from llm_recipe.components.quantization.schemes import base_config
+
+    ours = prepare_qat(tiny_model(), "8da4w", group_size=32).to(dtype)
+    theirs = tiny_model()
+    quantize_(theirs, QATConfig(base_config("8da4w", 32, for_qat_prepare=True), step="prepare"))
+    theirs = theirs.to(dtype)
+    assert type(ours.layers[0].attn.q_proj.activation_fake_quantizer).__name__ == "TraceableIntxFakeQuantizer"
+    x = (torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    outs = []
+    for model in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        y = model.layers[0].mlp(xi)
+        (y.float() ** 2).sum().backward()
+        outs.append((y, xi.grad, model.layers[0].mlp.w1.weight.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    explained = torch._dynamo.explain(ours.layers[0].mlp)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_prepare_can_include_untied_output():
     from torchao.quantization.qat import FakeQuantizedLinear
 

@@ -79,7 +79,59 @@ def prepare_qat(model: nn.Module, scheme: str = "8da4w", group_size: int = 32,
     under_lora = tuple(f + "." for f in lora_fqns)
     quantize_(model, QATConfig(base, step="prepare"),
               filter_fn=lambda m, fqn: keep(m, fqn) and not fqn.startswith(under_lora))
+    use_traceable_activation_quantizers(model)
     return model
+
+
+def _per_token_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Per-token asymmetric fake quantization through torchao's own primitives (`choose_qparams_affine`,
+    `_fake_quantize_affine`), with the arguments torchao's `IntxFakeQuantizer` passes them, minus two things that
+    cost a compiled step its speed: torchao's path calls torch.ao's `_per_token_quant_qparam_dim_check` (a shape
+    assert that torch 2.11's Dynamo cannot trace: a graph break inside every linear, which made the host, not the
+    GPU, the bottleneck of a QAT step) and keeps the scales on the module (a side effect of every call)."""
+    from torchao.quantization.quant_primitives import (
+        _DTYPE_TO_QVALUE_BOUNDS,
+        MappingType,
+        _fake_quantize_affine,
+        choose_qparams_affine,
+    )
+
+    qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[self.config.dtype]
+    block = (1,) * (x.dim() - 1) + (x.shape[-1],)  # one scale and zero point per token
+    scale, zero_point = choose_qparams_affine(
+        x, MappingType.ASYMMETRIC, block, self.config.dtype, quant_min=qmin, quant_max=qmax, eps=self.config.eps,
+        scale_dtype=self.config.scale_precision, zero_point_dtype=self.config.zero_point_precision)
+    fq = _fake_quantize_affine(x, block, scale, zero_point, quant_dtype=torch.int32, quant_min=qmin, quant_max=qmax)
+    return fq.to(x.dtype)
+
+
+_PER_TOKEN_CLASSES: dict[type, type] = {}
+
+
+def _per_token_class(cls: type) -> type:
+    if cls not in _PER_TOKEN_CLASSES:  # a subclass keeps `enabled`, the config and isinstance checks working
+        _PER_TOKEN_CLASSES[cls] = type(f"Traceable{cls.__name__}", (cls,),
+                                       {"_per_token_forward": _per_token_forward, "__module__": __name__})
+    return _PER_TOKEN_CLASSES[cls]
+
+
+def use_traceable_activation_quantizers(model: nn.Module) -> int:
+    """Give every per-token activation fake quantizer (8da4w's int8 activations) `_per_token_forward`: the same
+    numbers as torchao's, in one compiled graph per layer on every torch (on torch 2.11 torchao's own broke each
+    linear's graph in two: a QAT step spent its time launching kernels, 1.4-1.6x a plain step and swinging from
+    step to step). Returns how many were changed."""
+    from torchao.quantization.granularity import PerToken
+    from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+
+    n = 0
+    for m in model.modules():
+        fq = getattr(m, "activation_fake_quantizer", None)
+        if (isinstance(fq, IntxFakeQuantizer) and type(fq) not in _PER_TOKEN_CLASSES.values()
+                and isinstance(fq.config.granularity, PerToken) and not fq.config.range_learning
+                and not fq.config.is_symmetric):
+            fq.__class__ = _per_token_class(type(fq))
+            n += 1
+    return n
 
 
 def _fake_quantizers(base, in_features: int, out_features: int) -> tuple[nn.Module | None, nn.Module | None]:
