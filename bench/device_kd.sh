@@ -82,6 +82,7 @@ fq = statistics.median(r["tokens_per_s"] for r in rows if r["step"] >= 14)
 print(json.dumps({"qat_compile": sys.argv[2], "qat_plain_tokens_per_s": plain, "qat_fake_quant_tokens_per_s": fq,
                   "cost": plain / fq, "peak_gib": max(r.get("peak_memory_gib") or 0 for r in rows)}))
 PY
+    rm -rf "$dir/checkpoints" "$dir/model"  # 14 GB per run: two runs and the 8B folder filled a 64 GB disk
 }
 
 case $stage in
