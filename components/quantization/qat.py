@@ -127,7 +127,7 @@ def use_traceable_activation_quantizers(model: nn.Module) -> int:
     for m in model.modules():
         fq = getattr(m, "activation_fake_quantizer", None)
         if (isinstance(fq, IntxFakeQuantizer) and type(fq) not in _PER_TOKEN_CLASSES.values()
-                and isinstance(fq.config.granularity, PerToken) and not fq.config.range_learning
+                and isinstance(fq.config.granularity, PerToken) and fq.config.is_dynamic and not fq.config.range_learning
                 and not fq.config.is_symmetric):
             fq.__class__ = _per_token_class(type(fq))
             n += 1
