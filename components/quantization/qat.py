@@ -108,11 +108,13 @@ def _per_token_forward(self, x: torch.Tensor) -> torch.Tensor:
 _PER_TOKEN_CLASSES: dict[type, type] = {}
 
 
-def _per_token_class(cls: type) -> type:
-    if cls not in _PER_TOKEN_CLASSES:  # a subclass keeps `enabled`, the config and isinstance checks working
-        _PER_TOKEN_CLASSES[cls] = type(f"Traceable{cls.__name__}", (cls,),
-                                       {"_per_token_forward": _per_token_forward, "__module__": __name__})
-    return _PER_TOKEN_CLASSES[cls]
+def _swapped_class(cache: dict[type, type], cls: type, prefix: str, methods: dict) -> type:
+    """`cls` with `methods` replaced, made once per class (kept in `cache`), for `module.__class__ = ...`: a
+    subclass, not a wrapper, keeps isinstance checks, parameter names, state and helpers working; FSDP2's
+    fully_shard swaps module classes the same way."""
+    if cls not in cache:
+        cache[cls] = type(f"{prefix}{cls.__name__}", (cls,), {**methods, "__module__": __name__})
+    return cache[cls]
 
 
 def use_traceable_activation_quantizers(model: nn.Module) -> int:
@@ -129,7 +131,8 @@ def use_traceable_activation_quantizers(model: nn.Module) -> int:
         if (isinstance(fq, IntxFakeQuantizer) and type(fq) not in _PER_TOKEN_CLASSES.values()
                 and isinstance(fq.config.granularity, PerToken) and fq.config.is_dynamic and not fq.config.range_learning
                 and not fq.config.is_symmetric):
-            fq.__class__ = _per_token_class(type(fq))
+            fq.__class__ = _swapped_class(_PER_TOKEN_CLASSES, type(fq), "Traceable",
+                                          {"_per_token_forward": _per_token_forward})
             n += 1
     return n
 
@@ -164,15 +167,6 @@ def _lora_scale(module: nn.Module) -> float:
 _QAT_LORA_CLASSES: dict[type, type] = {}
 
 
-def _qat_lora_class(cls: type) -> type:
-    # A subclass (not a wrapper) keeps isinstance checks, parameter names and adapter helpers working; FSDP2's
-    # fully_shard swaps module classes the same way.
-    if cls not in _QAT_LORA_CLASSES:
-        _QAT_LORA_CLASSES[cls] = type(f"FakeQuantized{cls.__name__}", (cls,),
-                                      {"forward": _qat_lora_forward, "__module__": __name__})
-    return _QAT_LORA_CLASSES[cls]
-
-
 def _prepare_lora(module: nn.Module, fqn: str, base) -> None:
     if hasattr(module, "magnitude"):
         raise RecipeError(f"{fqn}: QAT does not support DoRA adapters; set lora.use_dora: false")
@@ -185,7 +179,7 @@ def _prepare_lora(module: nn.Module, fqn: str, base) -> None:
                           f"adapter dropout; set lora.dropout: 0.0 (got {module.dropout.p})")
     out_features, in_features = module.weight.shape
     act_fq, weight_fq = _fake_quantizers(base, in_features, out_features)
-    module.__class__ = _qat_lora_class(type(module))
+    module.__class__ = _swapped_class(_QAT_LORA_CLASSES, type(module), "FakeQuantized", {"forward": _qat_lora_forward})
     module.activation_fake_quantizer = act_fq
     module.weight_fake_quantizer = weight_fq
 
