@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         "max_steps=10\n  recipe validate exp.yaml --recipe path/to/my_recipe.py",
     )
     p.add_argument("--recipe", help="recipe name or path/to/recipe.py (default: the shipped config's folder)")
-    p.add_argument("config", help="shipped config name or .yaml path")
+    p.add_argument("config", nargs="?", help="shipped config name or .yaml path")
+    p.add_argument("--config", dest="config_option", metavar="CONFIG",
+                   help="the same as the positional CONFIG (as `recipe run` spells it)")
     p.add_argument("overrides", nargs="*", help="key.path=value or ~key.path")
     _add_debug(p)
 
@@ -308,6 +310,12 @@ def _infer_recipe(config: str) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.config_option is not None:  # `--config NAME`: a positional word is then the first override
+        if args.config is not None:
+            args.overrides = [args.config, *args.overrides]
+        args.config = args.config_option
+    if args.config is None:
+        raise RecipeError("recipe validate: name a config (recipe validate kd/smollm2_demo, or --config NAME)")
     recipe = args.recipe or _infer_recipe(args.config)
     name, module = load_recipe(recipe)
     cfg = load_recipe_config(args.config, args.overrides, recipe_config(module), recipe=name)

@@ -141,6 +141,18 @@ def test_validate_shipped_user_and_fixture_recipe(tree):
     assert "textwrap.TextWrapper has no argument 'widht'" in err
 
 
+def test_validate_takes_config_as_run_spells_it(tree):
+    # `recipe run kd --config X` is what users type; `recipe validate --config X` must mean the same as the positional
+    want = f"OK: {tree / 'pkgs' / 'configs' / 'echo' / 'basic.yaml'} is a valid echo config"
+    for argv in (("--config", "echo/basic"), ("--config", "echo/basic", "lr=2"), ("lr=2", "--config", "echo/basic")):
+        proc = recipe(tree, "validate", *argv)
+        assert proc.returncode == 0 and proc.stdout.strip() == want, (argv, proc.stderr)
+    err = one_error_line(recipe(tree, "validate", "--config", "echo/basic", "lr=two"))
+    assert "lr" in err and "two" in err
+    err = one_error_line(recipe(tree, "validate"))
+    assert "name a config" in err
+
+
 def test_validate_reports_file_line_of_unknown_key(tree):
     text = CONFIG.read_text().replace("  name: tiny\n", "  name: tiny\n  nmae: oops\n")
     (tree / "work" / "bad.yaml").write_text(text)
