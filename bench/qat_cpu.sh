@@ -5,7 +5,7 @@
 set -euo pipefail
 OUT=${1:-outputs/qat_cpu}; STEPS=${2:-60}; LIMIT=${3:-500}
 R=".venv/bin/recipe"
-COMMON="max_steps=$STEPS batch_size=4 dataset.max_seq_len=128 device=cpu save_every_n_steps=null overwrite=true"
+COMMON="max_steps=$STEPS batch_size=4 dataset.max_seq_len=128 device=cpu compile=false save_every_n_steps=null overwrite=true"
 $R run full --config full/smollm2_study output_dir=$OUT/plain $COMMON
 $R run qat --config qat/smollm2_study output_dir=$OUT/qat $COMMON qat.fake_quant_after_n_steps=10 qat.convert=true
 $R run quantize --config quantize/smollm2_8da4w model.checkpoint_dir=$OUT/plain/model output_dir=$OUT/ptq \

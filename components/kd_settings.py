@@ -18,15 +18,15 @@ class KDSettings:
     """The `kd:` section of recipes/kd.py."""
 
     loss: str = setting("forward_kl", Choice(*KD_LOSSES), "the divergence: forward_kl | reverse_kl | symmetric_kl | "
-                        "jsd | skew_kl")
+                        "jsd | skew_kl | skew_reverse_kl")
     kd_ratio: float = setting(0.5, Range(float, ge=0, le=1), "loss = (1 - kd_ratio) * CE + kd_ratio * KD")
     temperature: float = setting(1.0, Range(float, gt=0), "softens both distributions; the KD term is scaled by T^2")
     beta: float | None = setting(None, Range(float, gt=0, lt=1, optional=True), "jsd only: mixture weight of the "
-                                 "teacher")
-    alpha: float | None = setting(None, Range(float, ge=0, lt=1, optional=True), "skew_kl only: teacher share of the "
-                                  "skewed target")
+                                 "teacher (null: 0.5)")
+    alpha: float | None = setting(None, Range(float, ge=0, lt=1, optional=True), "skew_kl: the teacher's share of "
+                                  "the mixture; skew_reverse_kl: the student's (null: 0.1)")
     ratio: float | None = setting(None, Range(float, ge=0, le=1, optional=True), "symmetric_kl only: weight of "
-                                  "forward vs reverse KL")
+                                  "forward vs reverse KL (null: 0.5)")
     on_policy: OnPolicySettings | None = section(OnPolicySettings, "on-policy KD: a fraction of the micro-batches "
                                                  "are the student's own samples scored by the teacher (null: off)",
                                                  optional=True)

@@ -14,7 +14,7 @@ from .errors import RecipeError
 from .logits_cache import LogitsCache
 from .losses import check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
-from .quantization.teacher import TEACHER_QUANT, max_drift_setting, quantize_teacher
+from .quantization.teacher import max_drift_setting, quantize_setting, quantize_teacher
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
 from .schema import Choice, ModelDir
 from .settings import setting
@@ -27,8 +27,7 @@ class TeacherSettings:
     checkpoint_dir: str | None = setting(None, ModelDir(optional=True), "HF folder of the teacher (frozen, no grad)")
     placement: str = setting("auto", Choice(*TEACHER_PLACEMENTS), "several GPUs: replicate (a full copy per GPU), "
                              "shard (FSDP) or auto (replicate if it takes <= half the free memory)")
-    quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True),
-                                   "fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only (null: none)")
+    quantize: str | None = quantize_setting()
     max_drift: float | None = max_drift_setting()
     logits_dir: str | None = setting(None, (str, type(None)), "a `recipe run kd_logits` cache: its sample (or top-k) "
                                      "replaces the teacher, which is never loaded")

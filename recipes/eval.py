@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
@@ -32,11 +33,17 @@ class EvalConfig:
     apply_chat_template: bool = setting(False, bool, "wrap prompts in the model's chat template")
     log_samples: bool = setting(False, bool, "also write per-item samples into results.json")
     device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("float32", Choice(*DTYPES), "float32 | bfloat16 (float models; quantized folders keep "
-                         "their types)")
+    dtype: str = setting("float32", Choice(*DTYPES), "float32 (fp32) | bfloat16 (bf16) | float16 (fp16) (float "
+                         "models; quantized folders keep their types)")
     seed: int = setting(1234, Range(int, ge=0), "lm-eval's python/numpy/torch/few-shot seeds")
     output_dir: str | None = setting(None, OutputDir(optional=True), "results.json goes here (null: "
                                     "printed only)")
+
+    def check(self) -> None:
+        """A limit of 1 or more counts items, so it must be whole (lm-eval would cut 2.5 to 2 without a word)."""
+        if self.limit is not None and self.limit >= 1 and self.limit != int(self.limit):
+            raise RecipeError(f"limit: {self.limit} is not a whole number of items per task (below 1 it is a "
+                              "fraction of each task)")
 
 
 CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys eval`)

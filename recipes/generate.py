@@ -35,7 +35,7 @@ class GenerateConfig:
     top_p: float | None = setting(None, Range(float, gt=0, le=1, optional=True), "nucleus sampling: smallest set "
                                   "with this much probability mass")
     device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("float32", Choice(*DTYPES), "float32 | bfloat16 for float folders")
+    dtype: str = setting("float32", Choice(*DTYPES), "float32 (fp32) | bfloat16 (bf16) | float16 (fp16), for float folders")
     seed: int = setting(0, Range(int, ge=0), "sampling seed")
 
 

@@ -38,9 +38,9 @@ from llm_recipe.components.losses.sampled import teacher_samples
 from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
 from llm_recipe.components.quantization.teacher import (
-    TEACHER_QUANT,
     check_teacher_quant_config,
     max_drift_setting,
+    quantize_setting,
     quantize_teacher,
 )
 from llm_recipe.components.runtime import prepare_teacher, setup_runtime
@@ -51,7 +51,6 @@ from llm_recipe.components.train_config import (
     compile_key,
     device_key,
     dtype_key,
-    num_output_chunks_key,
     output_dir_key,
     seed_key,
 )
@@ -63,8 +62,7 @@ class Teacher:
     """The `teacher:` section: the model whose sample (or top-k) is cached."""
 
     checkpoint_dir: str = setting(REQUIRED, ModelDir(), "HF folder of the teacher")
-    quantize: str | None = setting(None, Choice(*TEACHER_QUANT, optional=True), "null | fp8 (sm89+ GPU) | "
-                                   "int8_weight_only")
+    quantize: str | None = quantize_setting()
     max_drift: float | None = max_drift_setting()
 
 
@@ -94,7 +92,8 @@ class KDLogitsConfig:
     dtype: str = dtype_key()
     compile: bool = compile_key()
     batch_size: int = batch_size_key()
-    num_output_chunks: int = num_output_chunks_key()
+    num_output_chunks: int = setting(8, Range(int, ge=1), "teacher head + the cache's sample (or top-k) computed in "
+                                     "this many chunks of target rows")
     tokenizer_dir: str | None = setting(None, ModelDir(optional=True), "tokenizes the transfer set: the kd run's "
                                         "student folder (null: the teacher's)")
     teacher: Teacher = section(Teacher, "the teacher")

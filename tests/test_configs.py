@@ -52,3 +52,16 @@ def test_validate_cli_reports_unknown_key_with_line(tmp_path):
     assert r.returncode == 1
     assert f"bad.yaml:{line}: unknown key 'enable_activation_offloading'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("limit,ok", [("0.5", True), ("50", True), ("2.5", False)])
+def test_eval_limit_is_a_fraction_below_one_and_a_whole_count_above(limit, ok):
+    # lm-eval reads limit >= 1 as an item count and truncates 2.5 to 2 without a word: refuse it at load
+    r = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "eval/smollm2", f"limit={limit}"],
+                       capture_output=True, text=True)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines()[-1] == ("recipe: error: limit: 2.5 is not a whole number of items per "
+                                                      "task (below 1 it is a fraction of each task)")

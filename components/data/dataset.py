@@ -37,7 +37,8 @@ class DatasetConfig:
     column_map: dict | None = setting(None, (dict, type(None)), "rename columns, e.g. {text: passage}")
     max_seq_len: int = setting(2048, Range(int, ge=2), "truncate (and pack) to this many tokens")
     train_on_input: bool = setting(False, bool, "instruct/chat: the prompt carries a loss too")
-    use_chat_template: bool = setting(False, bool, "render prompts with the model's chat template")
+    use_chat_template: bool = setting(False, bool, "instruct format: render prompts with the model's chat "
+                                    "template (chat rows always use it)")
     packed: bool = setting(False, bool, "fill every row with max_seq_len tokens (no cross-document attention)")
     limit: int | None = setting(None, Range(int, ge=1, optional=True), "keep only the first N rows")
     shuffle: bool = setting(True, bool, "reshuffle each epoch (deterministic from seed)")

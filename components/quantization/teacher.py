@@ -13,13 +13,19 @@ import torch
 from torch import nn
 
 from ..errors import RecipeError
-from ..schema import Range
+from ..schema import Choice, Range
 from ..settings import setting
 from .schemes import base_config, check_device, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
 DEFAULT_MAX_DRIFT = 0.01  # nats/token: issue 19's bound for the fp8 teacher
+
+
+def quantize_setting():
+    """The `teacher.quantize` key (kd and kd_logits each have a teacher section; one definition)."""
+    return setting(None, Choice(*TEACHER_QUANT, optional=True),
+                   "null (the run dtype) | fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only")
 
 
 def max_drift_setting():
