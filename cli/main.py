@@ -7,6 +7,7 @@ usage errors exit 2 (argparse). Heavy imports (torch, huggingface_hub) happen in
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import traceback
@@ -461,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("recipe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `recipe keys kd | head`: the reader left early; no traceback (Python's docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+        return 1
 
 
 if __name__ == "__main__":

@@ -336,3 +336,14 @@ def test_help_examples_name_configs_and_keys_that_exist(capsys, tmp_path, monkey
         assert main(argv) == 0, (ex, capsys.readouterr().err)
         checked += 1
     assert checked >= 6
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    # `recipe keys kd | head -2`: the pipe's reader is gone before recipe writes; Python would print a
+    # BrokenPipeError traceback (2 of 4 tries in a new user's walkthrough)
+    r, w = os.pipe()
+    os.close(r)  # the reader left before anything was written
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "keys", "kd"], stdout=w,
+                          stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    assert proc.returncode == 1 and proc.stderr == ""

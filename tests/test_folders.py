@@ -85,6 +85,26 @@ def test_a_failed_write_is_one_line_and_keeps_the_previous_folder(tmp_path, err,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_a_sharded_save_failing_for_a_full_disk_is_one_line_too(tmp_path):
+    # torch.distributed.checkpoint (the sharded save under torchrun) wraps each rank's OSError in a
+    # CheckpointException, which is a BaseException: it must read as the same one line, not a traceback
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    target = tmp_path / "step_2"
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as cause:
+        failure = CheckpointException("save failed", {0: (cause, traceback.extract_tb(cause.__traceback__))})
+    with pytest.raises(RecipeError) as e:
+        with atomic_directory(target) as d:
+            (d / "__0_0.distcp").write_text("half")
+            raise failure
+    assert str(e.value) == f"cannot write {target}: No space left on device; nothing under that name was changed"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_killed_write_leaves_a_temp_dir_that_the_next_write_removes(tmp_path):
     target = tmp_path / "model"
     (tmp_path / ".model.tmp-abc").mkdir()  # what a kill -9 mid-write leaves

@@ -115,9 +115,16 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = True) -> Itera
 def write_failure(err: BaseException) -> str | None:
     """The reason of a failed write (disk full, file too large, permission, read-only filesystem), else None.
 
-    safetensors reports I/O errors as SafetensorError("Error while serializing: I/O error: <reason>")."""
+    safetensors reports I/O errors as SafetensorError("Error while serializing: I/O error: <reason>");
+    torch.distributed.checkpoint (sharded saves) as a CheckpointException holding each failed rank's error."""
     if isinstance(err, OSError):
         return err.strerror or str(err)
+    failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, stack summary)}
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, BaseException) and (reason := write_failure(cause)) is not None:
+                return reason
     if isinstance(err, SafetensorError) and "I/O error" in str(err):
         return str(err).split("I/O error:", 1)[1].strip()
     return None
