@@ -169,6 +169,10 @@ def _yaml_error(display: str, err: yaml.YAMLError) -> RecipeError:
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     loc = f"{display}:{mark.line + 1}" if mark is not None else display
+    # An unclosed `[` or `{` is noticed only on a later line: name where it was opened too (PyYAML's context)
+    context, opened = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and opened is not None and mark is not None and opened.line != mark.line:
+        problem = f"{problem} ({context} at line {opened.line + 1})"
     return RecipeError(f"{loc}: invalid YAML: {problem}")
 
 
