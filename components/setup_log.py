@@ -30,7 +30,7 @@ def process_start_time() -> float:
 
 class SetupLog:
     """`with log.phase("teacher weights"):` prints `setup: teacher weights ...` and `setup: teacher weights: 12.3 s`;
-    `log.first_step(seconds)` prints when step 1 ended and the parts before it. Silent off rank 0."""
+    `log.first_step(seconds)` prints when the process's first step ended and the parts before it. Silent off rank 0."""
 
     def __init__(self, is_main: bool = True) -> None:
         self.is_main = is_main
@@ -51,10 +51,11 @@ class SetupLog:
         self.parts.append((what, seconds))
         self.say(f"{what}: {seconds:.1f} s")
 
-    def first_step(self, step_seconds: float, compiled: bool) -> None:
-        """After optimizer step 1: its time (compilation included when `compiled`) and the whole breakdown."""
+    def first_step(self, step_seconds: float, compiled: bool, step: int = 1) -> None:
+        """After this process's first optimizer step (`step`: 1, or the one after a resumed checkpoint): its time
+        (compilation included when `compiled`) and the whole breakdown."""
         now = time.time()
         parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.parts)
         note = " (includes torch.compile of what runs in it)" if compiled else ""
         self.say(f"first optimizer step done {now - self.launched:.1f} s after launch ({now - self.began:.1f} s "
-                 f"after setup began): {parts}{', ' if parts else ''}step 1 {step_seconds:.1f} s{note}")
+                 f"after setup began): {parts}{', ' if parts else ''}step {step} {step_seconds:.1f} s{note}")

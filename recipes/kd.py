@@ -181,7 +181,7 @@ def main(cfg: KDConfig) -> None:
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
-                setup.first_step(clock.elapsed(), compiled=cfg.compile)
+                setup.first_step(clock.elapsed(), compiled=cfg.compile, step=step)
             logger.log(step, loss=values["loss"], ce_loss=values.get("ce"), kd_loss=values.get("kd"),
                        lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib(),

@@ -50,7 +50,7 @@ def recipe_case(recipe: str, model: Path) -> tuple[str, list[str]]:
     pytest.param("full", "torchao.optim.AdamW8bit", marks=pytest.mark.slow),
     pytest.param("kd", "torchao.optim.AdamW4bit", marks=pytest.mark.slow),
 ])
-def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe, optimizer):
+def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe, optimizer, capsys):
     config, overrides = recipe_case(recipe, tiny_model_dir)
     if optimizer is not None:
         overrides.append(f"optimizer._component_={optimizer}")
@@ -60,7 +60,10 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe,
     ckpt_overrides = [*overrides, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
     killed_at = rc.run_and_kill(recipe, config, ckpt_overrides, crashed, cwd=tmp_path)
     assert 1 <= killed_at < STEPS
+    capsys.readouterr()
     assert rc.run_in_process(recipe, config, [*ckpt_overrides, "resume=true"]) == 0
+    first = [ln for ln in capsys.readouterr().out.splitlines() if "first optimizer step done" in ln]
+    assert len(first) == 1 and f", step {killed_at + 1} " in first[0]  # the resumed process's first step
 
     rc.assert_same_weights(crashed / "model", ref / "model")
     if optimizer is not None:  # the resumed optimizer state really held quantized moments
