@@ -11,11 +11,16 @@
   cwd is the user's; `no_git_noise` drops exactly that line from stderr while lm-eval runs (everything else
   passes through as written), and only when the cwd is outside a git work tree. lm-eval still records the
   commit as none, as it did.
+- **A hint for lm-eval's own CLI.** Our offline tasks load their rows with a `custom_dataset` function, and
+  lm-eval logs "Custom kwargs can be passed to `--metadata` ..." for every such task (a hint about its `--metadata`
+  flag, which a `recipe` user never passes). `no_metadata_hint` filters exactly that record from lm-eval's task
+  logger (a standard logging.Filter, removed afterwards) while the block runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -158,3 +163,19 @@ def no_git_noise() -> Iterator[None]:
         thread.join(timeout=5)
         os.close(r)
         os.close(saved)
+
+
+class _NoMetadataHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def no_metadata_hint() -> Iterator[None]:
+    """Drop lm-eval's per-task "Custom kwargs can be passed to `--metadata`" warning while the block runs."""
+    logger, hint = logging.getLogger("lm_eval.api.task"), _NoMetadataHint()
+    logger.addFilter(hint)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hint)

@@ -105,7 +105,8 @@ def evaluate(
             "(any stock lm-eval task name also works when its dataset is in the HF cache)"
         )
     lm = _as_lm(model_or_checkpoint, batch_size, device, dtype, max_length)
-    with quiet.no_git_noise():  # lm-eval's `git describe` outside a repository (components/eval/quiet.py)
+    # lm-eval's `git describe` outside a repository, its --metadata hint for our tasks (components/eval/quiet.py)
+    with quiet.no_git_noise(), quiet.no_metadata_hint():
         results = _simple_evaluate(lm, tasks, tm, num_fewshot, limit, apply_chat_template, log_samples,
                                    bootstrap_iters, seed)
     if results is None:  # non-zero ranks under torchrun
