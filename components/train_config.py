@@ -55,9 +55,9 @@ def batch_size_key() -> Any:
     return setting(4, Range(int, ge=1), "micro-batch size per device")
 
 
-def num_output_chunks_key() -> Any:
-    """`num_output_chunks:` (8)."""
-    return setting(8, Range(int, ge=1), "output projection + losses computed in this many sequence chunks")
+def num_output_chunks_key(doc: str = "output projection + losses computed in this many sequence chunks") -> Any:
+    """`num_output_chunks:` (8); `doc` for a recipe whose chunks hold something else (kd_logits: no loss)."""
+    return setting(8, Range(int, ge=1), doc)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ from llm_recipe.components.train_config import (
     compile_key,
     device_key,
     dtype_key,
+    num_output_chunks_key,
     output_dir_key,
     seed_key,
 )
@@ -92,8 +93,8 @@ class KDLogitsConfig:
     dtype: str = dtype_key()
     compile: bool = compile_key()
     batch_size: int = batch_size_key()
-    num_output_chunks: int = setting(8, Range(int, ge=1), "teacher head + the cache's sample (or top-k) computed in "
-                                     "this many chunks of target rows")
+    num_output_chunks: int = num_output_chunks_key("teacher head + the cache's sample (or top-k) computed in this "
+                                                   "many chunks of target rows")
     tokenizer_dir: str | None = setting(None, ModelDir(optional=True), "tokenizes the transfer set: the kd run's "
                                         "student folder (null: the teacher's)")
     teacher: Teacher = section(Teacher, "the teacher")
