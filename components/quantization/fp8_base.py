@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RecipeError
+from .swap import swapped_class
 
 KEY = "lora.quantize_base=fp8"
 
@@ -51,15 +52,7 @@ def fp8_base_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out + (self.alpha / self.rank) * self.lora_b(self.lora_a(self.dropout(x)))
 
 
-_FP8_CLASSES: dict[type, type] = {}
-
-
-def _fp8_class(cls: type) -> type:
-    # A subclass (as QAT's LoRA swap): isinstance checks, parameter names, merge and adapter export keep working.
-    if cls not in _FP8_CLASSES:
-        _FP8_CLASSES[cls] = type(f"Fp8Base{cls.__name__}", (cls,),
-                                 {"forward": fp8_base_forward, "fp8_base": True, "__module__": __name__})
-    return _FP8_CLASSES[cls]
+_FP8_CLASSES: dict[type, type] = {}  # LoRA class -> its fp8-base subclass (merge, adapter export keep working)
 
 
 def pending_fp8_bases(model: nn.Module) -> dict[str, nn.Module]:
@@ -116,7 +109,8 @@ def quantize_fp8_bases(model: nn.Module, device: torch.device, sharded: bool = F
             raise RecipeError(f"{KEY} needs dtype: bf16 (the base is {m.weight.dtype})")
     for m in pending.values():
         m.weight = nn.Parameter(_to_float8(m.weight.detach()), requires_grad=False)
-        m.__class__ = _fp8_class(type(m))
+        m.__class__ = swapped_class(_FP8_CLASSES, type(m), "Fp8Base", {"forward": fp8_base_forward, "fp8_base": True},
+                                    __name__)
         del m.fp8_base_pending
     return len(pending)
 

@@ -30,6 +30,7 @@ from .schemes import (
     model_device_dtype,
     scheme_info,
 )
+from .swap import swapped_class
 
 QAT_METADATA_FILE = "quantization.json"
 KD_QAT_KEYS = ("scheme", "group_size", "include_output")  # the keys of `qat:` a KD student reads
@@ -108,15 +109,6 @@ def _per_token_forward(self, x: torch.Tensor) -> torch.Tensor:
 _PER_TOKEN_CLASSES: dict[type, type] = {}
 
 
-def _swapped_class(cache: dict[type, type], cls: type, prefix: str, methods: dict) -> type:
-    """`cls` with `methods` replaced, made once per class (kept in `cache`), for `module.__class__ = ...`: a
-    subclass, not a wrapper, keeps isinstance checks, parameter names, state and helpers working; FSDP2's
-    fully_shard swaps module classes the same way."""
-    if cls not in cache:
-        cache[cls] = type(f"{prefix}{cls.__name__}", (cls,), {**methods, "__module__": __name__})
-    return cache[cls]
-
-
 def use_traceable_activation_quantizers(model: nn.Module) -> int:
     """Give every per-token activation fake quantizer (8da4w's int8 activations) `_per_token_forward`: the same
     numbers as torchao's, in one compiled graph per layer on every torch (on torch 2.11 torchao's own broke each
@@ -131,8 +123,8 @@ def use_traceable_activation_quantizers(model: nn.Module) -> int:
         if (isinstance(fq, IntxFakeQuantizer) and type(fq) not in _PER_TOKEN_CLASSES.values()
                 and isinstance(fq.config.granularity, PerToken) and fq.config.is_dynamic and not fq.config.range_learning
                 and not fq.config.is_symmetric):
-            fq.__class__ = _swapped_class(_PER_TOKEN_CLASSES, type(fq), "Traceable",
-                                          {"_per_token_forward": _per_token_forward})
+            fq.__class__ = swapped_class(_PER_TOKEN_CLASSES, type(fq), "Traceable",
+                                         {"_per_token_forward": _per_token_forward}, __name__)
             n += 1
     return n
 
@@ -179,7 +171,8 @@ def _prepare_lora(module: nn.Module, fqn: str, base) -> None:
                           f"adapter dropout; set lora.dropout: 0.0 (got {module.dropout.p})")
     out_features, in_features = module.weight.shape
     act_fq, weight_fq = _fake_quantizers(base, in_features, out_features)
-    module.__class__ = _swapped_class(_QAT_LORA_CLASSES, type(module), "FakeQuantized", {"forward": _qat_lora_forward})
+    module.__class__ = swapped_class(_QAT_LORA_CLASSES, type(module), "FakeQuantized", {"forward": _qat_lora_forward},
+                                     __name__)
     module.activation_fake_quantizer = act_fq
     module.weight_fake_quantizer = weight_fq
 
