@@ -76,6 +76,11 @@ def main(argv: list[str]) -> int:
         args = cli.parse_args()
     finally:
         sys.argv = saved
+    model_args = getattr(args, "model_args", None)
+    if getattr(args, "model", None) == "recipe" and isinstance(model_args, dict) and model_args.get("checkpoint"):
+        from ..components.quantization.load import check_checkpoint_dir
+
+        check_checkpoint_dir(model_args["checkpoint"])  # a wrong folder fails now, before lm-eval builds its tasks
     if hasattr(args, "include_path"):  # run, ls and validate: our pack first, then the user's folder if any
         args.include_path = [str(tasks_dir()), *([args.include_path] if args.include_path else [])]
     try:

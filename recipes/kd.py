@@ -94,17 +94,24 @@ def main(cfg: KDConfig) -> None:
     if on_policy is not None and on_policy.prompts is not None:  # before any weights: a bad set fails in seconds
         with setup.phase("on-policy prompts"):
             prompt_set = load_prompt_set(on_policy, max_len, tokenizer)
+    # With teacher.logits_dir the cache stands in for the teacher: verified and checked against this run (teacher,
+    # tokenizer, dataset section, temperature) before the student's layers are scored.
+    teacher = targs = cache = None
+    if cfg.teacher.logits_dir is not None:
+        with setup.phase("teacher cache check"):
+            teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
+                                                 kd_loss.temperature, max_len, cfg.compile)
     with setup.phase("student layers"):
         keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,
                               cfg.output_dir if rt.is_main else None,
                               score=resume_weights(resume_from) is None or lora is not None,
                               where=config_source(cfg).where("student.keep_layers"))
 
-    # Teacher: frozen (placed, quantized, compiled: components/teacher.py), or with teacher.logits_dir its cached
-    # top-k, verified and checked against this run before anything is loaded.
-    with setup.phase("teacher cache check" if cfg.teacher.logits_dir else "teacher weights"):
-        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
-                                             kd_loss.temperature, max_len, cfg.compile)
+    # Teacher: frozen (placed, quantized, compiled: components/teacher.py).
+    if cache is None:
+        with setup.phase("teacher weights"):
+            teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
+                                                 kd_loss.temperature, max_len, cfg.compile)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):

@@ -166,6 +166,16 @@ def test_a_cache_of_another_run_is_a_one_line_error_naming_the_field(capsys, tmp
     assert f"{field} differs" in _error(capsys, tmp_path, cache, tiny_model_dir, override)
 
 
+def test_a_mismatched_cache_is_refused_before_the_student_layers_are_scored(capsys, tmp_path, cache,
+                                                                             tiny_model_dir):
+    """With student.prune the layer scoring takes seconds to minutes: a cache of another run fails first."""
+    code = rc.run_in_process("kd", "kd/smollm2_demo", kd_args(tmp_path / "kd_bad", cache, tiny_model_dir,
+                                                              "dataset.limit=20", "student.prune.keep=1"))
+    log = capsys.readouterr()
+    assert code == 1 and "recipe: error: teacher.logits_dir=" in log.err and "dataset.limit differs" in log.err
+    assert "student layers" not in log.out + log.err, "the layers were scored before the cache was checked"
+
+
 def test_other_tokenizer_and_other_teacher_are_refused(capsys, tmp_path, cache, tiny_copy, tiny_model_dir):
     cfg = json.loads((tiny_copy / "tokenizer_config.json").read_text())
     cfg["chat_template"] = cfg["chat_template"] + "{# another template #}"

@@ -197,6 +197,15 @@ def test_lm_eval_stock_task_with_the_hub_unreachable_fails_at_once(tiny_model_di
     assert "Retrying" not in proc.stderr and took < 60, f"{took:.0f} s: retried the Hub"
 
 
+def test_lm_eval_missing_checkpoint_fails_before_lm_eval_starts(tmp_path):
+    """A wrong checkpoint folder is the whole of stderr: no lm-eval task setup logged before the error."""
+    proc, _ = _lm_eval(["--model", "recipe", "--model_args", f"checkpoint={tmp_path / 'nope'}", "--tasks",
+                        "recipe_copa", "--limit", "2", "--device", "cpu"], tmp_path, HF_HUB_OFFLINE="1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Selected Tasks" not in proc.stderr and "Initializing" not in proc.stderr, proc.stderr[-3000:]
+    doc.expect("lm-eval-missing-checkpoint", proc.stderr, dir=tmp_path / "nope")
+
+
 def test_lm_eval_outside_a_git_repository_prints_no_git_error(tiny_model_dir, tmp_path):
     from llm_recipe.components.eval.quiet import in_git_work_tree
 

@@ -37,19 +37,26 @@ def saved_quantization(ckpt_dir: str | Path) -> dict | None:
     return None
 
 
+def check_checkpoint_dir(ckpt_dir: str | Path) -> None:
+    """A one-line error unless `ckpt_dir` is a model folder whose config.json matches its safetensors headers:
+    from the files' headers alone, so a caller (`recipe lm_eval`) can refuse a wrong path before any other work."""
+    from ..models.args import check_weight_shapes
+
+    if not (Path(ckpt_dir) / "config.json").is_file():
+        raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
+    check_weight_shapes(ckpt_dir)
+
+
 def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
                     device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
     """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
     `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
     (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
     from ..models import load_model  # lazy: importing this module stays light
-    from ..models.args import check_weight_shapes
     from ..models.tokenizer import Tokenizer, check_tokenizer_fits
 
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / "config.json").is_file():
-        raise RecipeError(f"checkpoint={ckpt_dir}: no config.json there; pass a Hugging Face model folder")
-    check_weight_shapes(ckpt_dir)  # config.json against the safetensors headers, then against the tokenizer
+    check_checkpoint_dir(ckpt_dir)  # config.json against the safetensors headers, then against the tokenizer
     tokenizer = Tokenizer.from_dir(ckpt_dir)
     check_tokenizer_fits(ckpt_dir, tokenizer)  # before the weights load
     qcfg = saved_quantization(ckpt_dir)
