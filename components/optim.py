@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -124,6 +125,11 @@ def build_optimizer(
         kwargs["fused"] = True
     if "betas" in kwargs and isinstance(kwargs["betas"], list):
         kwargs["betas"] = tuple(kwargs["betas"])
+    if cls.__name__ in _LOW_BIT:
+        # torch's AOT autograd cache warns, once per run and into the progress bar, that torchao's low-bit state
+        # subclasses lack `_stable_hash_for_caching`: advice for the subclass's authors, nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching",
+                                category=UserWarning)
     try:
         return cls(plist, **kwargs)
     except TypeError as e:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -309,3 +312,23 @@ def test_master_weight_adamw_keeps_small_updates_of_bf16_weights(tmp_path):
     _bf16_steps(model, opt, grads[3:])
     assert torch.equal(opt.state[model.weight]["master"], ref32.weight)
     assert torch.equal(model.weight, ref32.weight.to(torch.bfloat16))
+
+
+def test_a_low_bit_step_prints_no_torch_caching_advice(tmp_path):
+    """torch's AOT autograd cache warns that torchao's state subclasses lack `_stable_hash_for_caching`; in a
+    run that line lands in the progress bar, and a user can do nothing about it (a fresh process: it warns once)."""
+    code = (
+        "import torch\n"
+        "from types import SimpleNamespace\n"
+        "from llm_recipe.components.optim import build_optimizer\n"
+        "m = torch.nn.Linear(64, 64)\n"
+        "opt = build_optimizer({'_component_': 'torchao.optim.AdamW8bit', 'lr': 1e-2}, m.parameters(),\n"
+        "                      SimpleNamespace(device=torch.device('cpu')))\n"
+        "m(torch.randn(8, 64)).square().mean().backward()\n"
+        "opt.step()\n"
+        "print('stepped', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert proc.returncode == 0 and "stepped" in proc.stdout, proc.stderr[-3000:]
+    assert "_stable_hash_for_caching" not in proc.stderr, proc.stderr[-3000:]
