@@ -1,0 +1,175 @@
+"""How fast the packed-document attention of the issue-19 rows runs, and how much faster it could (a diagnosis).
+
+The teacher's attention (Llama-3.1-8B shape, forward only, no grad) and the student's (Llama-3.2-1B shape, forward
+and backward) on one micro-batch of the shipped KD row (4 x 1024 tokens, documents packed into each row), timed with
+CUDA events after warm-up (defaults: the shipped kd config's micro-batch, 2 rows x 2048 tokens, and document lengths
+of the transfer passages under the Llama-3 tokenizer: mean 254, 10th-90th percentile 126-381 tokens):
+- `flex`: flex attention with the document BlockMask, compiled, as the recipes run it;
+- `flex_autotune`: the same compiled with mode="max-autotune-no-cudagraphs" (Inductor tries its block sizes);
+- `varlen_flash`: flash attention over the documents themselves (torch's varlen attention: each document is its own
+  causal sequence, given by cumulative lengths; no mask);
+- `nested_cudnn` / `nested_flash` / `nested_efficient`: SDPA on a nested (jagged) batch of the documents, with
+  one SDPA backend each (full heads: nested SDPA takes no GQA);
+- `flex_causal`: flex attention with a plain causal mask (the same work as the SDPA rows);
+- `sdpa_cudnn_causal` / `sdpa_flash_causal`: plain causal attention over the whole row (documents NOT separated:
+  not a substitute, the speed a fused Hopper kernel reaches on this shape, as a bound).
+
+    python bench/attention_speed.py [--doc-len 128 512] [--iters 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+SHAPES = {"teacher_8b_fwd": (32, 8, 128, False), "student_1b_fwd_bwd": (32, 8, 64, True)}  # q heads, kv heads, dim
+
+
+def packed_positions(rows: int, length: int, lo: int, hi: int, seed: int = 0) -> torch.Tensor:
+    """[rows, length] positions restarting at 0 at each document (lengths uniform in [lo, hi])."""
+    rng, out = random.Random(seed), []
+    for _ in range(rows):
+        pos: list[int] = []
+        while len(pos) < length:
+            pos += list(range(rng.randint(lo, hi)))
+        out.append(pos[:length])
+    return torch.tensor(out)
+
+
+def timed(fn, iters: int) -> float:
+    """Milliseconds per call (median of `iters` CUDA-event timings, after 5 warm-up calls)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--doc-len", type=int, nargs=2, default=[126, 381], help="document lengths, uniform in [lo, hi]")
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    positions = packed_positions(args.rows, args.length, *args.doc_len)
+    doc = (positions == 0).cumsum(-1).to(dev)
+    starts = torch.nonzero(positions.flatten() == 0).flatten()
+    cu_seqlens = torch.cat([starts, torch.tensor([positions.numel()])]).to(dev, torch.int32)
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    mask = create_block_mask(same_document_causal, args.rows, None, args.length, args.length, device=dev)
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, args.length, args.length, device=dev)
+    compiled = {"flex": torch.compile(flex_attention),
+                "flex_autotune": torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")}
+    for shape, (hq, hkv, dim, backward) in SHAPES.items():
+        measure(shape, args, hq, hkv, dim, backward, mask, causal, compiled, cu_seqlens)
+
+
+def varlen(q, k, v, cu_seqlens, max_len: int):
+    """torch's varlen flash attention, causal within each document, on [b, h, s, d] tensors; its keyword for
+    causal masking changed between torch releases (`is_causal`, then `window_size=(-1, 0)`)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, h, s, d = q.shape
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params and k.shape[1] != h:
+        causal["enable_gqa"] = True
+    out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_len, max_len, **causal)
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
+def nested(q, k, v, cu_seqlens, backend):
+    """SDPA over the documents as a nested (jagged) batch, causal within each, with one SDPA backend."""
+    b, h, s, d = q.shape
+    offsets = cu_seqlens.to(torch.int64)
+    nts = [torch.nested.nested_tensor_from_jagged(t.transpose(1, 2).reshape(b * s, t.shape[1], d), offsets)
+           .transpose(1, 2) for t in (q, k, v)]
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(*nts, is_causal=True)
+    return out.transpose(1, 2).values().reshape(b, s, h, d).transpose(1, 2)
+
+
+def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask, causal, compiled: dict,
+            cu_seqlens) -> None:
+    """Print one JSON line per row for one attention shape."""
+    dev = torch.device("cuda")
+
+    def make(heads):
+        return torch.randn(args.rows, heads, args.length, dim, device=dev, dtype=torch.bfloat16, requires_grad=backward)
+
+    q, k, v = make(hq), make(hkv), make(hkv)
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)  # SDPA kernels: full heads
+    grad = torch.randn(args.rows, hq, args.length, dim, device=dev, dtype=torch.bfloat16)
+
+    def run(attend):
+        def step():
+            if backward:
+                attend().backward(grad)
+            else:
+                with torch.no_grad():
+                    attend()
+        return step
+
+    def sdpa(backend):
+        def attend():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+        return attend
+
+    rows = {
+        "flex": run(lambda: compiled["flex"](q, k, v, block_mask=mask, enable_gqa=True)),
+        "flex_autotune": run(lambda: compiled["flex_autotune"](q, k, v, block_mask=mask, enable_gqa=True)),
+        "varlen_flash": run(lambda: varlen(q, k, v, cu_seqlens, args.length)),
+        "varlen_flash_full_heads": run(lambda: varlen(q, kr, vr, cu_seqlens, args.length)),
+        "nested_cudnn": run(lambda: nested(q, kr, vr, cu_seqlens, SDPBackend.CUDNN_ATTENTION)),
+        "nested_flash": run(lambda: nested(q, kr, vr, cu_seqlens, SDPBackend.FLASH_ATTENTION)),
+        "nested_efficient": run(lambda: nested(q, kr, vr, cu_seqlens, SDPBackend.EFFICIENT_ATTENTION)),
+        "flex_causal": run(lambda: compiled["flex"](q, k, v, block_mask=causal, enable_gqa=True)),
+        "sdpa_cudnn_causal": run(sdpa(SDPBackend.CUDNN_ATTENTION)),
+        "sdpa_flash_causal": run(sdpa(SDPBackend.FLASH_ATTENTION)),
+    }
+    with torch.no_grad():  # the same attention? varlen against flex's document mask
+        try:
+            gap = (varlen(q, k, v, cu_seqlens, args.length) - compiled["flex"](q, k, v, block_mask=mask,
+                                                                                 enable_gqa=True)).abs().max()
+            print(json.dumps({"shape": shape, "varlen_vs_flex_max_abs_diff": float(gap)}), flush=True)
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                try:
+                    gap = (nested(q, kr, vr, cu_seqlens, backend) - compiled["flex"](
+                        q, k, v, block_mask=mask, enable_gqa=True)).abs().max()
+                    print(json.dumps({"shape": shape, f"nested_{backend.name}_vs_flex_max_abs_diff": float(gap)}))
+                except Exception as e:
+                    print(json.dumps({"shape": shape, f"nested_{backend.name}": f"{type(e).__name__}: {str(e)[:300]}"}))
+        except Exception as e:
+            print(json.dumps({"shape": shape, "varlen_vs_flex": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+    for name, fn in rows.items():
+        try:
+            ms = timed(fn, args.iters)
+        except Exception as e:  # a backend this build or GPU lacks: say so, go on
+            print(json.dumps({"shape": shape, "row": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
+            continue
+        print(json.dumps({"shape": shape, "row": name, "ms": round(ms, 3), "gpu": torch.cuda.get_device_name()}),
+              flush=True)
+
+if __name__ == "__main__":
+    main()
