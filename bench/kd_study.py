@@ -18,18 +18,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS_MAIN = ["recipe_lambada_openai", "recipe_arc_easy", "recipe_piqa"]
-TASK_HELLASWAG = "recipe_hellaswag"
+sys.path.insert(0, str(ROOT))
+# the scheduler and eval-one live in their own modules; their names stay importable from here
+from bench.kd_study_eval import (  # noqa: E402, F401
+    TASK_HELLASWAG,
+    TASKS_MAIN,
+    _metric,
+    compare_with_real,
+    eval_one,
+    fake_quantize,
+    quantize_for_eval,
+    write_summary,
+)
+from bench.kd_study_jobs import Job, _done, _job_env, _run_stats, _status_path, run_jobs  # noqa: E402, F401
 
 
 @dataclass
@@ -49,20 +59,6 @@ class Scale:
     device: str = "auto"
     quant_numerics: str = "auto"  # quantized evals: "real" torchao tensors, "fake" quantizers, auto = fake on CUDA
 
-
-@dataclass
-class Job:
-    """One process of the study: a training command line or an evaluation of a model folder."""
-
-    name: str
-    kind: str  # "train" | "eval"
-    argv: list[str]
-    deps: list[str] = field(default_factory=list)
-    group: str = ""
-    recipe_cmd: str = ""  # the user-facing `recipe run ...` form of a training command
-
-    def command(self) -> str:
-        return shlex.join(self.argv)
 
 
 def _f(x: float) -> str:
@@ -155,188 +151,6 @@ def all_jobs(s: Scale, out: Path) -> list[Job]:
     return training_jobs(s, out) + eval_jobs(s, out)
 
 
-# ----------------------------------------------------------------------------------------------------- run
-
-
-def _status_path(out: Path, name: str) -> Path:
-    return out / "status" / (name.replace(":", "__") + ".json")
-
-
-def _done(out: Path, name: str) -> bool:
-    p = _status_path(out, name)
-    return p.is_file() and json.loads(p.read_text()).get("rc") == 0
-
-
-def _job_env(**extra: str) -> dict[str, str]:
-    """The environment of a study subprocess: unbuffered output (llm_recipe comes from the install)."""
-    return dict(os.environ, PYTHONUNBUFFERED="1", **extra)
-
-
-def run_jobs(jobs: list[Job], out: Path, max_jobs: int) -> int:
-    """Run `jobs` as subprocesses, at most `max_jobs` at once, each after its deps; returns the failure count."""
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / "status").mkdir(parents=True, exist_ok=True)
-    env = _job_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    pending = [j for j in jobs if not _done(out, j.name)]
-    running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
-    failed: set[str] = set()
-    t_start = time.time()
-    while pending or running:
-        for name, (proc, t0, fh) in list(running.items()):
-            rc = proc.poll()
-            if rc is None:
-                continue
-            fh.close()
-            wall = time.time() - t0
-            _status_path(out, name).write_text(json.dumps({"rc": rc, "wall_s": round(wall, 1)}) + "\n")
-            print(f"[{time.time() - t_start:7.1f}s] {'done' if rc == 0 else f'FAILED rc={rc}'} {name} "
-                  f"({wall:.0f}s)", flush=True)
-            if rc != 0:
-                failed.add(name)
-            del running[name]
-        for job in list(pending):
-            if len(running) >= max_jobs:
-                break
-            deps = job.deps
-            active = {j.name for j in pending} | set(running)
-            if any(d in failed or (d not in active and not _done(out, d)) for d in deps):
-                print(f"skip {job.name}: a dependency failed", flush=True)
-                failed.add(job.name)
-                pending.remove(job)
-                continue
-            if not all(_done(out, d) for d in deps):
-                continue
-            log = open(out / "logs" / (job.name.replace(":", "__") + ".log"), "w")
-            log.write(f"$ {job.command()}\n")
-            log.flush()
-            proc = subprocess.Popen(job.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running[job.name] = (proc, time.time(), log)
-            pending.remove(job)
-            print(f"[{time.time() - t_start:7.1f}s] start {job.name}", flush=True)
-        time.sleep(1.0)
-    return len(failed)
-
-
-# ------------------------------------------------------------------------------------------------ eval-one
-
-
-def _metric(res: dict, task: str, key: str) -> float | None:
-    v = res.get("results", {}).get(task, {}).get(key)
-    return None if v in (None, "N/A") else float(v)
-
-
-def eval_one(name: str, model_spec: str, out: Path, every: int | None, quant: str | None, s: Scale) -> dict:
-    """Evaluate one model on LAMBADA, ARC-Easy, PIQA (+ HellaSwag, maybe limited); write evals/<name>/summary.json."""
-    import torch
-
-    from llm_recipe.components.assets import embedded_model_dir
-    from llm_recipe.components.eval.run import evaluate
-    from llm_recipe.components.models import keep_every, load_model, read_model_args
-    from llm_recipe.components.models.tokenizer import Tokenizer
-
-    device = "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto"
-                                                                               else s.device)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    src = embedded_model_dir() if model_spec == "embedded" else Path(model_spec)
-    keep = keep_every(read_model_args(src).num_layers, every) if every else None
-    t0 = time.time()
-    model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
-    model.eval()
-    method = f"{str(dtype).removeprefix('torch.')} weights"
-    check: dict[str, Any] = {}
-    if quant:
-        numerics = s.quant_numerics if s.quant_numerics != "auto" else ("fake" if device.startswith("cuda") else "real")
-        if numerics == "fake":
-            fake_quantize(model, quant)
-            method = f"fake quantization ({quant}, group 32; torchao QAT fake quantizers)"
-            check = compare_with_real(model, src, dtype, device, keep, quant)
-        else:
-            method = quantize_for_eval(model, src, dtype, device, keep, quant)
-            if method.startswith("fake"):  # the real quantized model failed here: reload and fake-quantize instead
-                model, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
-                model.eval()
-                fake_quantize(model, quant)
-    tok = Tokenizer.from_dir(src)
-    dest = out / "evals" / name
-    res_main = evaluate((model, tok), TASKS_MAIN, limit=s.eval_limit, batch_size=s.eval_batch_size,
-                        output_dir=dest / "main")
-    write_summary(dest, name, src, keep, quant, method, res_main, {}, t0, check)  # partial, if HellaSwag is cut off
-    hs_limit = s.hellaswag_limit if s.eval_limit is None else min(s.eval_limit, s.hellaswag_limit or s.eval_limit)
-    res_hs = evaluate((model, tok), [TASK_HELLASWAG], limit=hs_limit, batch_size=s.eval_batch_size,
-                      output_dir=dest / "hellaswag")
-    return write_summary(dest, name, src, keep, quant, method, res_main, res_hs, t0, check)
-
-
-def write_summary(dest: Path, name: str, src: Path, keep: list[int] | None, quant: str | None, method: str,
-                  res_main: dict, res_hs: dict, t0: float, check: dict | None = None) -> dict:
-    """The numbers the study reports for one model, from lm-eval's results, into dest/summary.json."""
-    import torch
-
-    n = {**res_main.get("n-samples", {}), **res_hs.get("n-samples", {})}
-    summary = {
-        "name": name, "model": str(src), "keep_layers": keep, "quant": quant, "method": method, **(check or {}),
-        "lambada_acc": _metric(res_main, "recipe_lambada_openai", "acc,none"),
-        "lambada_ppl": _metric(res_main, "recipe_lambada_openai", "perplexity,none"),
-        "hellaswag_acc_norm": _metric(res_hs, TASK_HELLASWAG, "acc_norm,none"),
-        "hellaswag_acc_norm_stderr": _metric(res_hs, TASK_HELLASWAG, "acc_norm_stderr,none"),
-        "arc_easy_acc": _metric(res_main, "recipe_arc_easy", "acc,none"),
-        "arc_easy_acc_norm": _metric(res_main, "recipe_arc_easy", "acc_norm,none"),
-        "piqa_acc": _metric(res_main, "recipe_piqa", "acc,none"),
-        "piqa_acc_norm": _metric(res_main, "recipe_piqa", "acc_norm,none"),
-        "n_samples": {k: v.get("effective") for k, v in n.items()},
-        "eval_s": round(time.time() - t0, 1),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-    }
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    return summary
-
-
-def quantize_for_eval(model: Any, src: Path, dtype: Any, device: str, keep: list[int] | None, scheme: str) -> str:
-    """Quantize `model` in place with torchao (PTQ, as deployment would); if that fails or cannot run a forward
-    on this device, say so: the caller then evaluates the same numerics with fake quantization."""
-    import torch
-
-    from llm_recipe.components.quantization import quantize_model
-
-    try:
-        quantize_model(model, scheme, 32)
-        with torch.no_grad():
-            model(torch.zeros(1, 8, dtype=torch.long, device=device) + 100)
-        return f"torchao {scheme} quantized tensors (group 32)"
-    except Exception as e:  # noqa: BLE001 - any failure of the real kernel falls back to fake quant, and is reported
-        print(f"real {scheme} quantization failed on {device}: {type(e).__name__}: {e}", file=sys.stderr)
-        return f"fake quantization ({scheme}, group 32; real kernel failed: {type(e).__name__})"
-
-
-def compare_with_real(fake: Any, src: Path, dtype: Any, device: str, keep: list[int] | None, scheme: str) -> dict:
-    """Logits of the fake-quantized model vs torchao's real quantized one on a fixed batch (both on `device`):
-    the evidence that evaluating through fake quantization measures the deployed numerics."""
-    import torch
-
-    from llm_recipe.components.models import load_model
-    from llm_recipe.components.quantization import quantize_model
-
-    real, _ = load_model(src, dtype=dtype, device=device, keep_layers=keep)
-    real.eval()
-    quantize_model(real, scheme, 32)
-    tokens = torch.randint(0, 49152, (4, 128), generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.no_grad():
-        a, b = real(tokens).float(), fake(tokens).float()
-    return {"real_vs_fake_max_abs_logit_diff": float((a - b).abs().max()),
-            "real_vs_fake_argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
-
-
-def fake_quantize(model: Any, scheme: str) -> None:
-    """torchao's QAT fake quantizers (the same int8 dynamic-activation / int4 group-32 rounding), switched on."""
-    from llm_recipe.components.quantization import prepare_qat, set_fake_quant_enabled
-
-    prepare_qat(model, scheme, 32)
-    set_fake_quant_enabled(model, True)
-
-
 # ---------------------------------------------------------------------------------------------- throughput
 
 
@@ -361,30 +175,6 @@ def throughput(s: Scale, out: Path, steps: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- collect
-
-
-def _run_stats(run_dir: Path) -> dict | None:
-    """A training run's steps, final losses (mean of the last 20 steps), tokens/s (mean after the first 5 steps)
-    and peak memory, from its metrics.jsonl; None if it has none."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        return None
-    tail = rows[-20:]
-    steady = rows[5:] or rows
-
-    def mean(key: str, rs: list[dict]) -> float | None:
-        vals = [r[key] for r in rs if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    return {
-        "steps": rows[-1].get("step"),
-        "final_loss": mean("loss", tail), "final_ce": mean("ce_loss", tail), "final_kd": mean("kd_loss", tail),
-        "tokens_per_s": mean("tokens_per_s", steady),
-        "peak_memory_gib": max((r.get("peak_memory_gib") or 0.0) for r in rows),
-    }
 
 
 def _train_summary(out: Path, name: str) -> dict | None:

@@ -30,90 +30,32 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import kd_study2_data as mixdata  # noqa: E402
 from bench import kd_study2_onp as onp  # noqa: E402
-from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402
+from bench.kd_study import Job, _run_stats, _status_path, fake_quantize, quantize_for_eval, run_jobs  # noqa: E402, F401
 
-LAMBADA = "recipe_lambada_openai"
-# multiple-choice tasks scored by acc_norm (lm-eval's length-normalized choice): summary key -> offline task
-CHOICE_TASKS = {"hellaswag": "recipe_hellaswag", "arc_easy": "recipe_arc_easy", "piqa": "recipe_piqa"}
-ROWS = ("teacher", "teacher_ptq", "pruned", "sft", "kd", "kd_r1", "kd_cache", "kd_ptq", "qat", "kd_qat")
-STUDENTS = ("sft", "kd", "kd_r1", "kd_cache")  # the pruned students, all trained from the same layer list
-TRAINED = (*STUDENTS, "qat", "kd_qat")
-LOWER_IS_BETTER = ("lambada_nll", *onp.METRICS)  # paired differences of these are negated: > 0 is better
-
-
-@dataclass
-class Scale:
-    """Defaults: the GPU run (1250 steps x 32 x 512 = 20.5M tokens per training run)."""
-
-    teacher: str = "embedded"
-    steps: int = 1250
-    batch_size: int = 32
-    seq_len: int = 512
-    keep: int = 20  # student layers (of 30), chosen by loss_drop importance
-    calibration_tokens: int = 16384
-    lr_student: float = 2e-4
-    lr_quant: float = 5e-5  # QAT and KD-QAT start from the teacher's weights; at 20.5M tokens 5e-5 beat 1e-4 (KD-QAT
-    #                         recovered 85% of the PTQ loss instead of 77%; docs/kd_study.md, the sweep); 2e-5
-    #                         recovered half at 6.6M tokens, where 1e-4 won (the `lease` preset keeps it)
-    samples_per_prompt: int = 16  # transfer set: 16 continuations per passage opening
-    max_new_tokens: int = 480
-    gen_batch_size: int = 512
-    passages: int | None = None  # transfer prompts (None: all shipped ones)
-    chat: int | None = 0  # chat answers: none (the students train on passages.jsonl only)
-    mix_chat: int = 1043  # data=chat_mix rows: the teacher answers the first N chat questions (the on-policy rows'
-    #                       prompts and held-out metric use the rest: transfer:chat train[1043:])
-    eval_limit: int | None = None  # None: full LAMBADA (5153), HellaSwag (10042), ARC-Easy (2376), PIQA (1838)
-    eval_batch_size: int = 64
-    device: str = "auto"
-    compile: bool = True  # torch.compile each layer of the bf16 students (the fast setting on a GPU)
-    compile_quant: bool = False  # also for QAT / KD-QAT (their fake quantizers are compiled on a GPU anyway;
-    #                              layer compile around them is not measured yet, so off: a failure costs a lease)
-    cache_top_k: int = 32  # kd_cache: teacher log-probs kept per token
-    # sweep rows, "NAME=BASE:key=value,key=value": BASE's training with the overrides appended, evaluated like
-    # BASE and compared with it on the same items; `cache.*` keys (cache.top_k=K, cache.mode=sampled,
-    # cache.samples=N) give the row its own cache built with them
-    variants: list[str] = field(default_factory=list)
-    rows: list[str] | None = None  # run only these rows (their evaluations and the jobs they need); None: all
-    pairs: list[str] = field(default_factory=list)  # extra paired comparisons "BASE:ROW" (collect)
-    onp_probe_steps: int = 40  # on-policy rows: steps of each row's timing probe (the first quarter is warm-up)
-    onp_prompts: int = 512  # held-out chat prompts of the on-policy metric
-    onp_new_tokens: int = 64  # tokens each student samples per prompt there (kd.on_policy's default)
-    onp_batch: int = 256  # prompts sampled at once there
-    onp_overrides: list[str] = field(default_factory=list)  # appended to the on-policy rows' training
-
-    @property
-    def tokens_per_run(self) -> int:
-        return self.steps * self.batch_size * self.seq_len
-
-
-TINY = dict(steps=2, batch_size=2, seq_len=32, keep=2, calibration_tokens=64, samples_per_prompt=1,
-            max_new_tokens=8, gen_batch_size=4, passages=4, chat=0, mix_chat=16, eval_limit=4, eval_batch_size=4, device="cpu",
-            compile=False, onp_probe_steps=3, onp_prompts=4, onp_new_tokens=4, onp_batch=4,
-            onp_overrides=["kd.on_policy.max_new_tokens=8", "kd.on_policy.prompt_tokens=8"])
-# One 30-minute lease of one H200 (bench/device_study2.sh, bench/README.md): every row, full evals, 400 steps x
-# 32 x 512 = 6.6M tokens per training run (the issue's 20.5M does not fit with six trainings, two of them 30-layer
-# QAT runs, at the first study's measured GPU rate) over ~3-4.5M teacher-written tokens (4 continuations of each of
-# the 2507 passage openings): about 2 epochs.
-LEASE = dict(steps=400, samples_per_prompt=4, gen_batch_size=1024, lr_quant=1e-4)
-# The issue's 20.5M tokens per row in one lease, planned from the measured lease: the transfer set with the compiled
-# decode step (2.45x eager) at 8 continuations (~10M tokens, 2 epochs), trainings ~3.1x the lease rows.
-LEASE_20M = dict(steps=1250, samples_per_prompt=8, gen_batch_size=1024)
-PRESETS = {"gpu": {}, "lease": LEASE, "lease20m": LEASE_20M, "tiny": TINY}
-
-
-def _teacher(s: Scale) -> str:
-    if s.teacher == "embedded":
-        from llm_recipe.components.assets import embedded_model_dir
-
-        return str(embedded_model_dir())
-    return s.teacher
+# the rows and sizes, and collect, live in their own modules; their names stay importable from here
+from bench.kd_study2_collect import LOWER_IS_BETTER, _fractions, _metrics, _paired, collect  # noqa: E402, F401
+from bench.kd_study2_scale import (  # noqa: E402, F401
+    CHOICE_TASKS,
+    LAMBADA,
+    LEASE,
+    LEASE_20M,
+    PRESETS,
+    ROWS,
+    STUDENTS,
+    TINY,
+    TRAINED,
+    Scale,
+    _keep,
+    _teacher,
+    parse_variants,
+)
 
 
 def _f(x: float) -> str:
@@ -201,19 +143,6 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
     return sorted(jobs, key=lambda j: order.index(j.name) if j.name in order else len(order))
 
 
-def parse_variants(s: Scale) -> list[tuple[str, str, list[str]]]:
-    """`Scale.variants` as (name, base row, overrides); a malformed one is a one-line error naming it."""
-    out = []
-    for v in s.variants:
-        name, _, rest = v.partition("=")
-        base, _, overrides = rest.partition(":")
-        if not name.isidentifier() or name in (*ROWS, *onp.ONP_ROWS) or base not in TRAINED or not overrides:
-            raise SystemExit(f"--variant {v!r}: expected NAME=BASE:key=value[,key=value] with a new NAME and BASE "
-                             f"one of {', '.join(TRAINED)}")
-        out.append((name, base, overrides.split(",")))
-    return out
-
-
 def select(jobs: list[Job], s: Scale) -> list[Job]:
     """Only the jobs `Scale.rows` needs: each row's evaluation and, through deps, the trainings behind it."""
     rows = onp.with_reference(s, parse_variants(s))  # on-policy rows bring their off-policy reference
@@ -252,11 +181,6 @@ def eval_jobs(s: Scale, out: Path) -> list[Job]:
 
 def scale_flags(s: Scale) -> list[str]:
     return ["--scale", json.dumps(asdict(s))]
-
-
-def _keep(out: Path) -> list[int] | None:
-    p = out / "layers" / "layer_importance.json"
-    return json.loads(p.read_text())["kept"] if p.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------- prune / eval
@@ -320,105 +244,6 @@ def eval_one(name: str, model_dir: str, out: Path, quant: str | None, pruned: bo
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-# ------------------------------------------------------------------------------------------------- collect
-
-
-def _paired(a: dict, b: dict, sign: float) -> dict:
-    from llm_recipe.components.eval.stats import paired_difference
-
-    d = paired_difference({int(k): v for k, v in a.items()}, {int(k): v for k, v in b.items()})
-    return {"diff": sign * d["diff"], "se": d["se"], "z": sign * d["z"], "items": d["items"]}
-
-
-def _metrics(e: dict) -> dict[str, float]:
-    """Every metric of one evaluation, oriented so that higher is better (LAMBADA NLL negated)."""
-    m = {"lambada_acc": e["lambada"]["acc"], "lambada_nll": -e["lambada"]["nll"]}
-    m.update({f"{k}_acc_norm": e[k]["acc_norm"] for k in CHOICE_TASKS if k in e})
-    return m
-
-
-def _fractions(ev: dict, low: str, top: str, rows) -> dict:
-    """(row - low) / (top - low) per metric: the fraction of the low -> top gap each row closes."""
-    lo, hi = _metrics(ev[low]), _metrics(ev[top])
-    return {r: {k: (v - lo[k]) / (hi[k] - lo[k]) if k in lo and k in hi and hi[k] != lo[k] else None
-                for k, v in _metrics(ev[r]).items()} for r in rows if r in ev}
-
-
-def collect(s: Scale, out: Path) -> dict:
-    """out/results.json and out/table.md: every row with SEs, KD vs SFT (paired), PTQ loss recovered."""
-    variants = parse_variants(s)
-    base_of = {name: base for name, base, _ in variants}
-    ev = {}
-    for name in [*ROWS, *onp.ONP_ROWS, *base_of]:
-        p = out / "evals" / name / "summary.json"
-        if p.is_file():
-            ev[name] = json.loads(p.read_text())
-    scores = out / "layers" / "layer_importance.json"
-    layers = len(json.loads(scores.read_text())["layers"]) if scores.is_file() else "?"
-    lines = [f"{s.tokens_per_run / 1e6:.1f}M tokens per training run ({s.steps} steps x {s.batch_size} x "
-             f"{s.seq_len}); student: {len(_keep(out) or [])} of {layers} layers {_keep(out)}", "",
-             "| row | LAMBADA acc | LAMBADA ppl | HellaSwag acc_norm | ARC-Easy acc_norm | PIQA acc_norm "
-             "| train tokens/s | train wall s | eval s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    train: dict = {}
-    for name in [*TRAINED, *onp.ONP_ROWS, "kd_logits", *base_of, *(f"kd_logits_{v}" for v in base_of)]:
-        st = _status_path(out, name)
-        wall = json.loads(st.read_text()).get("wall_s") if st.is_file() else None
-        stats = _run_stats(out / "train" / name) or {}
-        if wall is not None or stats:
-            train[name] = {"wall_s": wall, **stats}
-
-    def choice(e: dict, key: str) -> str:
-        return f"{e[key]['acc_norm']:.4f} +- {e[key]['acc_norm_se']:.4f}" if key in e else "-"
-
-    for name, e in ev.items():
-        lam = e["lambada"]
-        tps, wall = train.get(name, {}).get("tokens_per_s"), train.get(name, {}).get("wall_s")
-        lines.append(f"| {name} | {lam['acc']:.4f} +- {lam['acc_se']:.4f} | {lam['ppl']:.4g} +- {lam['ppl_se']:.2g} "
-                     f"| {' | '.join(choice(e, k) for k in CHOICE_TASKS)} | "
-                     f"{'-' if tps is None else f'{tps:.0f}'} | {'-' if wall is None else f'{wall:.0f}'} | "
-                     f"{e.get('eval_s', '-')} |")
-    if ev:
-        e = next(iter(ev.values()))
-        lines += ["", "items: " + ", ".join([f"LAMBADA {e['lambada']['items']}",
-                                              *(f"{k} {e[k]['items']}" for k in CHOICE_TASKS if k in e)])]
-    result: dict = {"scale": asdict(s), "keep": _keep(out), "train": train,
-                    "rows": {k: {kk: v for kk, v in e.items() if kk != "per_item"} for k, e in ev.items()}}
-    # paired differences on the same items: (name, baseline, row); z = improvement of row over baseline / SE
-    pairs = [("kd_vs_sft", "sft", "kd"), ("kd_r1_vs_sft", "sft", "kd_r1"), ("cache_vs_online", "kd", "kd_cache"),
-             ("kd_qat_vs_qat", "qat", "kd_qat"), *((f"{v}_vs_{b}", b, v) for v, b in base_of.items()),
-             *((f"{row}_vs_{base}", base, row) for base, _, row in (p.partition(":") for p in s.pairs)),
-             *onp.merge(out, ev, result, lines, variants)]  # the on-policy metric per prompt joins per_item
-    for key, base, row in pairs:
-        if base in ev and row in ev:
-            a, b = ev[base]["per_item"], ev[row]["per_item"]
-            cmp = {k: _paired(a[k], b[k], -1.0 if k in LOWER_IS_BETTER else 1.0) for k in a if k in b}
-            result[key] = cmp
-            lines += ["", f"{row.upper()} - {base.upper()} on the same items (paired; z = improvement / SE; > 2 wins, "
-                          "|z| < 1 within one SE; lambada_nll, onp_*: lower by):",
-                      *[f"- {k}: {v['diff']:+.4f} +- {v['se']:.4f} (z {v['z']:.2f})" for k, v in cmp.items()]]
-    lines += onp.goal_lines(result)
-
-    def fraction_lines(title: str, fr: dict) -> list[str]:
-        return ["", title, *[f"- {r}: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}"
-                                                     for k, v in d.items()) for r, d in fr.items()]]
-
-    if {"teacher", "pruned"} <= ev.keys():  # the fraction of the teacher - pruned gap each student closes
-        result["gap_recovered"] = _fractions(ev, "pruned", "teacher", [
-            *STUDENTS, *(v for v, b in base_of.items() if b in STUDENTS)])
-        lines += fraction_lines("fraction of the teacher - pruned gap recovered, (row - pruned) / (teacher - pruned):",
-                                result["gap_recovered"])
-    if {"teacher", "teacher_ptq"} <= ev.keys():
-        result["ptq_loss_recovered"] = _fractions(ev, "teacher_ptq", "teacher", [
-            "qat", "kd_qat", *(v for v, b in base_of.items() if b in ("qat", "kd_qat"))])
-        lines += fraction_lines("fraction of the PTQ loss recovered, (row - PTQ) / (teacher - PTQ):",
-                                result["ptq_loss_recovered"])
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
