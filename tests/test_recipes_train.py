@@ -1,7 +1,7 @@
-"""The training recipes (full, lora, kd, qat) end to end through `recipe run`, on tiny random models with
-SmolLM2's tokenizer: the files a run writes, what other tools (transformers, peft, torchao) read from them,
-the logged losses against independent references, every optimizer, every KD divergence, QAT's delay and
-convert, and config errors.
+"""The training recipes (full, kd, qat; lora in test_recipes_lora.py) end to end through `recipe run`, on tiny
+random models with SmolLM2's tokenizer: the files a run writes, what other tools (transformers, peft, torchao)
+read from them, the logged losses against independent references, every optimizer, every KD divergence, QAT's
+delay and convert, config errors, and every shipped training config.
 
 One run per recipe goes through a fresh `python -m llm_recipe.cli.main run ...` subprocess (exit codes, one-line errors,
 nothing shared with pytest); the variants call the same `llm_recipe.cli.main.main` in-process to save ~5 s of imports each.
@@ -31,9 +31,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 IGNORE = -100
-STEP_KEYS = {"loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_gib"}
+STEP_KEYS = rc.STEP_KEYS
 KD_KEYS = STEP_KEYS | {"ce_loss", "kd_loss"}
-LR = ["optimizer.lr=1e-3", "lr_scheduler.name=constant"]
+LR = rc.LR
 
 
 def first_window(config: str, overrides: list[str], accum: int) -> list[dict]:
@@ -51,14 +51,8 @@ def first_window(config: str, overrides: list[str], accum: int) -> list[dict]:
     return [next(it) for _ in range(accum)]
 
 
-def hf_model(folder: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def assert_loads_like_hf(folder: Path) -> None:
-    """`folder` loads with llm_recipe.components.models.load_model and transformers, with the same logits."""
-    tokens = rc.sample_tokens()
-    torch.testing.assert_close(rc.hf_logits(folder, tokens), rc.our_logits(folder, tokens), rtol=0, atol=1e-4)
+hf_model, assert_loads_like_hf, assert_peft_matches_merged = (rc.hf_model, rc.assert_loads_like_hf,
+                                                          rc.assert_peft_matches_merged)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -152,110 +146,6 @@ def test_low_bit_optimizers_train_like_adamw(tmp_path, tiny_model_dir, name, sta
         gap, low_step = (wl[key] - wr[key]).abs()[moved], (wl[key] - w0[key]).abs()[moved]
         assert gap.median() < tol * step[moved].median(), key
         assert low_step.median() > 0.5 * step[moved].median(), key
-
-
-# ------------------------------------------------------------------------------------------------ lora
-def lora_overrides(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [*rc.COMMON, f"model.checkpoint_dir={model_dir}", f"output_dir={out}", "max_steps=2", *LR,
-            "lora.rank=4", "lora.alpha=8.0", *extra]
-
-
-def assert_peft_matches_merged(base: Path, out: Path) -> None:
-    """peft applies output_dir/adapter to the base with the logits of our merged output_dir/model."""
-    tokens = rc.sample_tokens()
-    with_adapter = peft.PeftModel.from_pretrained(hf_model(base), out / "adapter").eval()
-    theirs = rc.hf_logits(with_adapter, tokens)
-    torch.testing.assert_close(theirs, rc.our_logits(out / "model", tokens), rtol=0, atol=1e-4)
-    # ...and the adapter did something (the merged model is not the base).
-    assert (theirs - rc.our_logits(base, tokens)).abs().max() > 1e-3
-
-
-def test_lora_recipe_adapter_loads_in_peft(tmp_path, tiny_model_dir):
-    out = tmp_path / "out"
-    proc = rc.run_cli("lora", "lora/smollm2", lora_overrides(tiny_model_dir, out), cwd=tmp_path)
-    rc.assert_ok(proc)
-    assert (out / "adapter" / "adapter_config.json").is_file()
-    assert (out / "adapter" / "adapter_model.safetensors").is_file()
-    rc.assert_metrics(out, 2, STEP_KEYS)
-    rc.assert_png(out / "loss.png")
-    assert_loads_like_hf(out / "model")
-    assert_peft_matches_merged(tiny_model_dir, out)
-    # Frozen weights are saved untouched (only targeted projections change, by the merged adapter).
-    before, after = rc.weights(tiny_model_dir), rc.weights(out / "model")
-    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
-    assert torch.equal(before["model.layers.2.input_layernorm.weight"], after["model.layers.2.input_layernorm.weight"])
-
-
-def test_dora_adapter_loads_in_peft(tmp_path, tiny_model_dir):
-    out = tmp_path / "out"
-    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(tiny_model_dir, out, "lora.use_dora=true")) == 0
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
-    assert_peft_matches_merged(tiny_model_dir, out)
-
-
-@pytest.fixture(scope="module")
-def qlora_model(tmp_path_factory, embedded_model_dir) -> Path:
-    # torchao's NF4 (block 64, scalers double-quantized in blocks of 256) needs every quantized weight's size to
-    # be a multiple of 64 * 256 = 16384: the 64-wide tiny model's 64x64 projections are too small, so QLoRA
-    # gets its own 128-wide model with 4 KV heads (all projections 128x128 or 128x256).
-    return rc.make_llama(tmp_path_factory.mktemp("qlora") / "m", embedded_model_dir, seed=2, hidden=128,
-                         intermediate=256, layers=2, heads=4, kv_heads=4)
-
-
-def test_qlora_merges_onto_the_nf4_base(tmp_path, qlora_model):
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as nf4
-
-    out = tmp_path / "out"
-    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(qlora_model, out, "lora.quantize_base=true")) == 0
-    rc.assert_metrics(out, 2, STEP_KEYS)
-    assert_loads_like_hf(out / "model")
-    # The merged model is what was trained: the NF4-rounded base plus the adapter's (alpha/rank) * B @ A.
-    from safetensors.torch import load_file
-
-    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    base, merged = rc.weights(qlora_model), rc.weights(out / "model")
-    name = "model.layers.1.self_attn.q_proj"
-    a = next(v for k, v in adapter.items() if k.endswith(f"{name}.lora_A.weight"))
-    b = next(v for k, v in adapter.items() if k.endswith(f"{name}.lora_B.weight"))
-    expected = nf4(base[f"{name}.weight"]).get_original_weight() + (8.0 / 4) * b @ a
-    torch.testing.assert_close(merged[f"{name}.weight"], expected, rtol=0, atol=1e-6)
-    assert b.abs().max() > 0
-
-
-def test_qlora_on_smollm2_sized_projections(tmp_path, embedded_model_dir):
-    # 96x96 projections (9216 = 144 NF4 blocks): like SmolLM2-135M's 576x576 (5184 blocks), not a multiple of 256.
-    model = rc.make_llama(tmp_path / "m96", embedded_model_dir, seed=3, hidden=96, intermediate=192, layers=1,
-                          heads=3, kv_heads=3)
-    code = rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, tmp_path / "out", "lora.quantize_base=true",
-                                                                   "max_steps=1"))
-    assert code == 0
-
-
-def test_fp8_base_on_cpu_says_what_to_change(tmp_path, embedded_model_dir, capsys):
-    # lora.quantize_base=fp8 needs fp8 matmuls (sm89+); tests/test_fp8_base.py has the rest
-    model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=1)
-    code = rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, tmp_path / "out", "dtype=bf16",
-                                                                   "max_steps=1", "lora.quantize_base=fp8"))
-    assert code != 0
-    err = capsys.readouterr().err
-    assert "lora.quantize_base=fp8 needs a CUDA GPU" in err and "nf4 or false" in err
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls)")
-def test_fp8_base_trains_compiled_resumes_and_merges_on_gpu(tmp_path, embedded_model_dir):
-    # lora.quantize_base=fp8 through the recipe: compiled layers, a checkpoint, resume, the merged bf16 model
-    model = rc.make_llama(tmp_path / "m", embedded_model_dir, seed=2, layers=2)
-    out = tmp_path / "out"
-    gpu = ["device=cuda", "dtype=bf16", "compile=true", "lora.quantize_base=fp8", "save_every_n_steps=1"]
-    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, out, *gpu)) == 0
-    assert rc.run_in_process("lora", "lora/smollm2", lora_overrides(model, out, *gpu, "max_steps=3",
-                                                                   "resume=true")) == 0
-    rc.assert_metrics(out, 3, STEP_KEYS)
-    merged = rc.weights(out / "model")
-    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    assert (out / "adapter" / "adapter_model.safetensors").exists()
 
 
 # ------------------------------------------------------------------------------------------------ kd

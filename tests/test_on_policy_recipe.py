@@ -1,0 +1,353 @@
+"""The kd recipe with on-policy KD (kd.on_policy) end to end on tiny random models: metrics and the held-out score
+(full, LoRA and QAT students), held-out rows never train, a prompt set dealt in a run, prompt-only prompt sets and
+their errors, bit-identical resume after SIGKILL, 2 processes = 1 process with twice the batch, compiled sampling,
+fraction 0, and the teacher's embedding on the host."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llm_recipe.components.data.dataset import DatasetConfig
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.kd_settings import KDSettings
+from llm_recipe.components.models import ModelArgs, build_model
+from llm_recipe.components.on_policy import OnPolicySettings, deal_prompts
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
+    if name not in sys.modules:
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+rc = _load("recipes_common")
+
+opc = _load("on_policy_common")
+_jsonl, _shipped_chat, _chat_prompts = opc.jsonl, opc.shipped_chat, opc.chat_prompts
+
+
+# ---------------------------------------------------------------------------------------- the kd recipe
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, embedded_model_dir) -> tuple[Path, Path]:
+    """A teacher and a different student (tiny, random, SmolLM2's tokenizer; peaked heads)."""
+    from llm_recipe.components.models import save_model
+
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2})
+    root = tmp_path_factory.mktemp("on_policy_models")
+    for name, seed in (("teacher", 0), ("student", 1)):
+        torch.manual_seed(seed)
+        model = build_model(args)
+        with torch.no_grad():
+            model.output.weight.mul_(8.0)
+        save_model(model, args, root / name, tokenizer_dir=embedded_model_dir)
+    return root / "teacher", root / "student"
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> list[str]:
+    """Overrides for a text set of short documents (10-30 words), packed 2-5 to a row of 96 tokens, and 3 prompts
+    per row: on-policy micro-batches of several prompts per row."""
+    import random
+
+    words = ("the river town old bridge north light stone market winter road field music school paper garden "
+             "ship harbor island forest valley station mountain city lake").split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("short_docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(10, 30)))
+                                                + "."}) + "\n" for _ in range(80)))
+    return [f"dataset.source={path}", "dataset.max_seq_len=96", "dataset.limit=null",
+            "kd.on_policy.prompts_per_row=3"]
+
+
+CHAT_PROMPTS = 'kd.on_policy.prompts={source: transfer:chat, format: chat, split: "train[1043:]", limit: 8}'
+
+
+def _kd(models, *extra: str) -> list[str]:
+    teacher, student = models
+    return [*rc.COMMON, "dataset.max_seq_len=48", "dataset.limit=16", "dataset.shuffle=false", "student.every=null",
+            "student.prune=null", f"teacher.checkpoint_dir={teacher}", f"student.checkpoint_dir={student}",
+            "kd.kd_ratio=0.5", "optimizer.lr=1e-3", "lr_scheduler.name=constant", "kd.on_policy.fraction=0.5",
+            "kd.on_policy.max_new_tokens=8", "kd.on_policy.prompt_tokens=8", "kd.on_policy.held_out=3",
+            "kd.on_policy.temperature=0.5", *extra]
+
+
+TIMINGS = ("tokens_per_s", "sampled_tokens_per_s", "sampling_share", "peak_memory_gib")
+ON_POLICY_KEYS = {"on_policy_loss", "on_policy_batches", "on_policy_prompts", "on_policy_rkl", "sampled_tokens_per_s",
+                  "sampling_share"}
+
+
+@pytest.mark.parametrize("student", [
+    "full",
+    pytest.param("lora", marks=pytest.mark.slow),
+    pytest.param("qat", marks=pytest.mark.slow),
+])
+def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, models, student):
+    extra = {"full": ["student.keep_layers=[0,3]"],  # pruned, full, fused loss
+             "lora": ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, lm_head]}"],  # checkpointed loss
+             "qat": ["qat={scheme: 8da4w, group_size: 32}"]}[student]  # KD-QAT
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *extra), "max_steps=4",
+                                                       f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 4, {"loss", "lr", *ON_POLICY_KEYS})
+    on = [r for r in rows if r["on_policy_batches"]]
+    assert len(on) == 2 and all(r["on_policy_batches"] == 1 for r in on)  # fraction 0.5 of 4 micro-batches
+    assert all(r["on_policy_prompts"] == 2 for r in on)  # rows of 48 tokens hold one document each
+    for r in on:
+        assert r["on_policy_rkl"] > 0 and r["sampled_tokens_per_s"] > 0 and 0 < r["sampling_share"] < 1
+        assert r["ce_loss"] is None and r["on_policy_loss"] == pytest.approx(r["loss"])
+    for r in rows:
+        if not r["on_policy_batches"]:
+            assert r["on_policy_rkl"] is None and r["on_policy_loss"] is None and r["ce_loss"] > 0
+    held = json.loads((out / "on_policy_eval.json").read_text())
+    assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0 and held["sampled_tokens"] > 0
+    per = held["per_prompt"]  # prompt by prompt, for paired comparisons of two runs
+    assert held["prompts"] == 3 and len(per["reverse_kl"]) == len(per["teacher_nll"]) == len(per["tokens"]) == 3
+    assert sum(per["tokens"]) == held["sampled_tokens"] and min(per["teacher_nll"]) > 0
+    assert held["reverse_kl_mean"] == pytest.approx(sum(per["reverse_kl"]) / 3)
+
+
+def test_held_out_rows_never_train(models):
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.tokenizer import Tokenizer
+    from llm_recipe.components.on_policy import OnPolicy
+    from llm_recipe.components.runtime import Runtime
+
+    tok = Tokenizer.from_dir(models[0])
+    data = build_dataset(tok, "transfer:passages", max_seq_len=48, packed=True, limit=16)
+    cfg = SimpleNamespace(kd=KDSettings(), dataset=DatasetConfig(source="transfer:passages", max_seq_len=48),
+                          batch_size=2, seed=0, gradient_accumulation_steps=1, compile=False)  # a KDConfig's keys
+    op = OnPolicy(OnPolicySettings(max_new_tokens=8, held_out=3), cfg, Runtime(torch.device("cpu"), torch.float32),
+                  tok, None, 4)
+    train = op.hold_out(data)
+    assert list(train) + op.held == list(data) and len(op.held) == 3 and train.packed
+    with pytest.raises(RecipeError, match=r"kd.on_policy.held_out=16 leaves no training rows"):
+        OnPolicy(OnPolicySettings(held_out=len(data)), cfg, Runtime(torch.device("cpu"), torch.float32), tok, None,
+                 4).hold_out(data)
+
+
+def test_on_policy_micro_batches_sample_the_prompt_set_by_the_dealing_rule(tmp_path, models, monkeypatch):
+    """With kd.on_policy.prompts (8 shipped chat rows past the evaluated ones, the last 3 held out): every
+    on-policy micro-batch samples the chosen rows' prompts in the dealing order (4 distinct rows of the 5), never a
+    held-out one, and those 3 score the student at the end; the training rows still feed the
+    off-policy micro-batches, all 16 of them (the dataset keeps its tail)."""
+    from llm_recipe.components import on_policy as onp
+    from llm_recipe.components.data.dataset import build_dataset
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    sampled, windows = [], []
+    batch = onp.completion_batch
+    monkeypatch.setattr(onp, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
+    window = onp.OnPolicy.sample_window
+    monkeypatch.setattr(onp.OnPolicy, "sample_window",
+                        lambda self, model, w, step: windows.append((w, window(self, model, w, step))) or windows[-1][1])
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, CHAT_PROMPTS), "kd.on_policy.prompts_per_row=2",
+                                                       "gradient_accumulation_steps=2", "max_steps=4", "seed=3",
+                                                       f"output_dir={out}"]) == 0
+    tok = Tokenizer.from_dir(models[0])
+    chat = _chat_prompts(tok, range(1043, 1051), 48 - 8)
+    train, held = chat[:5], chat[5:]
+    sampled, scored = sampled[:-1], sampled[-1]  # the last batch: the held-out score at the end
+    assert scored == held
+    assert len(sampled) == 4 and all(len(p) == 4 for p in sampled)  # half of 8 micro-batches, 2 rows x 2 prompts
+    assert not [p for batch in sampled for p in batch if p in held]
+    assert len({tuple(p) for p in train}) == 5 and all(len({tuple(p) for p in batch}) == 4 for batch in sampled)
+    assert sampled == [[train[i] for i in deal_prompts(3, 5, m, 0, 1, 4)] for m in range(4)]
+    data = build_dataset(tok, DatasetConfig(source="transfer:passages", max_seq_len=48, packed=True, limit=16))
+    rows = {tuple(r["tokens"]) for r in data}
+    seen = set()
+    for w, replaced in windows:
+        seen |= {tuple(t) for b in w for t in b["tokens"].tolist()}
+        off = [b for b, r in zip(w, replaced, strict=True) if r is b]
+        assert all(tuple(t) in rows for b in off for t in b["tokens"].tolist())
+        assert len(off) + sum("prompt_lens" in r for r in replaced) == len(w)
+    assert sum(r is b for w, rr in windows for b, r in zip(w, rr, strict=True)) == 4 and seen == rows
+    evaluated = json.loads((out / "on_policy_eval.json").read_text())
+    assert evaluated["held_out_rows"] == 3 and evaluated["prompts"] == 3 and evaluated["sampled_tokens"] > 0
+    assert "kd.on_policy.prompts (transfer:chat, split train[1043:], limit 8)" in evaluated["chosen_as"]
+
+
+@pytest.mark.parametrize("bad", ["no_messages", "empty_prompt"])
+def test_a_bad_prompt_set_stops_the_run_in_setup_with_one_line(tmp_path, models, bad):
+    """A prompt set whose rows have no prompt in its format (or an empty one) fails before any weights load, in
+    one line naming kd.on_policy.prompts and the row."""
+    empty = _jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]},
+                                          {"messages": [{"role": "user", "content": ""}]}])
+    source, where = {"no_messages": ("transfer:passages", "passages.jsonl:1: missing column"),
+                     "empty_prompt": (f'"{empty}"', "p.jsonl:2: column 'messages' ends in an empty user turn")}[bad]
+    proc = rc.run_cli("kd", "kd/smollm2_demo", [*_kd(models, f"kd.on_policy.prompts={{source: {source}, "
+                                                               "format: chat}"), f"output_dir={tmp_path / 'out'}"],
+                      cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    assert line.startswith("recipe: error: kd.on_policy.prompts: ") and where in line, line
+    assert "student weights" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("fmt", ["chat", "instruct"])
+def test_a_prompt_only_prompt_set_trains_end_to_end(tmp_path, models, monkeypatch, fmt):
+    """GKD's usual input, prompts without responses (chat rows ending in a user turn, instruct rows without an
+    output), as kd.on_policy.prompts through the CLI's entry: the on-policy micro-batch samples 2 distinct prompts
+    of the 3 training rows, each rendered up to where the response would start and cut to its last 48 - 8 tokens,
+    and the 3 held-out ones score the student at the end."""
+    from llm_recipe.components import on_policy as onp
+    from llm_recipe.components.data.formats import ALPACA_PROMPT_NO_INPUT
+    from llm_recipe.components.models.tokenizer import Tokenizer
+
+    sampled = []
+    batch = onp.completion_batch
+    monkeypatch.setattr(onp, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
+    chat = _shipped_chat(range(1043, 1049))
+    path = _jsonl(tmp_path / "prompts.jsonl", [{"messages": m[:-1]} if fmt == "chat" else
+                                               {"instruction": m[0]["content"]} for m in chat])
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [
+        *_kd(models, f'kd.on_policy.prompts={{source: "{path}", format: {fmt}}}'), "kd.on_policy.prompts_per_row=1",
+        "max_steps=2", f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 2, {"loss", *ON_POLICY_KEYS})
+    assert sum(r["on_policy_batches"] for r in rows) == 1 and sum(r["on_policy_prompts"] for r in rows) == 2
+    tok = Tokenizer.from_dir(models[0])
+    render = {"chat": lambda m: tok.apply_chat_template(m[:-1], add_generation_prompt=True),
+              "instruct": lambda m: ALPACA_PROMPT_NO_INPUT.format(instruction=m[0]["content"])}[fmt]
+    want = [tok.encode(render(m), add_bos=True)[-40:] for m in chat]
+    dealt, scored = sampled[0], [p for chunk in sampled[1:] for p in chunk]  # held out: 2 + 1 (a batch is 2)
+    assert scored == want[3:] and len(dealt) == 2 and all(p in want[:3] for p in dealt) and dealt[0] != dealt[1]
+    evaluated = json.loads((out / "on_policy_eval.json").read_text())
+    assert evaluated["held_out_rows"] == 3 and evaluated["sampled_tokens"] > 0 and "prompts.jsonl" in evaluated[
+        "chosen_as"]
+
+
+def test_training_on_a_prompt_only_dataset_is_refused_in_one_line(tmp_path, models):
+    """A prompt-only set given as the training data (dataset:) stops the run with the training data's error."""
+    path = _jsonl(tmp_path / "prompts.jsonl", [{"messages": m[:-1]} for m in _shipped_chat(range(1043, 1046))])
+    proc = rc.run_cli("kd", "kd/smollm2_demo", [*_kd(models), f"dataset.source={path}", "dataset.format=chat",
+                                                f"output_dir={tmp_path / 'out'}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = rc.error_lines(proc)
+    assert line == f"recipe: error: {path}:1: column 'messages' has no assistant turn to train on", line
+
+
+@pytest.mark.parametrize("data", ["one_prompt_per_row", "short_docs", "prompt_set"])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, data):
+    """Killed after a checkpoint and resumed: the same samples (nothing saved for them: seed, step and micro-batch
+    fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit; with one
+    prompt per row, with several (short documents packed together), and with prompts dealt from a prompt set."""
+    extra = {"one_prompt_per_row": [], "short_docs": short_docs,
+             "prompt_set": [CHAT_PROMPTS, "kd.on_policy.prompts_per_row=2"]}[data]
+    args = [*_kd(models, *extra), "max_steps=6", "gradient_accumulation_steps=2", "lr_scheduler.name=cosine",
+            "lr_scheduler.warmup_steps=2"]
+    ref_out, crashed = tmp_path / "uninterrupted", tmp_path / "crashed"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={ref_out}"]) == 0
+    ckpt = [*args, f"output_dir={crashed}", "save_every_n_steps=1", "keep_last_n=2"]
+    killed_at = rc.run_and_kill("kd", "kd/smollm2_demo", ckpt, crashed, cwd=tmp_path)
+    assert 1 <= killed_at < 6
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*ckpt, "resume=true"]) == 0
+    rc.assert_same_weights(crashed / "model", ref_out / "model")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
+    resumed, uninterrupted = rc.read_metrics(crashed), rc.read_metrics(ref_out)
+    assert strip(resumed) == strip(uninterrupted)
+    assert sum(r["on_policy_batches"] for r in resumed) == 6  # half of 12 micro-batches, sampled the same way
+    prompts = sum(r["on_policy_prompts"] for r in resumed)
+    # 2 rows of one prompt each; of 2-3 prompts each; 2 x 2 prompts dealt from the set
+    assert {"one_prompt_per_row": prompts == 12, "short_docs": prompts > 18, "prompt_set": prompts == 24}[data]
+    assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
+
+
+@pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
+@pytest.mark.parametrize("prompts", ["rows", "prompt_set"])
+def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs, prompts):
+    """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
+    process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row, or
+    dealt from a prompt set: the ranks' halves of the one process's), losses, reverse KL and weights. The set's 17
+    training rows give each on-policy micro-batch 12 distinct prompts (2 x 2 rows x 3), 6 a rank. Equal up to
+    rounding: the two batch shapes move the logits by ~1e-5, which flips a sample whose uniform lands that close to
+    a boundary of the CDF (seen with 5 rows, each dealt 2-3 times a micro-batch: 2 of 14 seeds)."""
+    prompt_set = CHAT_PROMPTS.replace("limit: 8", "limit: 20")
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs,
+                 *([prompt_set] if prompts == "prompt_set" else [])), "max_steps=3", "max_grad_norm=1.0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
+                           "kd", "--config", "kd/smollm2_demo", *args, "batch_size=2", f"output_dir={two}"],
+                          cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
+    rc.assert_ok(proc)
+    a, b = rc.read_metrics(one), rc.read_metrics(two)
+    assert [r["on_policy_batches"] for r in a] == [r["on_policy_batches"] for r in b] and sum(
+        r["on_policy_batches"] for r in a) >= 1
+    assert [r["on_policy_prompts"] for r in a] == [r["on_policy_prompts"] for r in b]
+    assert max(r["on_policy_prompts"] for r in a) > 4  # more prompts than rows
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
+            assert (rb[k] is None and ra[k] is None) or rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (k, ra, rb)
+    wa, wb = rc.weights(one / "model"), rc.weights(two / "model")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=2e-5, rtol=1e-4, msg=k)
+    ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
+    assert hb["sampled_tokens"] == ha["sampled_tokens"]
+    assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
+
+
+@pytest.mark.slow  # ~1-2 min on 2 cores: Inductor compiles the layers and the decode step for the CPU
+def test_compiled_sampling_in_the_kd_recipe(tmp_path, models, short_docs):
+    """`kd.on_policy.decode=compiled` with `compile=true` on CPU: the recipe's wiring of the compiled decode step
+    (Inductor's CPU kernels, not CUDA graphs) between compiled training layers: it samples several prompts per row
+    and the run finishes with the held-out score, the same number of prompts as eager sampling."""
+    runs = {}
+    for decode in ("eager", "compiled"):
+        out = tmp_path / decode
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *short_docs), "max_steps=3", "compile=true",
+                                                           f"kd.on_policy.decode={decode}", f"output_dir={out}"]) == 0
+        runs[decode] = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
+        assert json.loads((out / "on_policy_eval.json").read_text())["sampled_tokens"] > 0
+    prompts = [[r["on_policy_prompts"] for r in runs[d]] for d in ("eager", "compiled")]
+    assert prompts[0] == prompts[1] and max(prompts[0]) > 2
+
+
+def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_path, models):
+    """kd.on_policy.fraction=0: the off-policy baseline of a comparison, with the same held-out rows and score."""
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "kd.on_policy.fraction=0", "max_steps=2",
+                                                       f"output_dir={out}"]) == 0
+    rows = rc.assert_metrics(out, 2, {"loss", "ce_loss", "kd_loss", *ON_POLICY_KEYS})
+    assert all(r["on_policy_batches"] == 0 and r["on_policy_rkl"] is None and r["ce_loss"] > 0 for r in rows)
+    held = json.loads((out / "on_policy_eval.json").read_text())
+    assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
+    assert held["prompts"] == 3 and len(held["per_prompt"]["reverse_kl"]) == 3
+
+
+def test_teacher_embedding_on_the_host_changes_no_number(tmp_path, models, monkeypatch, capsys):
+    """The kd loop with the teacher's embedding on the host (forced on this CPU run, as prepare_teacher does on a
+    GPU): the same losses, on-policy metrics and held-out score as with it in place. On-policy micro-batches are
+    built on the host (completion_batch), so their tokens reach the host embedding without a device copy."""
+    from llm_recipe.components.models import host_embedding
+
+    runs = {}
+    for where in ("device", "host"):
+        if where == "host":
+            monkeypatch.setattr(host_embedding, "why_not_on_host", lambda model, device: None)
+        out = tmp_path / where
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "max_steps=2", f"output_dir={out}"]) == 0
+        rows = rc.assert_metrics(out, 2, {"loss", *ON_POLICY_KEYS})
+        held = json.loads((out / "on_policy_eval.json").read_text())
+        runs[where] = ([{k: v for k, v in r.items() if k not in TIMINGS} for r in rows], held["per_prompt"])
+        said = "teacher embeddings: on the host" in capsys.readouterr().out
+        assert said == (where == "host")
+    assert any(r["on_policy_batches"] for r in runs["host"][0])
+    assert runs["host"] == runs["device"]
