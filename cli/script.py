@@ -21,6 +21,7 @@ from ..components.errors import RecipeError
 from ..components.folders import prepared_run
 from ..components.interrupt import interrupted_message, reset
 from ..components.oom import is_out_of_memory, out_of_memory_message
+from ..components.runs import put_back_overwritten
 
 __all__ = ["configure_logging", "print_error", "recipe_argparser", "run_recipe_script"]
 
@@ -90,7 +91,13 @@ def run_recipe_script(
     try:
         cfg = load_recipe_config(args.config, args.overrides, config, recipe=name)
         with prepared_run(cfg, recipe_schema(config)):
-            main(cfg)
+            try:
+                main(cfg)
+            except BaseException:  # stopped during setup: the run overwrite=true was replacing stays as it was
+                if put_back_overwritten(getattr(cfg, "output_dir", None)):
+                    print(f"recipe: overwrite=true: the earlier run in {cfg.output_dir} was put back as it was",
+                          file=sys.stderr)
+                raise
     except RecipeError as e:
         print_error(e, args.debug)
         raise SystemExit(1) from None

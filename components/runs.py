@@ -4,7 +4,8 @@ A training recipe (full, lora, kd, qat) starts with `start_run(cfg)`:
 - `resume: false` (a new run) into a folder that already holds a run's trained outputs (complete checkpoints,
   `model/`, `adapter/`, `quantized/`, a `metrics.jsonl` with steps) is refused with one line that names the folder,
   what it holds and the two ways on: `resume=true` continues that run, `overwrite=true` deletes its outputs
-  (`RUN_OUTPUTS`) before anything trains. Files of our own that hold no trained state (`run.json` of a run that
+  (`RUN_OUTPUTS`) before anything trains: set aside at the start, deleted when setup is done (`discard_overwritten`),
+  put back if the run stops before (`put_back_overwritten`, called by the recipe runner). Files of our own that hold no trained state (`run.json` of a run that
   stopped during setup, the lock, an empty `metrics.jsonl`) do not count; files we do not write are never touched.
 - A new run writes `output_dir/run.json`: a fresh run id, the config (file and sha256 of the resolved
   values) and the start time. Every checkpoint's recipe state records that run id (`RUN_ID_KEY`).
@@ -39,8 +40,8 @@ RUN_ID_KEY = "run_id"
 RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", RUN_FILE, "loss.png", "tensorboard",
                "layer_importance.json", "layer_importance.txt")
 
-__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "current_run_id", "previous_run", "read_run",
-           "start_run"]
+__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "current_run_id",
+           "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "start_run"]
 
 
 def _is_rank0() -> bool:
@@ -95,18 +96,56 @@ def previous_run(output_dir: str | os.PathLike) -> list[str]:
     return found
 
 
-def _delete_outputs(out: Path) -> None:
-    """Delete what a training run writes into `out` (renamed away first, so a crash mid-delete leaves no half
-    folder under a name a run reads)."""
+_SET_ASIDE = ".overwritten.del-"  # prefix of the hidden folder an overwritten run's outputs wait in
+_set_aside_here: dict[Path, Path] = {}  # output_dir -> that folder, for the run this process started
+
+
+def _set_aside_outputs(out: Path) -> None:
+    """Move what a training run writes in `out` into a hidden folder beside it (renames: instant, and a crash
+    leaves no half folder under a name a run reads). `discard_overwritten` deletes them once the new run's setup
+    passed; `put_back_overwritten` restores them when it failed first."""
     victims = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
     victims += [p for name in ("model", "adapter", "quantized", "metrics.jsonl", "loss.png", RUN_FILE)
                 for p in out.glob(f".{name}.*-*")]  # leftovers of killed atomic writes
     if not victims:
         return
-    trash = Path(tempfile.mkdtemp(prefix=".overwritten.del-", dir=out))
+    trash = Path(tempfile.mkdtemp(prefix=_SET_ASIDE, dir=out))
     for i, p in enumerate(victims):
         os.rename(p, trash / f"{i}_{p.name}")
-    shutil.rmtree(trash)
+    _set_aside_here[out.resolve()] = trash
+
+
+def discard_overwritten(output_dir: str | os.PathLike) -> None:
+    """Delete the outputs `overwrite=true` set aside (and any left by a killed earlier attempt): the recipes call
+    it when setup is done, so a typo found during setup (a layer that does not exist, a missing dataset) never
+    costs the earlier run. Rank 0 only."""
+    if not _is_rank0():
+        return
+    out = Path(output_dir)
+    _set_aside_here.pop(out.resolve(), None)
+    for trash in out.glob(f"{_SET_ASIDE}*"):
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:
+    """After a run that stopped before `discard_overwritten`: what it wrote under the run's names goes, and the
+    outputs it set aside come back as they were. True when there was something to put back."""
+    if output_dir is None:
+        return False
+    out = Path(output_dir)
+    trash = _set_aside_here.pop(out.resolve(), None)
+    if trash is None or not trash.is_dir():
+        return False
+    for name in RUN_OUTPUTS:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    for item in trash.iterdir():
+        os.rename(item, out / item.name.split("_", 1)[1])
+    trash.rmdir()
+    return True
 
 
 def _config_sha256(cfg: Any) -> str:
@@ -157,7 +196,7 @@ def start_run(cfg: Any) -> None:
         return
     check_new_run(cfg)
     out = Path(cfg.output_dir)
-    _delete_outputs(out)
+    _set_aside_outputs(out)
     _write_run(out, cfg)
 
 

@@ -28,6 +28,7 @@ from llm_recipe.components.quantization import (
 )
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
+from llm_recipe.components.runs import discard_overwritten
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
@@ -100,6 +101,7 @@ def main(cfg: FullConfig) -> None:
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
         state = TrainState(cfg, rt, model, args, base_dir, optimizer, scheduler, loader, adapters=lora is not None)
         start = state.restore(resume_from) if resume_from is not None else 0
+        discard_overwritten(cfg.output_dir)  # setup passed: the outputs overwrite=true set aside go now
 
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's cross-entropy, summed
     # over its target tokens (the output projection applied chunk by chunk), is divided by the target tokens of

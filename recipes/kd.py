@@ -25,6 +25,7 @@ from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import KD_QAT_KEYS, QATSettings, prepare_qat_student
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
 from llm_recipe.components.quantization.teacher import check_teacher_quant_config
+from llm_recipe.components.runs import discard_overwritten
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
@@ -146,6 +147,7 @@ def main(cfg: KDConfig) -> None:
         state = TrainState(cfg, rt, student, sargs, student_dir, optimizer, scheduler, loader,
                            adapters=lora is not None)
         start = state.restore(resume_from) if resume_from is not None else 0
+        discard_overwritten(cfg.output_dir)  # setup passed: the outputs overwrite=true set aside go now
 
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's losses (CE on labels,
     # KD against the frozen teacher) are computed from final hidden states chunk by chunk, with the student's

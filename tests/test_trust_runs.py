@@ -2,7 +2,8 @@
 
 Runs and output folders: a new run (resume=false) into a folder holding another run's trained outputs is refused
 (one line naming the folder and what it holds, and the ways on); `overwrite=true` deletes them first; every run
-has an id (output_dir/run.json) recorded in its checkpoints, and resume=true continues only that run.
+has an id (output_dir/run.json) recorded in its checkpoints, and resume=true continues only that run; an
+overwrite=true run that fails during setup puts the earlier run back.
 
 Out of memory: an allocation failure in a training step or during setup is `recipe: error: out of memory ...`
 (where, the micro-batch shape, peak memory, what to change), exit 1, with the last good checkpoint kept and
@@ -101,6 +102,24 @@ def test_a_new_run_never_mixes_with_an_earlier_run(tmp_path, tiny_model_dir, cap
     assert f"resuming from {out}/checkpoints/step_000002" in stdout
     assert run_id(out) == second and set(checkpoint_run_ids(out)) == {second}
     assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3, 4]  # one run, no step twice
+
+
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_fails_during_setup(tmp_path, tiny_model_dir, capsys):
+    """overwrite=true with a mistake found during setup (here a dataset file that does not exist, found after the
+    weights load) leaves the earlier run exactly as it was; a run whose setup passes deletes it, leaving nothing
+    hidden behind."""
+    out = tmp_path / "out"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=2"))[0] == 0
+    before, first = snapshot(out), run_id(out)
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true",
+                                    f"dataset.source={tmp_path / 'missing.jsonl'}"))
+    assert code == 1 and "missing.jsonl" in one_error(err)
+    assert f"the earlier run in {out} was put back" in err
+    assert snapshot(out) == before and run_id(out) == first
+    assert not list(out.glob(".overwritten*"))
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=1", "overwrite=true"))[0] == 0
+    assert run_id(out) != first and [r["step"] for r in rc.read_metrics(out)] == [1]
+    assert not list(out.glob(".overwritten*"))
 
 
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, capsys):
