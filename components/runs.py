@@ -4,9 +4,10 @@ A training recipe (full, lora, kd, qat) starts with `start_run(cfg)`:
 - `resume: false` (a new run) into a folder that already holds a run's trained outputs (complete checkpoints,
   `model/`, `adapter/`, `quantized/`, a `metrics.jsonl` with steps) is refused with one line that names the folder,
   what it holds and the two ways on: `resume=true` continues that run, `overwrite=true` deletes its outputs
-  (`RUN_OUTPUTS`) before anything trains: set aside at the start, deleted when setup is done (`discard_overwritten`),
-  put back if the run stops before (`put_back_overwritten`, called by the recipe runner). Files of our own that hold no trained state (`run.json` of a run that
-  stopped during setup, the lock, an empty `metrics.jsonl`) do not count; files we do not write are never touched.
+  (`RUN_OUTPUTS`) before anything trains: set aside at the start, deleted when setup is done
+  (`discard_overwritten`), put back if the run stops before (`put_back_overwritten`, called by the recipe runner).
+  Files of our own that hold no trained state (`run.json` of a run that stopped during setup, the lock, an empty
+  `metrics.jsonl`) do not count; files we do not write are never touched.
 - A new run writes `output_dir/run.json`: a fresh run id, the config (file and sha256 of the resolved
   values) and the start time. Every checkpoint's recipe state records that run id (`RUN_ID_KEY`).
 - `resume: true` continues only a checkpoint whose run id is the one in `run.json` (a mismatch is one line naming
@@ -100,13 +101,18 @@ _SET_ASIDE = ".overwritten.del-"  # prefix of the hidden folder an overwritten r
 _set_aside_here: dict[Path, Path] = {}  # output_dir -> that folder, for the run this process started
 
 
+def _run_outputs(out: Path) -> list[Path]:
+    """What a training run wrote in `out`: its `RUN_OUTPUTS` and the leftovers of its killed atomic writes."""
+    found = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    return found + [p for name in ("model", "adapter", "quantized", "metrics.jsonl", "loss.png", RUN_FILE)
+                    for p in out.glob(f".{name}.*-*")]
+
+
 def _set_aside_outputs(out: Path) -> None:
-    """Move what a training run writes in `out` into a hidden folder beside it (renames: instant, and a crash
+    """Move what a training run wrote in `out` into a hidden folder beside it (renames: instant, and a crash
     leaves no half folder under a name a run reads). `discard_overwritten` deletes them once the new run's setup
     passed; `put_back_overwritten` restores them when it failed first."""
-    victims = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
-    victims += [p for name in ("model", "adapter", "quantized", "metrics.jsonl", "loss.png", RUN_FILE)
-                for p in out.glob(f".{name}.*-*")]  # leftovers of killed atomic writes
+    victims = _run_outputs(out)
     if not victims:
         return
     trash = Path(tempfile.mkdtemp(prefix=_SET_ASIDE, dir=out))
@@ -136,11 +142,10 @@ def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:
     trash = _set_aside_here.pop(out.resolve(), None)
     if trash is None or not trash.is_dir():
         return False
-    for name in RUN_OUTPUTS:
-        p = out / name
+    for p in _run_outputs(out):  # the stopped run's own
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
+        else:
             p.unlink()
     for item in trash.iterdir():
         os.rename(item, out / item.name.split("_", 1)[1])
