@@ -359,9 +359,12 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
     with prepared_run(cfg, schema, lock=False):
         if "overwrite" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
-            from ..components.runs import check_new_run
+            from ..components.runs import check_new_run, check_resume_config, read_run
 
             check_new_run(cfg)
+            run = read_run(cfg.output_dir) if cfg.resume else None
+            if run is not None:  # a resume with other values fails here once, not once per rank
+                check_resume_config(cfg, run, at=None)
     file = recipe_file(recipe)[1]
     if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
         script_args = [*script_args, "--config", str(config_source(cfg).file)]

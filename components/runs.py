@@ -13,7 +13,9 @@ A training recipe (full, lora, kd, qat) starts with `start_run(cfg)`:
 - `resume: true` continues only a checkpoint whose run id is the one in `run.json` (a mismatch is one line naming
   both); the run keeps its id, and metrics.jsonl is cut back to the resumed step (MetricLogger), so it never holds
   steps of two runs or the same step twice. A checkpoint written before run ids existed resumes (and a folder
-  without `run.json` adopts the checkpoint's id).
+  without `run.json` adopts the checkpoint's id). `run.json` also keeps the resolved values the run started with:
+  a resume with other values for keys that change what it computes is refused, naming them, unless
+  `resume_with_changes: true` (components/resume_changes.py).
 
 Under torchrun only rank 0 checks, deletes and writes; the other ranks read `run.json` when they resume.
 """
@@ -33,6 +35,7 @@ from typing import Any
 from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
+from .resume_changes import config_changes, describe_changes, resolved_values
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
@@ -41,8 +44,8 @@ RUN_ID_KEY = "run_id"
 RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", RUN_FILE, "loss.png", "tensorboard",
                "layer_importance.json", "layer_importance.txt")
 
-__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "current_run_id",
-           "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "start_run"]
+__all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "check_resume_config",
+           "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "start_run"]
 
 
 def _is_rank0() -> bool:
@@ -168,9 +171,17 @@ def _write_run(out: Path, cfg: Any, run_id: str | None = None) -> str:
     run_id = run_id or uuid.uuid4().hex
     record = {RUN_ID_KEY: run_id, "config": config_source(cfg).display,
               "config_sha256": _config_sha256(cfg),
-              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    atomic_write_bytes(out / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode(), output=False)
+              "started": _now(), "values": resolved_values(cfg)}
+    _save_run(out, record)
     return run_id
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _save_run(out: Path, record: dict[str, Any]) -> None:
+    atomic_write_bytes(out / RUN_FILE, (json.dumps(record, indent=2) + "\n").encode(), output=False)
 
 
 def _checkpoint_run_id(ckpt: Path) -> str | None:
@@ -217,3 +228,32 @@ def check_resume(cfg: Any, ckpt: Path) -> None:
                           "with overwrite=true")
     if run_id is None and _is_rank0():
         _write_run(out, cfg, ckpt_id)  # adopt the checkpoint's run (a new id for a checkpoint without one)
+    run = read_run(out)
+    if run is not None:
+        check_resume_config(cfg, run, ckpt.name)
+
+
+def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
+    """The resumed config against the values `run` (run.json) started with (llm_recipe.components.resume_changes):
+    changes to keys that change what the run computes are a RecipeError naming each key and both values unless
+    `resume_with_changes` accepts them. With `at` (the checkpoint resumed from), what changed is printed and rank 0
+    records it in run.json; without, only the check (`recipe run` before it launches torchrun)."""
+    out = Path(cfg.output_dir)
+    recorded = run.get("values")
+    if not isinstance(recorded, dict):  # run.json of a run started before per-key records: nothing to compare
+        return
+    changed, free = config_changes(recorded, cfg)
+    if changed and not getattr(cfg, "resume_with_changes", False):
+        raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} started with "
+                          f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
+                          "values: put them back, or add resume_with_changes=true to continue with the new ones "
+                          "(or start a new run: overwrite=true or another output_dir)")
+    if not (changed or free) or at is None:
+        return
+    if _is_rank0():
+        both = dict(sorted({**changed, **free}.items()))
+        print(f"resuming with changed values: {describe_changes(both)}", flush=True)
+        run["values"] = resolved_values(cfg)
+        run.setdefault("resumed_with_changes", []).append(
+            {"from": at, "at": _now(), "changes": {k: list(v) for k, v in both.items()}})
+        _save_run(out, run)

@@ -104,6 +104,8 @@ class TrainConfig:
                                       "(null: all)")
     resume: bool = setting(False, bool, "continue from the latest complete checkpoint in output_dir")
     overwrite: bool = setting(False, bool, "a new run deletes the outputs of an earlier run in output_dir first")
+    resume_with_changes: bool = setting(False, bool, "resume=true may continue with values other than the run "
+                                        "started with (they are printed and recorded in run.json)")
     tensorboard: bool = setting(False, bool, "also log to output_dir/tensorboard (needs the tensorboard package)")
     wandb: dict | None = setting(None, (dict, type(None)), "e.g. {project: my-project}: log to Weights & Biases "
                                  "(needs wandb)")

@@ -132,7 +132,15 @@ class TrainState:
     def restore(self, ckpt: Path) -> int:
         """Load optimizer, schedule, data position and RNG (and the adapters of a LoRA run) from `ckpt`; returns
         its step. A one-process checkpoint's full weights were loaded when the model was built (`resume_weights`);
-        a sharded one's are loaded here, into the already sharded model."""
+        a sharded one's are loaded here, into the already sharded model.
+
+        The optimizer's moments and the schedule's position come from the checkpoint; its hyperparameters (lr,
+        weight decay, betas, ...) and the schedule's shape stay the config's, which the resume check compared
+        with the run's (components/resume_changes.py): an accepted change (`resume_with_changes`, a longer
+        `max_steps`) takes effect, and an unchanged config gives the checkpoint's values bit for bit."""
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        schedule = [dict(vars(f)) for f in self.scheduler.lr_lambdas]
+        base_lrs = list(self.scheduler.base_lrs)
         state = load_recipe_state(ckpt)
         if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
             load_sharded_checkpoint(ckpt, self.model, self.optimizer, state)
@@ -147,6 +155,15 @@ class TrainState:
                 self.rt.load_full_state_dict(self.model, {n: state["adapters"][n] for n in names}, strict=False)
             self.rt.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, values in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(values)
+        for f, values in zip(self.scheduler.lr_lambdas, schedule, strict=True):
+            vars(f).update(values)
+        self.scheduler.base_lrs = base_lrs
+        step = self.scheduler.last_epoch  # LambdaLR's lr at its position, as its step() computes it
+        for group, base, f in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * f(step)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.loader.load_state_dict(state["loader"])
         restore_rng(state["rng"])
         self.last_checkpoint = ckpt

@@ -136,6 +136,50 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, ca
     assert [r["step"] for r in rc.read_metrics(b)] == [1, 2]
 
 
+def test_resume_with_other_values_is_refused_unless_accepted(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """A resume whose values differ from the run's start in keys that change what it computes (a learning rate, the
+    data: e.g. an override forgotten on the resume command) is refused before anything loads, naming each key and
+    both values; keys that only change where, how often or how fast it writes pass and are said;
+    resume_with_changes=true continues with the new values and run.json records them."""
+    out = tmp_path / "out"
+    constant = "lr_scheduler.name=constant"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=2", "optimizer.lr=2e-4", constant))[0] == 0
+    before = snapshot(out)
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true", "dataset.limit=10",
+                                         constant))
+    assert code == 1
+    doc.expect("resume-changed-values", one_error(err), out=out,
+               changes="dataset.limit: 12 -> 10, optimizer.lr: 0.0002 -> 2e-05")
+    assert "resuming from" not in stdout and snapshot(out) == before
+    # under torchrun the launcher refuses it once, before any worker starts
+    from llm_recipe.cli import main as cli
+
+    monkeypatch.setattr(cli, "launch_torchrun", lambda *a: pytest.fail("torchrun was launched"))
+    capsys.readouterr()
+    code = cli.main(["run", "--nproc-per-node", "2", "full", "--config", CONFIG,
+                     *args(tiny_model_dir, out, "max_steps=4", "resume=true", "dataset.limit=10", constant)])
+    assert code == 1
+    doc.expect("resume-changed-values", one_error(capsys.readouterr().err), out=out,
+               changes="dataset.limit: 12 -> 10, optimizer.lr: 0.0002 -> 2e-05")
+
+    # the same command with the values put back: only max_steps and the save cadence changed, and it says so
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", "optimizer.lr=2e-4",
+                                         "save_every_n_steps=2", constant))
+    assert code == 0, err
+    assert "resuming with changed values: max_steps: 2 -> 3, save_every_n_steps: 1 -> 2" in stdout
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3]
+
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true",
+                                         "resume_with_changes=true", "save_every_n_steps=2", constant))
+    assert code == 0, err
+    assert "resuming with changed values: max_steps: 3 -> 4, optimizer.lr: 0.0002 -> 2e-05" in stdout
+    assert [r["lr"] for r in rc.read_metrics(out)][-1] == pytest.approx(2e-5)
+    record = json.loads((out / "run.json").read_text())
+    assert record["values"]["optimizer.lr"] == 2e-5  # the next resume compares with the values it now runs with
+    assert record["resumed_with_changes"][-1]["from"] == "step_000003"
+    assert record["resumed_with_changes"][-1]["changes"]["optimizer.lr"] == [2e-4, 2e-5]
+
+
 def test_what_counts_as_an_earlier_run(tmp_path, tiny_model_dir, capsys):
     from llm_recipe.components.runs import previous_run
 
