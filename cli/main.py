@@ -23,6 +23,7 @@ from ..components.config import (
 )
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
+from ..components.output_kinds import check_output_kind
 from .launch import launch_torchrun, split_run_args
 from .recipes import discover_recipes, load_recipe, recipe_config, recipe_file, recipe_folder_importable
 from .script import configure_logging, print_error, recipe_argparser, run_recipe_script
@@ -357,6 +358,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
     schema = recipe_schema(recipe_config(module))
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
+    check_output_kind(name, getattr(cfg, "output_dir", None))
     with prepared_run(cfg, schema, lock=False):
         if "overwrite" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import check_new_run, check_resume_config, read_run

@@ -21,6 +21,7 @@ from ..components.errors import RecipeError
 from ..components.folders import prepared_run
 from ..components.interrupt import interrupted_message, reset
 from ..components.oom import is_out_of_memory, out_of_memory_message
+from ..components.output_kinds import check_output_kind
 from ..components.runs import put_back_overwritten
 
 __all__ = ["configure_logging", "print_error", "recipe_argparser", "run_recipe_script"]
@@ -90,6 +91,7 @@ def run_recipe_script(
     cfg = None
     try:
         cfg = load_recipe_config(args.config, args.overrides, config, recipe=name)
+        check_output_kind(name, getattr(cfg, "output_dir", None))  # never into another recipe's outputs
         with prepared_run(cfg, recipe_schema(config)):
             try:
                 main(cfg)

@@ -180,6 +180,30 @@ def test_resume_with_other_values_is_refused_unless_accepted(tmp_path, tiny_mode
     assert record["resumed_with_changes"][-1]["changes"]["optimizer.lr"] == [2e-4, 2e-5]
 
 
+def test_a_recipe_never_writes_into_another_recipes_output_dir(tmp_path, tiny_model_dir, capsys):
+    """quantize into a training run's folder, or a training run into a kd_logits cache's folder: refused before
+    anything loads, naming what the folder holds; nothing in it changes."""
+    out = tmp_path / "out"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=1"))[0] == 0
+    before = snapshot(out)
+    code, stdout, err = run(capsys, [f"model.checkpoint_dir={out / 'model'}", f"output_dir={out}", "device=cpu",
+                                     "perplexity.limit=2"], recipe="quantize", config="quantize/smollm2_8da4w")
+    assert code == 1
+    doc.expect("output-other-recipe", one_error(err), out=out, held="a training run",
+               names="checkpoints, metrics.jsonl, model, ...", recipe="quantize", own="quantize exports")
+    assert snapshot(out) == before
+
+    cache = tmp_path / "cache"  # what `recipe run kd_logits` leaves: a manifest and its shards
+    cache.mkdir()
+    (cache / "manifest.json").write_text("{}")
+    (cache / "shard_00000.safetensors").write_bytes(b"")
+    code, _, err = run(capsys, args(tiny_model_dir, cache, "max_steps=1"))
+    assert code == 1
+    doc.expect("output-other-recipe", one_error(err), out=cache, held="a kd_logits cache",
+               names="manifest.json, shard_00000.safetensors", recipe="full", own="a training run")
+    assert sorted(p.name for p in cache.iterdir()) == ["manifest.json", "shard_00000.safetensors"]
+
+
 def test_what_counts_as_an_earlier_run(tmp_path, tiny_model_dir, capsys):
     from llm_recipe.components.runs import previous_run
 

@@ -1,0 +1,54 @@
+"""Which recipe's outputs a folder holds, so that one recipe never writes into another recipe's `output_dir`.
+
+A training run, a `kd_logits` cache, `quantize` exports and a `transfer` set each have their own rules for a
+folder that already holds their outputs (resume or overwrite, resume shard by shard, write again), but none of
+them knows the others' files: a KD run into a cache folder, or `quantize` into a training run's folder, would
+leave two recipes' outputs mixed, and `overwrite=true` would delete only its own half. So a recipe is refused
+an `output_dir` that holds another recipe's outputs, recognised by the names each one writes at the top level.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import RecipeError
+
+# kind -> (in words, the top-level names its recipe writes; globs allowed)
+KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "training": ("a training run", ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", "run.json")),
+    "kd_logits": ("a kd_logits cache", ("manifest.json", "shard_*.safetensors")),
+    "quantize": ("quantize exports", ("report.json", "hf", "model-*.gguf", "model.pte")),
+    "transfer": ("a transfer set", ("transfer.json", "passages.jsonl", "chat.jsonl")),
+}
+RECIPE_KINDS = {"full": "training", "lora": "training", "qat": "training", "kd": "training",
+                "kd_logits": "kd_logits", "quantize": "quantize", "transfer": "transfer"}
+
+__all__ = ["KINDS", "RECIPE_KINDS", "check_output_kind", "kinds_in"]
+
+
+def kinds_in(folder: str | os.PathLike) -> dict[str, list[str]]:
+    """The kinds of outputs `folder` holds: kind -> the names that show it (empty when it holds none)."""
+    out = Path(folder)
+    if not out.is_dir():
+        return {}
+    found: dict[str, list[str]] = {}
+    for kind, (_, names) in KINDS.items():
+        hits = sorted({p.name for name in names for p in out.glob(name)})
+        if hits:
+            found[kind] = hits
+    return found
+
+
+def check_output_kind(recipe: str, output_dir: str | os.PathLike | None) -> None:
+    """RecipeError when `output_dir` holds the outputs of a recipe of another kind than `recipe` (a recipe we do
+    not know, e.g. a user's own, is not checked)."""
+    own = RECIPE_KINDS.get(recipe)
+    if own is None or output_dir is None:
+        return
+    for kind, names in kinds_in(output_dir).items():
+        if kind != own:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise RecipeError(f"{output_dir} holds {KINDS[kind][0]} ({shown}): recipe run {recipe} writes "
+                              f"{KINDS[own][0]}, and two recipes' outputs in one folder would mix; choose another "
+                              "output_dir (e.g. a subfolder)")
