@@ -3,7 +3,8 @@
 The teacher's attention (Llama-3.1-8B shape, forward only, no grad) and the student's (Llama-3.2-1B shape, forward
 and backward) on one micro-batch of the shipped KD row (4 x 1024 tokens, documents packed into each row), timed with
 CUDA events after warm-up (defaults: the shipped kd config's micro-batch, 2 rows x 2048 tokens, and document lengths
-of the transfer passages under the Llama-3 tokenizer: mean 254, 10th-90th percentile 126-381 tokens):
+of the transfer passages under the SmolLM2 tokenizer, the one the recorded KD rows used in `.carry/tok`: mean 254,
+10th-90th percentile 126-381 tokens; under Llama 3's they are 240, 120-361):
 - `flex`: flex attention with the document BlockMask, compiled, as the recipes run it;
 - `flex_autotune`: the same compiled with mode="max-autotune-no-cudagraphs" (Inductor tries its block sizes);
 - `varlen_flash`: flash attention over the documents themselves (torch's varlen attention: each document is its own

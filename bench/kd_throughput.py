@@ -5,8 +5,10 @@
     python bench/kd_throughput.py table --out /tmp/kdb
 
 `build` writes random-weight HF folders of the Llama-3.2-1B (student) and Llama-3.1-8B (teacher) configs with
-transformers (`_from_config` + `save_pretrained`) and copies a tokenizer in (the embedded SmolLM2 tokenizer: its
-ids are valid for a 128256 vocab). `run` runs each row in its own process, one after another: torchtune rows are
+transformers (`_from_config` + `save_pretrained`) and copies a tokenizer in (`--tokenizer-dir`: the device scripts
+pass `.carry/tok`, which bench/make_carry.py fills with the embedded SmolLM2 tokenizer, the one every recorded row
+used: its ids are valid for a 128256 vocab; `make_carry.py --tok llama3` puts Meta's Llama 3 tokenizer there
+instead). `run` runs each row in its own process, one after another: torchtune rows are
 bench/torchtune_kd_step.py (torchtune's KD step; `--tt-path` goes first on its PYTHONPATH and must hold torchao
 0.15); our rows are the real `recipe run kd` on those folders (shipped transfer passages packed to the sequence
 length), read back from metrics.jsonl. `ours_lora_cache` first builds (or verifies) the teacher's top-32 cache with
