@@ -2,7 +2,8 @@
 
 load float weights (a QAT output converts with the scheme it trained for) -> perplexity before -> quantize ->
 perplexity after -> export: `hf` (torchao HF folder for transformers), `gguf` (llama.cpp), `pte` (ExecuTorch)
--> report sizes on disk and perplexities (stdout and output_dir/report.json).
+-> report sizes on disk and perplexities (stdout and output_dir/report.json, written atomically).
+What needs no weights (the QAT metadata, whether the scheme runs on this device) is checked before anything loads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
 from llm_recipe.components.models import load_model
@@ -22,12 +24,14 @@ from llm_recipe.components.models.tokenizer import Tokenizer
 from llm_recipe.components.quantization import (
     QAT_METADATA_FILE,
     SCHEMES,
+    check_device,
     quantize_model,
     read_qat_metadata,
     size_on_disk,
 )
-from llm_recipe.components.quantization.export_gguf import QTYPES, export_gguf
+from llm_recipe.components.quantization.export_gguf import AUTO, QTYPES, export_gguf, qtype_for_scheme
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
+from llm_recipe.components.quantization.schemes import GROUPED_SCHEMES
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
 from llm_recipe.components.train_config import ModelSection, output_dir_key
@@ -56,7 +60,9 @@ class QuantizeConfig:
     include_output: bool = setting(False, bool, "also quantize the output projection (untied models only)")
     formats: tuple[str, ...] = setting(("hf",), ListOf(Choice(*FORMATS), min_len=1, unique=True),
                                        "hf (transformers) | gguf (llama.cpp) | pte (ExecuTorch)")
-    gguf_qtype: str = setting("Q4_0", Choice(*QTYPES), "the GGUF tensor type")
+    gguf_qtype: str = setting(AUTO, Choice(AUTO, *QTYPES),
+                              "the GGUF tensor type; auto follows scheme: 8da4w, int4_weight_only -> Q4_0 (token "
+                              "embedding Q8_0); int8_weight_only -> Q8_0; float8_* -> Q8_0 (GGUF has no float8)")
     pte_max_seq_len: int = setting(256, Range(int, ge=2), "KV-cache length baked into the .pte")
     perplexity: Perplexity = section(Perplexity, "the before/after perplexity")
     device: str = setting("cpu", DEVICE, "cpu | cuda | auto (int4_weight_only and float8_dynamic need cuda)")
@@ -78,9 +84,12 @@ def main(cfg: QuantizeConfig) -> None:
                               f"override scheme={meta['scheme']} group_size={meta.get('group_size')}")
         include_output = bool(meta.get("include_output", include_output))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    dtype = torch.bfloat16 if scheme == "int4_weight_only" else torch.float32  # int4's CUDA kernel is bf16 only
+    check_device(scheme, device, dtype)  # before the weights load: a GPU-only scheme on a CPU fails at once
+    qtype = qtype_for_scheme(scheme) if cfg.gguf_qtype == AUTO else cfg.gguf_qtype
 
     tokenizer = Tokenizer.from_dir(src)
-    model, args = load_model(src, dtype=torch.float32, device=device)
+    model, args = load_model(src, dtype=dtype, device=device)
     texts = held_out_texts(cfg.perplexity.limit)
     ppl_len = cfg.perplexity.max_seq_len
     report = {"source": str(src), "scheme": scheme, "group_size": group_size,
@@ -92,18 +101,18 @@ def main(cfg: QuantizeConfig) -> None:
     if "hf" in formats:
         exports["hf"] = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
     if "gguf" in formats:
-        qtype = cfg.gguf_qtype
+        report["gguf_qtype"] = qtype
         exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
     if "pte" in formats:
         from llm_recipe.components.quantization.export_pte import export_pte
 
         exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
     report["exports"] = {k: {"path": str(v), "size_bytes": size_on_disk(v)} for k, v in exports.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
 
     mb = 1024**2
-    print(f"{scheme} (group {group_size}) of {src}")
+    grouped = f" (group {group_size})" if scheme in GROUPED_SCHEMES else ""
+    print(f"{scheme}{grouped} of {src}")
     print(f"  perplexity (LAMBADA passages, {len(texts)} texts): {report['perplexity_before']:.2f} -> "
           f"{report['perplexity_after']:.2f}")
     print(f"  size on disk: {report['size_before_bytes'] / mb:.1f} MiB (source)")

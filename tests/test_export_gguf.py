@@ -1,6 +1,7 @@
 """GGUF export: gguf.GGUFReader reads it, transformers' GGUF loader reproduces our logits and token ids."""
 
 import dataclasses
+import logging
 
 import gguf
 import numpy as np
@@ -11,12 +12,15 @@ from llm_recipe.components.assets import ensure_assets
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models import ModelArgs, build_model, load_model
 from llm_recipe.components.models.gguf_import import _unpermute_qk
-from llm_recipe.components.quantization import convert_qat, prepare_qat, quantize_model
+from llm_recipe.components.quantization import SCHEMES, convert_qat, prepare_qat, quantize_model
 from llm_recipe.components.quantization.export_gguf import (
+    QTYPES,
+    SCHEME_QTYPES,
     bits_per_weight,
     export_gguf,
     gguf_tensor_types,
     llama_cpp_permute,
+    qtype_for_scheme,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -50,6 +54,11 @@ def tiny(tie=True, seed=0):
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return model, args
+
+
+def gguf_warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name.endswith("export_gguf") and r.levelno >= logging.WARNING]
 
 
 def dequantized_reference(model, args):
@@ -167,3 +176,39 @@ def test_errors(embedded, tmp_path):
     small = dataclasses.replace(args, vocab_size=100)
     with pytest.raises(RecipeError, match="49152 tokens but the model's vocab_size is 100"):
         export_gguf(build_model(small).state_dict(), small, embedded, tmp_path / "x.gguf", "F16")
+
+
+def test_qtype_follows_the_scheme():
+    assert set(SCHEME_QTYPES) == set(SCHEMES) and set(SCHEME_QTYPES.values()) <= set(QTYPES)
+    assert [qtype_for_scheme(s) for s in ("8da4w", "int4_weight_only")] == ["Q4_0", "Q4_0"]
+    assert [qtype_for_scheme(s) for s in ("int8_weight_only", "float8_weight_only", "float8_dynamic")] == ["Q8_0"] * 3
+    with pytest.raises(RecipeError, match="scheme 'int3'"):
+        qtype_for_scheme("int3")
+
+
+def test_int8_weight_only_packs_code_for_code_into_q8_0(embedded, tmp_path, caplog):
+    model, args = tiny(tie=False)
+    quantize_model(model, "int8_weight_only")
+    path = export_gguf(model, args, embedded, tmp_path / "int8.gguf", qtype_for_scheme("int8_weight_only"))
+    types = gguf_tensor_types(path)
+    assert {t for n, t in types.items() if not n.endswith("norm.weight")} == {"Q8_0"}  # every matrix 8-bit
+    assert gguf_warnings(caplog) == []  # nothing requantized
+    t = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_down.weight"]
+    w = model.layers[1].mlp.w2.weight
+    want = (w.qdata.float() * w.scale.half().float()).numpy()  # one scale per row: every block of the row shares it
+    np.testing.assert_array_equal(gguf.quants.dequantize(t.data, t.tensor_type), want)
+
+
+@pytest.mark.parametrize("scheme, qtype, why", [
+    ("int8_weight_only", "Q4_0", "int8 codes pack exactly into Q8_0 blocks, not Q4_0"),
+    ("float8_weight_only", "Q8_0", "GGUF has no float8 type; Q8_0 is the closest"),
+])
+def test_requantized_weights_warn_once_with_a_count(embedded, tmp_path, caplog, scheme, qtype, why):
+    model, args = tiny()
+    quantize_model(model, scheme)
+    path = export_gguf(model, args, embedded, tmp_path / "x.gguf", qtype)
+    kind = type(model.layers[0].attn.q_proj.weight).__name__
+    (line,) = gguf_warnings(caplog)  # one line for the 14 block matrices, not one per tensor
+    assert line == (f"x.gguf: 14 torchao {kind} weights (blk.0.ffn_down.weight, ...) requantized to {qtype} from "
+                    f"dequantized values, not packed code for code: {why}")
+    assert set(gguf_tensor_types(path).values()) == {"F32", qtype, "Q8_0"}  # norms, block matrices, embedding

@@ -1,6 +1,7 @@
 """ExecuTorch export: executorch.runtime runs the .pte, prefill and KV-cached decode match our eager 8da4w model."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from llm_recipe.components.quantization import quantize_model  # noqa: E402
 from llm_recipe.components.quantization.export_pte import (  # noqa: E402
     PteRunner,
     StaticCacheDecoder,
+    _quiet_export,
     export_pte,
     round_scales_like_xnnpack,
 )
@@ -44,7 +46,9 @@ def check_against_eager(model, path, prompt, steps, max_rel):
             torch.testing.assert_close(want[:, -1], model(seq)[:, -1], rtol=0, atol=1e-4)
 
 
-def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_pte(tmp_path_factory):
+    """A tiny float model, its .pte, and every warning the export raised (recorded with the "always" action)."""
     args = ModelArgs(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                      max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, o_bias=False)
@@ -54,8 +58,16 @@ def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tmp_path):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = export_pte(model, tmp_path_factory.mktemp("pte") / "tiny.pte", max_seq_len=64)
+    return model, path, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tiny_pte):
+    model, path, _ = tiny_pte
+    model = copy.deepcopy(model)
     float_copy = copy.deepcopy(model)
-    path = export_pte(model, tmp_path / "tiny.pte", max_seq_len=64)
     assert not any(type(p).__name__ != "Parameter" for p in model.parameters())  # caller's model untouched
     quantize_model(model, "8da4w", 32)
     assert round_scales_like_xnnpack(model) == 7  # XNNPACK stores group scales in bf16: compare with that twin
@@ -64,6 +76,30 @@ def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tmp_path):
     # 4-bit blocks are packed: the file is far smaller than the fp32 weights of the quantized layers.
     linear_bytes = sum(p.numel() * 4 for n, p in float_copy.named_parameters() if n.startswith("layers."))
     assert path.stat().st_size < 0.6 * linear_bytes + 2 * 256 * 64 * 4 + 2 * 64 * 64 * 2 * 4
+
+
+def test_export_hides_only_warnings_a_user_cannot_act_on(tiny_pte):
+    """torch's pytree FutureWarning (9 blocks), ExecuTorch's advice to run the pass we run, the attribute we set
+    during export: none reaches the user; the file still loads and runs."""
+    model, path, caught = tiny_pte
+    noise = ("LeafSpec", "Mutation on a buffer", "assigned during export")
+    assert [w for w in caught if any(n in w for n in noise)] == []
+    logits = PteRunner(path)(torch.tensor([[1, 2, 3]]), torch.arange(3))
+    assert logits.shape == (1, 3, 256) and torch.isfinite(logits).all()
+
+
+def test_quiet_export_is_narrow():
+    """Other warnings (same categories, other messages) still show, and errors pass through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="real error"), _quiet_export():
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, stacklevel=1)
+            warnings.warn("some other deprecation", FutureWarning, stacklevel=1)
+            warnings.warn("a user should see this", UserWarning, stacklevel=1)
+            raise RuntimeError("real error")
+        warnings.warn("Mutation on a buffer in the model is detected.", UserWarning, stacklevel=1)  # outside: shown
+    assert [str(w.message) for w in caught] == ["some other deprecation", "a user should see this",
+                                                "Mutation on a buffer in the model is detected."]
 
 
 def test_errors(tmp_path):

@@ -4,12 +4,14 @@ Tensors get llama.cpp names, and for the `llama` architecture (Llama, Mistral) Q
 llama.cpp's order: its RoPE rotates interleaved pairs, ours and HF's rotate halves. Qwen2 uses NEOX RoPE in
 llama.cpp (halves, like HF) and is written unpermuted. Norms stay F32.
 
-Quantized types: F32, F16, BF16, Q8_0, Q4_0. In a Q4_0 file the token embedding (and an untied output) are
-Q8_0, as llama.cpp's own quantizer keeps the embedding at higher precision. Weights that torchao already
-quantized (8da4w int4, int8 weight-only) are packed *exactly*: Q4_0/Q8_0 store one fp16 scale per 32 values
-and the integer codes, so a torchao group whose size is a multiple of 32 maps onto GGUF blocks code for code
-(`gguf.quants.quantize` would re-derive scales from the float weights and lose what QAT learned). Only the
-scale is rounded to fp16.
+Quantized types: F32, F16, BF16, Q8_0, Q4_0 (`qtype_for_scheme` picks the one that matches a torchao scheme:
+Q4_0 for int4 weights, Q8_0 for int8 and float8 ones, GGUF having no float8 type). In a Q4_0 file the token
+embedding (and an untied output) are Q8_0, as llama.cpp's own quantizer keeps the embedding at higher precision.
+Weights that torchao already quantized (8da4w int4, int8 weight-only) are packed *exactly*: Q4_0/Q8_0 store one
+fp16 scale per 32 values and the integer codes, so a torchao group whose size is a multiple of 32 maps onto GGUF
+blocks code for code (`gguf.quants.quantize` would re-derive scales from the float weights and lose what QAT
+learned). Only the scale is rounded to fp16. Other torchao weights are requantized from their dequantized
+values, with one warning per kind (a count and the first tensor), not one line per tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from .schemes import _is_torchao_tensor
 log = logging.getLogger(__name__)
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+AUTO = "auto"  # the recipe's `gguf_qtype: auto`: the type `qtype_for_scheme` gives for the scheme
+# torchao scheme -> the GGUF type that holds its weights: int4 codes pack exactly into Q4_0 blocks, int8 codes into
+# Q8_0; float8 has no GGUF type, and Q8_0 (8 bits + an fp16 scale per 32 values) is the closest 8-bit one.
+SCHEME_QTYPES = {"8da4w": "Q4_0", "int4_weight_only": "Q4_0", "int8_weight_only": "Q8_0",
+                 "float8_weight_only": "Q8_0", "float8_dynamic": "Q8_0"}
 _BLOCK = 32  # values per Q4_0 / Q8_0 block
 
 # HF Llama-family names -> gguf MODEL_TENSOR members (llama.cpp names come from gguf.TENSOR_NAMES).
@@ -50,6 +57,14 @@ _LAYER_TENSORS = {
 }
 _GLOBAL_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def qtype_for_scheme(scheme: str) -> str:
+    """The GGUF type matching a quantization scheme's weights (see SCHEME_QTYPES), so that a user who asked for
+    int8 gets an 8-bit file and one who asked for int4 a 4-bit one."""
+    if scheme not in SCHEME_QTYPES:
+        raise RecipeError(f"scheme {scheme!r} has no GGUF type; choose gguf_qtype from {list(QTYPES)}")
+    return SCHEME_QTYPES[scheme]
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -138,8 +153,21 @@ def _tensor_type(gguf_name: str, tensor: torch.Tensor, qtype: str) -> str:
     return qtype
 
 
-def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None) -> tuple[np.ndarray, object]:
-    """Return (array, raw_dtype or None) ready for GGUFWriter.add_tensor."""
+def _why_requantized(t: torch.Tensor, ttype: str) -> str:
+    """Why a torchao weight cannot be packed code for code into `ttype` blocks (for the one-line warning)."""
+    grid = _integer_grid(t)
+    if grid is not None and grid[2] != torch.int4 and ttype == "Q4_0":
+        return "int8 codes pack exactly into Q8_0 blocks, not Q4_0"
+    qdata = getattr(t, "qdata", None)
+    if qdata is not None and qdata.dtype.is_floating_point:
+        return f"GGUF has no float8 type; {ttype} is the closest"
+    return "exact packing needs symmetric int4/int8 codes in groups of a multiple of 32"
+
+
+def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None,
+            requantized: dict[tuple[str, str, str], list[str]] | None = None) -> tuple[np.ndarray, object]:
+    """Return (array, raw_dtype or None) ready for GGUFWriter.add_tensor. A torchao weight that cannot be
+    packed exactly is recorded in `requantized` ({(torchao type, GGUF type, reason): [tensor names]})."""
     import gguf
 
     grid = _integer_grid(t) if _is_torchao_tensor(t) else None
@@ -148,9 +176,8 @@ def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None) -
         if permute_heads:
             codes, scale = llama_cpp_permute(codes, permute_heads), llama_cpp_permute(scale, permute_heads)
         return _pack_blocks(codes, scale, ttype), gguf.GGMLQuantizationType[ttype]
-    if _is_torchao_tensor(t) and ttype in ("Q4_0", "Q8_0"):
-        log.warning("%s: torchao %s does not map onto %s blocks (needs symmetric int4/int8 codes in groups of a "
-                    "multiple of 32); requantizing its dequantized weights", name, type(t).__name__, ttype)
+    if _is_torchao_tensor(t) and ttype in ("Q4_0", "Q8_0") and requantized is not None:
+        requantized.setdefault((type(t).__name__, ttype, _why_requantized(t, ttype)), []).append(name)
     w = t.dequantize() if _is_torchao_tensor(t) else t
     w = w.float()
     if permute_heads:
@@ -292,6 +319,7 @@ def export_gguf(
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     honour_umask(fd)
     os.close(fd)
+    requantized: dict[tuple[str, str, str], list[str]] = {}
     try:
         writer = gguf.GGUFWriter(tmp_name, arch)
         writer.add_type(gguf.GGUFType.MODEL)
@@ -328,7 +356,7 @@ def export_gguf(
                 heads = args.num_heads
             elif arch == "llama" and module == "self_attn.k_proj":
                 heads = args.num_kv_heads
-            arr, raw = _encode(gname, t, _tensor_type(gname, t, qtype), heads)
+            arr, raw = _encode(gname, t, _tensor_type(gname, t, qtype), heads, requantized)
             writer.add_tensor(gname, arr, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -341,6 +369,10 @@ def export_gguf(
         if reason is not None:  # disk full, quota, permission: one line, the previous file untouched
             raise RecipeError(f"cannot write {out_path}: {reason}; nothing under that name was changed") from e
         raise
+    for (kind, ttype, why), names in requantized.items():  # one line per kind of weight, not one per tensor
+        first = names[0] + (", ..." if len(names) > 1 else "")
+        log.warning("%s: %d torchao %s weight%s (%s) requantized to %s from dequantized values, not packed code "
+                    "for code: %s", out_path.name, len(names), kind, "s" * (len(names) > 1), first, ttype, why)
     return out_path
 
 

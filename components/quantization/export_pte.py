@@ -13,10 +13,12 @@ buffers (zero-initialised in the file) between calls of one loaded method. A new
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +28,26 @@ from ..checkpoint.atomic import honour_umask
 from ..errors import RecipeError
 from .ptq import quantize_model
 from .schemes import _is_torchao_tensor
+
+# Warnings torch.export / ExecuTorch 1.5.1 print during our export that a user can do nothing about, silenced
+# only around our export calls (`_quiet_export`): torch's pytree deprecation, raised inside torch / ExecuTorch
+# code (9 FutureWarning blocks per export), the note that we set `cache.positions` during export (by design), and
+# ExecuTorch's advice to run InitializedMutableBufferPass on mutated buffers, which `export_pte` does.
+_NOT_ACTIONABLE = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (UserWarning, r".*assigned during export"),
+    (UserWarning, r"Mutation on a buffer in the model is detected"),
+)
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Hide `_NOT_ACTIONABLE` warnings (by category and message) while the export runs; every other warning,
+    and every error, still shows."""
+    with warnings.catch_warnings():
+        for category, message in _NOT_ACTIONABLE:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 def _require_executorch() -> None:
@@ -142,8 +164,7 @@ def export_pte(
     vocab = model.tok_embeddings.num_embeddings
     tokens = torch.randint(0, vocab, (1, example_len))
     seq = Dim("seq", min=1, max=max_seq_len)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assigned during export.*")  # cache.positions, by design
+    with torch.no_grad(), _quiet_export():
         program = export(wrapper, (tokens, torch.arange(example_len)),
                          dynamic_shapes={"tokens": {1: seq}, "input_pos": {0: seq}}, strict=False)
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],

@@ -1,0 +1,86 @@
+"""The quantize recipe in-process on the tiny model: the GGUF type follows the scheme, a scheme the device cannot
+run fails before any weights load, report.json is written atomically."""
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_recipe.components.folders import LOCK_NAME
+from llm_recipe.components.quantization.export_gguf import gguf_tensor_types
+
+if "recipes_common" not in sys.modules:  # the shared helpers, loaded once whichever test file comes first
+    _spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
+    sys.modules["recipes_common"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["recipes_common"])
+rc = sys.modules["recipes_common"]
+
+CONFIG = "quantize/smollm2_8da4w"
+
+
+def quick(tiny_model_dir, out, *overrides):
+    return [f"model.checkpoint_dir={tiny_model_dir}", f"output_dir={out}", "perplexity.limit=2",
+            "perplexity.max_seq_len=32", "device=cpu", *overrides]
+
+
+def gguf_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name.endswith("export_gguf") and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("scheme, overrides, qtype", [
+    ("int8_weight_only", [], "Q8_0"),           # auto: an int8 scheme gives an 8-bit GGUF, packed code for code
+    ("8da4w", [], "Q4_0"),                      # auto: int4 weights give Q4_0
+    ("int8_weight_only", ["gguf_qtype=Q4_0"], "Q4_0"),  # an explicit type still wins
+])
+def test_gguf_type_follows_the_scheme(tmp_path, tiny_model_dir, caplog, scheme, overrides, qtype):
+    out = tmp_path / "q"
+    assert rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, out, f"scheme={scheme}", "formats=[gguf]",
+                                                       *overrides)) == 0
+    assert [p.name for p in out.glob("*.gguf")] == [f"model-{qtype}.gguf"]
+    types = gguf_tensor_types(out / f"model-{qtype}.gguf")
+    blocks = {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")}
+    assert blocks == {qtype} and types["token_embd.weight"] == "Q8_0"
+    assert json.loads((out / "report.json").read_text())["gguf_qtype"] == qtype
+    warned = gguf_warnings(caplog)
+    if overrides:  # int8 codes forced into Q4_0 blocks: requantized, said once with a count (4 layers x 7)
+        assert len(warned) == 1 and "28 torchao Int8Tensor weights" in warned[0], warned
+    else:
+        assert warned == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+@pytest.mark.parametrize("scheme, match", [("int4_weight_only", "scheme 'int4_weight_only' needs a CUDA GPU"),
+                                           ("float8_dynamic", "scheme 'float8_dynamic' needs a CUDA GPU with "
+                                                              "compute capability >= 8.9")])
+def test_scheme_the_device_cannot_run_fails_before_the_weights_load(tmp_path, tiny_model_dir, monkeypatch, capsys,
+                                                                     scheme, match):
+    from llm_recipe.recipes import quantize
+
+    loads = []
+    monkeypatch.setattr(quantize, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("weights loaded"))
+    t0 = time.perf_counter()
+    code = rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, tmp_path / "q", f"scheme={scheme}"))
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert code == 1 and loads == []
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
+    assert match in line and "Traceback" not in err
+    assert elapsed < 5, elapsed  # no model, no tokenizer, no LAMBADA texts
+
+
+def test_report_is_written_atomically(tmp_path, tiny_model_dir, monkeypatch):
+    out = tmp_path / "q"
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: replaced.append(os.fspath(dst)) or real_replace(src, dst))
+    assert rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, out, "scheme=int8_weight_only",
+                                                       "formats=[gguf]")) == 0
+    assert str(out / "report.json") in replaced  # a complete temp file renamed into place, never a half-written one
+    assert json.loads((out / "report.json").read_text())["scheme"] == "int8_weight_only"
+    assert [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME] == []
