@@ -24,7 +24,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 RECIPE_KINDS = {"full": "training", "lora": "training", "qat": "training", "kd": "training",
                 "kd_logits": "kd_logits", "quantize": "quantize", "transfer": "transfer"}
 
-__all__ = ["KINDS", "RECIPE_KINDS", "check_output_kind", "kinds_in"]
+__all__ = ["KINDS", "RECIPE_KINDS", "check_output_kind", "earlier_outputs", "kinds_in"]
 
 
 def kinds_in(folder: str | os.PathLike) -> dict[str, list[str]]:
@@ -52,3 +52,10 @@ def check_output_kind(recipe: str, output_dir: str | os.PathLike | None) -> None
             raise RecipeError(f"{output_dir} holds {KINDS[kind][0]} ({shown}): recipe run {recipe} writes "
                               f"{KINDS[own][0]}, and two recipes' outputs in one folder would mix; choose another "
                               "output_dir (e.g. a subfolder)")
+
+
+def earlier_outputs(folder: str | os.PathLike, kind: str, written: list[str | os.PathLike]) -> list[str]:
+    """The names of `kind`'s outputs in `folder` that this run did not write (`written`): an earlier run's, e.g. a
+    GGUF of another type beside a quantize rerun's. Kept (never ours to delete), but worth a note."""
+    mine = {Path(p).name for p in written}
+    return [name for name in kinds_in(folder).get(kind, []) if name not in mine]

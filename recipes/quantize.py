@@ -21,6 +21,7 @@ from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.tokenizer import Tokenizer
+from llm_recipe.components.output_kinds import earlier_outputs
 from llm_recipe.components.quantization import (
     QAT_METADATA_FILE,
     SCHEMES,
@@ -119,6 +120,10 @@ def main(cfg: QuantizeConfig) -> None:
     for k, v in report["exports"].items():
         print(f"  {k:5s} {v['size_bytes'] / mb:8.1f} MiB  {v['path']}")
     print(f"report: {out / 'report.json'}")
+    earlier = earlier_outputs(out, "quantize", [*exports.values(), out / "report.json"])
+    if earlier:  # a rerun with other formats or types: the folder keeps files report.json does not describe
+        print(f"note: {out} also holds {', '.join(earlier)} from an earlier quantize run (kept; report.json lists "
+              "this run's exports)")
 
 
 if __name__ == "__main__":

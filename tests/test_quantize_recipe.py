@@ -84,3 +84,19 @@ def test_report_is_written_atomically(tmp_path, tiny_model_dir, monkeypatch):
     assert str(out / "report.json") in replaced  # a complete temp file renamed into place, never a half-written one
     assert json.loads((out / "report.json").read_text())["scheme"] == "int8_weight_only"
     assert [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME] == []
+
+
+def test_a_rerun_with_another_type_says_what_of_an_earlier_run_the_folder_keeps(tmp_path, tiny_model_dir, capsys):
+    """A rerun into the same output_dir with another scheme writes its own GGUF; the earlier run's file stays (never
+    ours to delete) and the run says so, since report.json lists only this run's exports."""
+    out = tmp_path / "q"
+    for scheme in ("int8_weight_only", "8da4w"):
+        capsys.readouterr()
+        assert rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, out, f"scheme={scheme}",
+                                                           "formats=[gguf]")) == 0
+    stdout = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("*.gguf")) == ["model-Q4_0.gguf", "model-Q8_0.gguf"]
+    assert (f"note: {out} also holds model-Q8_0.gguf from an earlier quantize run (kept; report.json lists this "
+            "run's exports)") in stdout
+    assert list(json.loads((out / "report.json").read_text())["exports"]) == ["gguf"]
+    assert json.loads((out / "report.json").read_text())["gguf_qtype"] == "Q4_0"
