@@ -360,7 +360,7 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
     check_output_kind(name, getattr(cfg, "output_dir", None))
     with prepared_run(cfg, schema, lock=False):
-        if "overwrite" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
+        if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import check_new_run, check_resume_config, read_run
 
             check_new_run(cfg)

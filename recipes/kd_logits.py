@@ -10,11 +10,18 @@ k = 32 (topk: any kd.loss, a biased gradient). `recipe run kd ... teacher.logits
 distils any number of students without loading the teacher. Shards are written atomically; a rerun after a
 crash keeps the finished ones; under torchrun each rank writes every world_size-th shard with its own copy of
 the teacher. Format: components/logits_cache/manifest.py.
+
+One output_dir, one cache: a folder holding a cache built with other settings is refused, naming each setting that
+differs, unless `overwrite: true` replaces it (the old cache is deleted once the new build has written its first
+shard, and put back if the build stops before: components/logits_cache/writer.py). The closing line is the `kd`
+command that trains from the cache, with the overrides its `kd_config` needs to match it.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llm_recipe.cli.script import run_recipe_script
-from llm_recipe.components.data.dataset import DatasetConfig, build_dataset, loss_tokens
+from llm_recipe.components.data.dataset import DatasetConfig, TokenizedDataset, build_dataset, loss_tokens
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import (
     CacheWriter,
@@ -34,6 +41,7 @@ from llm_recipe.components.logits_cache import (
     teacher_fingerprint,
     teacher_rows,
 )
+from llm_recipe.components.logits_cache.hint import kd_command
 from llm_recipe.components.losses.sampled import teacher_samples
 from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
@@ -43,7 +51,7 @@ from llm_recipe.components.quantization.teacher import (
     quantize_setting,
     quantize_teacher,
 )
-from llm_recipe.components.runtime import prepare_teacher, setup_runtime
+from llm_recipe.components.runtime import Runtime, prepare_teacher, setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
 from llm_recipe.components.train_config import (
@@ -88,6 +96,11 @@ class KDLogitsConfig:
     """The kd_logits recipe's keys."""
 
     output_dir: str = output_dir_key("the cache: shard_NNNNN.safetensors + manifest.json")
+    overwrite: bool = setting(False, bool, "replace a cache in output_dir (built with any settings) by a new build; "
+                              "false: a cache of other settings is refused, one of these settings is continued")
+    kd_config: str | None = setting(None, (str, type(None)), "the kd config that trains from this cache: the closing "
+                                    "command names it, with the overrides it needs to match the cache (null: every "
+                                    "key the cache fixes)")
     seed: int = seed_key()
     device: str = device_key()
     dtype: str = dtype_key()
@@ -119,7 +132,35 @@ def _encoder(c: Cache, seed: int, first: int, rows: list[int], device):
     return lambda logits, i, j: teacher_samples(logits, u[i:j], c.temperature)
 
 
+def _kd_config(name: str | None, overrides: list[str] | None = None):
+    """The kd config the closing command names, loaded and checked (at the start: a typo fails before the teacher
+    runs; at the end with the command's overrides)."""
+    if name is None:
+        return None
+    from llm_recipe.components.config import load_recipe_config
+    from llm_recipe.recipes.kd import CONFIG as KD_CONFIG
+
+    try:
+        return load_recipe_config(name, overrides or [], KD_CONFIG, recipe="kd")
+    except RecipeError as e:
+        raise RecipeError(f"kd_config={name}: {e}") from None
+
+
+def _closing_command(cfg: KDLogitsConfig, kd, header: dict, tokenizer_dir: str) -> str:
+    """The `recipe run kd` command that trains from the cache (components/logits_cache/hint.py), loaded once with
+    its overrides: a kd config that still refuses them (e.g. a student pruned from another teacher) is said."""
+    command = kd_command(cfg.output_dir, header["run"], mode=cfg.cache.mode, teacher_dir=cfg.teacher.checkpoint_dir,
+                         tokenizer_dir=tokenizer_dir, kd_config=cfg.kd_config, kd=kd,
+                         teacher_fingerprint=teacher_fingerprint)
+    try:
+        _kd_config(cfg.kd_config, shlex.split(command)[5:])
+    except RecipeError as e:
+        command += f"\n  note: kd refuses it as it stands ({e})"
+    return command
+
+
 def main(cfg: KDLogitsConfig) -> None:
+    kd = _kd_config(cfg.kd_config)
     rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
     mode, temperature, per_shard = cfg.cache.mode, float(cfg.cache.temperature), cfg.cache.items_per_shard
@@ -149,8 +190,40 @@ def main(cfg: KDLogitsConfig) -> None:
         # top-k: k; sampled: N draws per token, seeded from the run seed and the item (item_uniforms)
         **({"top_k": k} if mode == "topk" else {"samples": samples, "sample_seed": cfg.seed}),
     }
-    writer = CacheWriter(cfg.output_dir, header, rt)
+    writer = CacheWriter(cfg.output_dir, header, rt, overwrite=cfg.overwrite)
+    try:
+        manifest = _build(cfg, rt, writer, dataset, header)
+    except BaseException:  # stopped before its first shard: the cache overwrite=true was replacing comes back
+        if writer.put_back():
+            print(f"recipe: overwrite=true: the earlier cache in {cfg.output_dir} was put back as it was",
+                  file=sys.stderr, flush=True)
+        raise
+    if rt.is_main:
+        what = f"k={k}" if mode == "topk" else (f"{samples} samples per token (at most "
+                                                  f"{manifest['payload_bytes_per_token']}: every draw distinct)")
+        command = _closing_command(cfg, kd, header, tokenizer_dir)
+        print(f"cache: {cfg.output_dir} ({manifest['tokens']} tokens, {manifest['num_shards']} shards, "
+              f"{manifest['bytes_per_token']} bytes/token at {what})\n"
+              f"train from it: {command}", flush=True)
+    rt.teardown()
+
+
+def _build(cfg: KDLogitsConfig, rt: Runtime, writer: CacheWriter, dataset: TokenizedDataset, header: dict) -> dict:
+    """Run the teacher over the shards `writer` has left to write, write them, and return the finished manifest."""
+    teacher_dir, mode, chunks = cfg.teacher.checkpoint_dir, cfg.cache.mode, cfg.num_output_chunks
+    vocab_size = header["vocab_size"]
     todo = writer.todo()
+    if rt.is_main and writer.replaced is not None:
+        r = writer.replaced
+        print(f"overwrite=true: replacing the cache in {cfg.output_dir} ({r['shards']} of {r['num_shards']} shards"
+              f"{', complete' if r['complete'] else ''}); it is deleted once the first new shard is written",
+              flush=True)
+    if rt.is_main and writer.records and todo:
+        print(f"resuming: {len(writer.records)} of {header['num_shards']} shards already written and verified",
+              flush=True)
+    elif rt.is_main and len(writer.records) == header["num_shards"]:
+        print(f"{cfg.output_dir} already holds this cache, every shard verified: nothing to write (overwrite=true "
+              "builds it again)", flush=True)
 
     # The teacher: frozen, under inference mode, optionally fp8/int8 and compiled; a full copy on every rank
     # (each rank runs its own shards, so a sharded teacher's collectives would not line up).
@@ -159,11 +232,8 @@ def main(cfg: KDLogitsConfig) -> None:
         prepare_teacher(rt, teacher, "replicate", cfg.compile)
         quantize_teacher(teacher, cfg.teacher.quantize, rt.device, max_drift=cfg.teacher.max_drift,
                          model_dir=teacher_dir, max_seq_len=dataset.max_seq_len, rt=rt)
-    if rt.is_main and writer.records:
-        print(f"resuming: {len(writer.records)} of {header['num_shards']} shards already written and verified",
-              flush=True)
 
-    bs, chunks = cfg.batch_size, cfg.num_output_chunks
+    bs = cfg.batch_size
     # What is left to do, up front, and a bar over target tokens whose rate gives the ETA after the first batches
     # (on one rank the demo cache takes minutes on a CPU).
     total = sum(loss_tokens(dataset[i]) for shard in todo for i in writer.items(shard))
@@ -185,7 +255,7 @@ def main(cfg: KDLogitsConfig) -> None:
             with torch.inference_mode():
                 hidden = hidden_states(teacher, batch)
                 parts += [tuple(x.cpu() for x in rows) for rows in
-                          teacher_rows(hidden, teacher.output, batch["labels"], encode, targs.vocab_size, chunks)]
+                          teacher_rows(hidden, teacher.output, batch["labels"], encode, vocab_size, chunks)]
         rows = (torch.cat([p[j] for p in parts]) for j in range(3))
         writer.write(shard, encode_topk(*rows) if mode == "topk" else encode_sampled(*rows), counts)
         line = (f"rank {rt.rank}: shard {shard + 1}/{header['num_shards']}: {sum(counts)} tokens, "
@@ -195,15 +265,7 @@ def main(cfg: KDLogitsConfig) -> None:
         else:
             bar.write(line)  # above the bar, which stays at the bottom
     bar.close()
-
-    manifest = writer.finish()
-    if rt.is_main:
-        what = f"k={k}" if mode == "topk" else (f"{samples} samples per token (at most "
-                                                  f"{manifest['payload_bytes_per_token']}: every draw distinct)")
-        print(f"cache: {cfg.output_dir} ({manifest['tokens']} tokens, {manifest['num_shards']} shards, "
-              f"{manifest['bytes_per_token']} bytes/token at {what})\n"
-              f"train from it: recipe run kd --config ... teacher.logits_dir={cfg.output_dir}", flush=True)
-    rt.teardown()
+    return writer.finish()
 
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ def test_rebuilding_into_a_cache_of_another_run_is_refused(tmp_path, cache, teac
     proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*CACHE, f"teacher.checkpoint_dir={teacher}",
                                                               f"output_dir={cache}", "cache.top_k=16"], cwd=tmp_path)
     (err,) = rc.error_lines(proc)
-    assert "holds a cache of another run (top_k: 32 there, 16 now)" in err
+    assert "holds a cache built with other settings (cache.top_k: 32 in the cache, 16 now)" in err
 
 
 def test_the_shipped_config_builds_a_sampled_cache_from_which_only_forward_kl_trains(capsys, tmp_path,
@@ -292,11 +292,11 @@ def test_rebuilding_a_cache_with_another_mode_or_sample_count_is_refused(tmp_pat
     proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"output_dir={sampled_cache}",
                                                               "cache.samples=16"], cwd=tmp_path)
     (err,) = rc.error_lines(proc)
-    assert "holds a cache of another run (samples: 8 there, 16 now)" in err
+    assert "holds a cache built with other settings (cache.samples: 8 in the cache, 16 now)" in err
     proc = rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, f"teacher.checkpoint_dir={teacher}",
                                                               f"output_dir={cache}"], cwd=tmp_path)
     (err,) = rc.error_lines(proc)
-    assert "holds a cache of another run (mode: 'topk' there, 'sampled' now); pass cache.mode=topk to continue it" in err
+    assert "holds a cache built with other settings (cache.mode: topk in the cache, sampled now)" in err
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,34 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-12)
     return a == b
+
+
+def show_value(value: Any) -> str:
+    """A manifest or config value as a message shows it: as YAML writes it (null, true, 500, topk), a sha256 by its
+    first 12 digits."""
+    if value is None or isinstance(value, (bool, dict, list)):
+        return json.dumps(value)
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return f"{value[:12]}..."
+    return str(value)
+
+
+def _read_back(text: str) -> Any:
+    try:
+        return OmegaConf.from_dotlist([f"v={text}"]).get("v")
+    except Exception:  # noqa: BLE001 (not a value an override can carry as written: quote it)
+        return None
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` as a shell word that `recipe run` reads back as `value` (YAML-typed, like every override)."""
+    if value is None or isinstance(value, (bool, dict, list)):
+        text = json.dumps(value)  # JSON is YAML: null, true, {"text": "passage"}, ["a.json"]
+    else:
+        text = str(value)
+        if isinstance(value, str) and _read_back(text) != value:
+            text = json.dumps(value)  # a string YAML would read as something else ("null", "1e5", "a: b")
+    return shlex.quote(f"{key}={text}")
 
 
 def first_difference(cached: Mapping[str, Any], now: Mapping[str, Any], keys) -> str | None:

@@ -31,9 +31,11 @@ from .manifest import (
     data_fingerprint,
     decode_sampled,
     first_difference,
+    override,
     read_manifest,
     run_fields,
     shard_problem,
+    show_value,
     teacher_fingerprint,
     unpack_ids,
 )
@@ -101,11 +103,13 @@ class LogitsCache:
         key = first_difference(self.manifest["run"], fields, [k for k in keys if k in fields])
         if key is not None:
             cached, now = self.manifest["run"].get(key), fields.get(key)
-            if isinstance(cached, str) and len(cached) == 64:  # a hash: show its start
-                cached, now = f"{cached[:12]}...", f"{str(now)[:12]}..."
-            raise RecipeError(f"teacher.logits_dir={self.dir}: {_CONFIG_KEY.get(key, key)} differs: the cache was "
-                              f"built with {cached!r}, this run has {now!r}; build a cache for this run with "
-                              "`recipe run kd_logits`")
+            name = _CONFIG_KEY.get(key, key)
+            # a key of the run's config (not a fingerprint): the override that makes the run the cache's
+            fix = (f"train with {override(name, cached)} to use this cache, or " if key.startswith("dataset.")
+                   or key == "temperature" else "")
+            raise RecipeError(f"teacher.logits_dir={self.dir}: {name} differs: the cache was built with "
+                              f"{show_value(cached)}, this run has {show_value(now)}; {fix}build a cache for this "
+                              "run with `recipe run kd_logits`")
 
     def student_vocab(self, student_vocab: int) -> int | None:
         """Vocabulary to slice the student's logits to (None: its whole head), or an error."""
