@@ -113,7 +113,7 @@ def training_jobs(s: Scale, out: Path, keep: list[int]) -> list[Job]:
         kd_student("kd_cache", ["kd.kd_ratio=0.5", f"teacher.logits_dir={cache}"], ["prune", "kd_logits"]),
         _recipe("kd_qat", "kd", "kd/smollm2_study", [f"output_dir={out / 'train/kd_qat'}", *common, *quant,
                                                      "student.every=null", "kd.loss=forward_kl", "kd.kd_ratio=1.0",
-                                                     "qat={scheme: 8da4w, group_size: 32, include_output: false}"],
+                                                     "qat={scheme: 8da4w, group_size: 32, include_output: false, convert: false}"],
                 ["transfer"], "quant"),
     ]
     qat_common = [o for o in common if not o.startswith("teacher.")] + [f"model.checkpoint_dir={t}", "qat.convert=false"]

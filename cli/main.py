@@ -320,9 +320,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise RecipeError("recipe validate: name a config (recipe validate kd/smollm2_demo, or --config NAME)")
     recipe = args.recipe or _infer_recipe(args.config)
     name, module = load_recipe(recipe)
+    # The recipe's checks run at load; those that read a model folder's config.json (no weights: e.g. the KD
+    # student's layer indices) run where the folder is here, and say so where it is not.
     cfg = load_recipe_config(args.config, args.overrides, recipe_config(module), recipe=name)
-    print(f"OK: {config_source(cfg).display} is a valid {name} config")
+    absent = _absent_model_folders(cfg, recipe_schema(recipe_config(module)))
+    note = f" ({', '.join(absent)}: no config.json here, so what needs it is checked by `recipe run`)" if absent else ""
+    print(f"OK: {config_source(cfg).display} is a valid {name} config{note}")
     return 0
+
+
+def _absent_model_folders(cfg: object, schema: dict) -> list[str]:
+    """`key=path` of each model folder the config names that has no config.json on this machine."""
+    from dataclasses import asdict, is_dataclass
+
+    from ..components.schema import ModelDir, walk_specs
+
+    values = asdict(cfg) if is_dataclass(cfg) else cfg
+    return [f"{key}={value}" for key, _, value in walk_specs(values, dict(schema), (ModelDir,))
+            if value is not None and not (Path(str(value)).expanduser() / "config.json").is_file()]
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

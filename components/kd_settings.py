@@ -5,8 +5,10 @@ The loss of a micro-batch is `(1 - kd_ratio) * CE + kd_ratio * KD(teacher || stu
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
+from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, build_kd_loss
 from .on_policy import KD_OPTIONS, OnPolicySettings
 from .schema import Choice, Range
@@ -33,6 +35,12 @@ class KDSettings:
 
     def loss_fn(self) -> KDLoss:
         """The divergence bound to its temperature and the options set; a RecipeError names an option the kind
-        does not take (a check across keys: run at load by the recipe's `check()`)."""
+        does not take, its value and the kinds that take it (a check across keys: run at load by the recipe's
+        `check()`)."""
         options = {o: getattr(self, o) for o in KD_OPTIONS if getattr(self, o) is not None}
+        for option, value in options.items():
+            if option not in inspect.signature(KD_LOSSES[self.loss]).parameters:
+                kinds = [k for k in KD_LOSSES if option in inspect.signature(KD_LOSSES[k]).parameters]
+                raise RecipeError(f"kd.{option}={value}: kd.loss={self.loss} does not read it ({option} is an "
+                                  f"option of {' and '.join(kinds)}); set kd.{option}: null, or a kd.loss that takes it")
         return build_kd_loss(self.loss, self.temperature, **options)

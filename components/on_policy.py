@@ -7,9 +7,9 @@ gradient flows through the sampling itself, and no CE is taken on sampled tokens
 The blocks recipes/kd.py calls from its loop:
 - `OnPolicySettings` (the config section: each key's type, default, range and doc, checked at config load);
   `check_on_policy` checks it against the rest of the config, once at load.
-- `OnPolicy`: `hold_out` (keeps the dataset's last `held_out` rows out of training), `sample_window` (the chosen
-  micro-batches become prompt + completion batches), `score` / `sums` / `metrics` (the step's metrics),
-  `held_out_eval` (the end-of-run metric).
+- `HeldOut`: keeps the dataset's last `held_out` rows out of training (on the tokenized data, before any weights).
+- `OnPolicy`: `sample_window` (the chosen micro-batches become prompt + completion batches), `score` / `sums` /
+  `metrics` (the step's metrics), `held_out_eval` (the end-of-run metric).
 - which micro-batches go on-policy and which prompts they sample (`is_on_policy`, `row_prompts`, `load_prompt_set`
   for `kd.on_policy.prompts` and its stateless dealing): components/on_policy_prompts.py.
 - plain functions, tested on their own: `sample_completions`,
@@ -127,6 +127,11 @@ def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset:
     if s.max_new_tokens >= dataset.max_seq_len:
         raise RecipeError(f"kd.on_policy.max_new_tokens={s.max_new_tokens} must be below dataset.max_seq_len="
                           f"{dataset.max_seq_len}: prompt and completion share one row")
+    rows = s.prompts if s.prompts is not None else dataset  # the rows held_out takes its rows from
+    if rows.limit is not None and s.held_out >= rows.limit:  # rows (packed or not) <= limit: none would train
+        key = f"{PROMPTS_KEY}.limit" if s.prompts is not None else "dataset.limit"
+        raise RecipeError(f"kd.on_policy.held_out={s.held_out} leaves no training rows: {key}={rows.limit} keeps "
+                          f"at most {rows.limit} (lower held_out below {rows.limit}, or raise {key})")
     if s.prompts is None and dataset.format != "text" and dataset.train_on_input:
         raise RecipeError("kd.on_policy takes the prompt of instruct/chat rows from their labels, which "
                           "dataset.train_on_input=true puts on the prompt too: set it to false (or take prompts "
@@ -252,16 +257,45 @@ def on_policy_kd_loss(s: OnPolicySettings, kd: Any) -> KDLoss:
     return build_kd_loss(s.loss, kd.temperature, **options)
 
 
+class HeldOut:
+    """`kd.on_policy.held_out`: the training dataset's last rows (after packing), kept out of training; at the end
+    their prompts score the student (`OnPolicy.held_out_eval`). Called on the tokenized dataset (build_train_loader's
+    `wrap_dataset`), before any weights load, so too few rows fail in seconds. The same rows on every rank and every
+    resume (the dataset is tokenized deterministically). Nothing is held out when on-policy is off (`s` None), or
+    with kd.on_policy.prompts (the prompt set holds its own rows out: every training row trains)."""
+
+    def __init__(self, s: OnPolicySettings | None, prompt_set: PromptSet | None = None) -> None:
+        self.k = 0 if s is None or prompt_set is not None or s.prompts is not None else s.held_out
+        self.rows: list[dict] = []
+        self.collate: Callable[[list[dict]], dict] | None = None
+
+    def __call__(self, dataset: Any) -> Any:
+        """`dataset` without its last `k` rows (which this keeps); a one-line error when none would be left."""
+        k = self.k
+        if k == 0:
+            return dataset
+        if k >= len(dataset):
+            packed = " after packing" if getattr(dataset, "packed", False) else ""
+            raise RecipeError(f"kd.on_policy.held_out={k} leaves no training rows: the dataset has {len(dataset)}"
+                              f"{packed} (lower held_out below {len(dataset)}, or add rows to the dataset)")
+        n = len(dataset) - k
+        self.rows, self.collate = [dataset[i] for i in range(n, len(dataset))], dataset.collate
+        return TokenizedDataset([dataset[i] for i in range(n)], dataset.pad_id, dataset.max_seq_len, dataset.packed,
+                                dataset.shuffle, dataset.bucket, dataset.origin)
+
+
 class OnPolicy:
     """The on-policy part of a KD run: which micro-batches, their samples, and their metrics (module docstring).
 
     `vocab_size`: the loss's shared vocabulary (None: whole heads), which sampling keeps to; `num_chunks`: the
     loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens.
     `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`).
-    `prompt_set`: `kd.on_policy.prompts` already loaded (`load_prompt_set`; loaded here when None and it is set)."""
+    `prompt_set`: `kd.on_policy.prompts` already loaded (`load_prompt_set`; loaded here when None and it is set).
+    `held`: the dataset's held-out rows, already split off (`HeldOut`; else `hold_out` splits them)."""
 
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
-                 vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None) -> None:
+                 vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None,
+                 held: HeldOut | None = None) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
@@ -293,26 +327,19 @@ class OnPolicy:
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
-        self.held: list[dict] = []
-        self.collate: Callable[[list[dict]], dict] | None = None
+        self._held = held if held is not None else HeldOut(s, prompt_set)
         self._batches_logged = 0
         self._reset()
 
     # ------------------------------------------------------------------ data
     def hold_out(self, dataset: Any) -> Any:
-        """The training dataset without its last `held_out` rows (after packing), which `held_out_eval` prompts
-        with; the same rows on every rank and every resume (the dataset is tokenized deterministically). With
-        kd.on_policy.prompts the prompt set holds its rows out instead, and every training row trains."""
-        k = self.s.held_out
-        if k == 0 or self.prompt_set is not None:
-            return dataset
-        if k >= len(dataset):
-            raise RecipeError(f"kd.on_policy.held_out={k} leaves no training rows: the dataset has {len(dataset)} "
-                              "(lower held_out or raise dataset.limit)")
-        n = len(dataset) - k
-        self.held, self.collate = [dataset[i] for i in range(n, len(dataset))], dataset.collate
-        return TokenizedDataset([dataset[i] for i in range(n)], dataset.pad_id, dataset.max_seq_len, dataset.packed,
-                                dataset.shuffle, dataset.bucket, dataset.origin)
+        """The training dataset without its last `held_out` rows (`HeldOut`), which `held_out_eval` prompts with."""
+        return self._held(dataset)
+
+    @property
+    def held(self) -> list[dict]:
+        """The dataset's held-out rows (none with kd.on_policy.prompts, or before `hold_out`)."""
+        return self._held.rows
 
     # ------------------------------------------------------------------ sampling
     def _all_done(self, done: Tensor) -> bool:
@@ -418,7 +445,7 @@ class OnPolicy:
             chosen = (f"the last kd.on_policy.held_out rows of {PROMPTS_KEY} ({self.prompt_set.origin}), never "
                       "sampled in training")
         elif self.held:
-            prompts = prompts_of(self.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
+            prompts = prompts_of(self._held.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
                                  self.s.max_new_tokens)
             chosen = "the dataset's last kd.on_policy.held_out rows (after packing), never trained on"
         else:

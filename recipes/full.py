@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.config import config_source
+from llm_recipe.components.data.sources import check_data_files
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
@@ -73,6 +75,8 @@ CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges
 
 
 def main(cfg: FullConfig) -> None:
+    # Local data files the config names must be there: one line now, not after the weights load.
+    check_data_files(cfg.dataset, config_source(cfg).where)
     rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     base_dir = cfg.model.checkpoint_dir
     tokenizer = load_tokenizer(base_dir)
@@ -156,6 +160,11 @@ def main(cfg: FullConfig) -> None:
             out = export_hf_torchao(model, args, base_dir, f"{cfg.output_dir}/quantized", qat.scheme,
                                     qat.group_size, qat.include_output)
             print(f"quantized ({qat.scheme}): {out}")
+        elif qat is not None:
+            gpu = " device=cuda" if qat.scheme == "int4_weight_only" else ""  # int4's kernel runs on a GPU only
+            print(f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
+                  f"model.checkpoint_dir={final} output_dir={cfg.output_dir}/quantize scheme={qat.scheme} "
+                  f"group_size={qat.group_size}{gpu}`")
         print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 

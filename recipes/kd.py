@@ -3,26 +3,40 @@
 loss = (1 - kd_ratio) * CE + kd_ratio * KD(teacher || student), computed chunk by chunk from final hidden states
 (full [batch, seq, vocab] logits never exist). With `teacher.logits_dir` the teacher is its cached top-k or sample.
 With `kd.on_policy`, a fraction of the micro-batches are the student's own samples scored by the teacher.
+Setup checks what it can before any weights load (data files, the tokenized data, the student's layers); KD-QAT
+(a `qat:` section) ends as `recipe run qat` does: output_dir/model (+ quantization.json), and with `qat.convert`
+(the default) output_dir/quantized.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
+from llm_recipe.components.data.sources import check_data_files
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.kd_settings import KDSettings
 from llm_recipe.components.losses import LiveTeacher, kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
-from llm_recipe.components.models.prune import StudentSettings, student_layers
-from llm_recipe.components.on_policy import OnPolicy, check_on_policy, load_prompt_set
+from llm_recipe.components.models.prune import StudentSettings, check_student_layers, student_layers
+from llm_recipe.components.on_policy import HeldOut, OnPolicy, check_on_policy, load_prompt_set
+from llm_recipe.components.on_policy_prompts import PROMPTS_KEY
 from llm_recipe.components.oom import Where
-from llm_recipe.components.quantization import KD_QAT_KEYS, QATSettings, prepare_qat_student
+from llm_recipe.components.quantization import (
+    KD_QAT_KEYS,
+    QATSettings,
+    convert_qat,
+    load_for_convert,
+    prepare_qat_student,
+    set_fake_quant_enabled,
+)
+from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
 from llm_recipe.components.quantization.teacher import check_teacher_quant_config
 from llm_recipe.components.runs import discard_overwritten
@@ -59,14 +73,20 @@ class KDConfig(TrainConfig):
     student: StudentSettings = section(StudentSettings, "the student's weights and the teacher layers it keeps")
     lora: LoRASettings | None = section(LoRASettings, "LoRA adapters on the student (null: the whole student "
                                         "trains)", optional=True)
-    qat: QATSettings | None = section(QATSettings, "KD-QAT: the student trains through fake quantizers (null: "
-                                      "none)", optional=True, only=KD_QAT_KEYS)
+    qat: QATSettings | None = section(QATSettings, "KD-QAT: the student trains through fake quantizers and, as "
+                                      "in `recipe run qat`, converts at the end (null: none)", optional=True,
+                                      only=KD_QAT_KEYS)
     kd: KDSettings = section(KDSettings, "the divergence and the CE/KD blend; kd.on_policy")
 
     def check(self) -> None:
-        """Checks across keys, at load: one way to pick the student's layers, an fp8 LoRA base's device and dtype,
-        an fp8 teacher's device, the loss's options fit its kind, and kd.on_policy fits the rest."""
+        """Checks across keys, at load: one way to pick the student's layers, and where the student's source folder
+        is here, its indices against its config.json (no weights: `recipe validate` says what the run would), an
+        fp8 LoRA base's device and dtype, an fp8 teacher's device, the loss's options fit its kind, and
+        kd.on_policy fits the rest."""
         self.student.check()
+        source = self.student.checkpoint_dir or self.teacher.checkpoint_dir
+        if source is not None and (Path(source) / "config.json").is_file():
+            check_student_layers(self.student, source, config_source(self).where)
         check_fp8_base_config(self.lora, self.device, self.dtype)
         check_teacher_quant_config(self.teacher.quantize, self.device)
         self.kd.loss_fn()
@@ -77,6 +97,11 @@ CONFIG = KDConfig  # the keys this recipe reads: their types, defaults, ranges a
 
 
 def main(cfg: KDConfig) -> None:
+    # Local data files the config names must be there: one line now, not after the weights load.
+    check_data_files(cfg.dataset, config_source(cfg).where)
+    on_policy, qat = cfg.kd.on_policy, cfg.qat
+    if on_policy is not None and on_policy.prompts is not None:
+        check_data_files(on_policy.prompts, config_source(cfg).where, key=PROMPTS_KEY)
     rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
     student_dir = cfg.student.checkpoint_dir or teacher_dir
@@ -85,13 +110,11 @@ def main(cfg: KDConfig) -> None:
     tokenizer = load_tokenizer(student_dir)
     kd_loss, kd_ratio = cfg.kd.loss_fn(), cfg.kd.kd_ratio  # loss = (1 - kd_ratio) * CE + kd_ratio * KD
     lora, max_len = cfg.lora, cfg.dataset.max_seq_len
-    # The layers the student keeps (keep_layers / every checked before any weights load; importance scoring
-    # (student.prune) unless a full student resumes its own weights) and the checkpoint to resume.
-    resume_from = start_or_resume_run(cfg)
+    resume_from = start_or_resume_run(cfg)  # the checkpoint to resume (None: a new run)
     # same tokens (and a divergence a sampled cache can estimate)? before loading weights
     check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
-    on_policy, prompt_set = cfg.kd.on_policy, None
+    prompt_set = None
     if on_policy is not None and on_policy.prompts is not None:  # before any weights: a bad set fails in seconds
         with setup.phase("on-policy prompts"):
             prompt_set = load_prompt_set(on_policy, max_len, tokenizer)
@@ -102,11 +125,19 @@ def main(cfg: KDConfig) -> None:
         with setup.phase("teacher cache check"):
             teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
                                                  kd_loss.temperature, max_len, cfg.compile)
+    # The tokenized dataset and its loader, before any weights (a bad row, or kd.on_policy.held_out taking every row,
+    # fails in seconds). From a cache, it must be the cache's data; its batches carry the cached teacher rows.
+    # On-policy runs keep the last `kd.on_policy.held_out` rows out of training (HeldOut), to score at the end.
+    held = HeldOut(on_policy, prompt_set)
+    with setup.phase("data"):
+        loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else held)
+    # The layers the student keeps: keep_layers / every, or importance scoring (student.prune) on the first rows
+    # of the training data, unless a full student resumes its own weights.
     with setup.phase("student layers"):
         keep = student_layers(cfg.student, student_dir, cfg.dataset.kwargs(), cfg.batch_size, rt.device, rt.dtype,
                               cfg.output_dir if rt.is_main else None,
                               score=resume_weights(resume_from) is None or lora is not None,
-                              where=config_source(cfg).where("student.keep_layers"))
+                              where=config_source(cfg).where, data=loader.dataset)
 
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py).
     if cache is None:
@@ -124,7 +155,7 @@ def main(cfg: KDConfig) -> None:
                 print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
         if lora is not None:
             freeze_all_but_adapters(student)
-        qat_files = prepare_qat_student(student, cfg.qat, rt.device)  # KD-QAT (null: none)
+        qat_files = prepare_qat_student(student, qat, rt.device)  # KD-QAT (null: none)
         vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
         tokens = micro_batch_tokens(cfg)  # activation checkpointing `auto` sizes for the largest micro-batch
         if prompt_set is not None:  # on-policy rows of the prompt set: batch_size x prompts_per_row of them
@@ -133,14 +164,9 @@ def main(cfg: KDConfig) -> None:
         rt.prepare_model(student, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                          micro_batch_tokens=tokens)
 
-    # From a cache, the tokenized transfer set must be the cache's; its batches carry the cached teacher rows.
-    # On-policy runs keep the last `kd.on_policy.held_out` rows of the dataset (or of kd.on_policy.prompts) out of
-    # training, to score at the end.
     accum, chunks = cfg.gradient_accumulation_steps, cfg.num_output_chunks
-    with setup.phase("data and optimizer"):
-        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set) if on_policy is not None else None
-        loader = build_train_loader(cfg, tokenizer, rt, wrap_dataset=cache.dataset if cache is not None else
-                                    op.hold_out if op is not None else None)
+    with setup.phase("optimizer"):
+        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held) if on_policy is not None else None
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
@@ -212,7 +238,23 @@ def main(cfg: KDConfig) -> None:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "
                   "use the merged model")
-        print(f"student: {final}\nmetrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
+        print(f"student{' (QAT-trained weights + quantization.json)' if qat is not None else ''}: {final}")
+        # KD-QAT ends as `recipe run qat` does (the same qat.convert): the fake quantizers become real quantized
+        # weights in output_dir/quantized; with convert: false, the command that converts the saved student later.
+        if qat is not None and qat.convert:
+            if rt.world_size > 1:  # the live student holds FSDP shards: convert the merged weights just saved
+                student, sargs = load_for_convert(final, rt.device, rt.dtype)
+            set_fake_quant_enabled(student, True)
+            convert_qat(student, qat.scheme, qat.group_size)
+            out = export_hf_torchao(student, sargs, student_dir, f"{cfg.output_dir}/quantized", qat.scheme,
+                                    qat.group_size, qat.include_output)
+            print(f"quantized ({qat.scheme}): {out}")
+        elif qat is not None:
+            gpu = " device=cuda" if qat.scheme == "int4_weight_only" else ""  # int4's kernel runs on a GPU only
+            print(f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
+                  f"model.checkpoint_dir={final} output_dir={cfg.output_dir}/quantize scheme={qat.scheme} "
+                  f"group_size={qat.group_size}{gpu}`")
+        print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 
 

@@ -431,3 +431,48 @@ def test_packed_compiled_runs_see_one_batch_shape(tok, compile_):
     shapes = {tuple(b["tokens"].shape) for b in loader}
     assert len(loader.dataset) % 3 != 0, "the test needs a partial last batch"
     assert shapes == ({(3, 64)} if compile_ else {(3, 64), (len(loader.dataset) % 3, 64)})
+
+
+# ---------------------------------------------------------------- files named in a config, checked before anything loads
+def test_missing_data_file_finds_local_files_that_are_not_there(tmp_path, monkeypatch):
+    """The source path and the local `data_files` entries (packaged builder or folder source) are checked without
+    reading a file; a Hub dataset's own files and URLs are left to the loader."""
+    from llm_recipe.components.data.dataset import DatasetConfig
+    from llm_recipe.components.data.sources import check_data_files, missing_data_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "b.csv").write_text("text\nx\n")
+    gone = tmp_path / "gone.jsonl"
+    assert missing_data_file(str(gone)) == ("source", f"no such file or directory: {gone}")
+    assert missing_data_file("json", str(gone)) == ("data_files", f"no such file or directory: {gone}")
+    assert missing_data_file("json", "gone.jsonl") == ("data_files", f"no such file or directory: {gone}")
+    assert missing_data_file("json", {"train": ["a.jsonl"], "test": "nope/*.jsonl"}) == (
+        "data_files", "no file matches nope/*.jsonl")
+    assert missing_data_file(str(tmp_path / "folder"), ["c.csv"]) == (
+        "data_files", f"no such file or directory: {tmp_path / 'folder' / 'c.csv'}")
+    for fine in (("json", "a.jsonl"), ("json", ["*.jsonl"]), ("json", {"train": str(tmp_path / "a.jsonl")}),
+                 (str(tmp_path / "folder"), "b.csv"), ("someorg/someset", "data/train-*.parquet"),
+                 ("json", "https://example.com/x.jsonl"), ("transfer:passages", None), (str(tmp_path / "a.jsonl"), None)):
+        assert missing_data_file(*fine) is None, fine
+    d = DatasetConfig(source="json", data_files=["a.jsonl", "gone.jsonl"])
+    with pytest.raises(RecipeError, match=rf"^cfg.yaml:3: key 'dataset.data_files': no such file or directory: {gone}$"):
+        check_data_files(d, lambda key: "cfg.yaml:3")
+    with pytest.raises(RecipeError, match=rf"^dataset.data_files: no such file or directory: {gone}$"):
+        load_rows("json", data_files=["a.jsonl", "gone.jsonl"])  # the loader says the same, without the location
+
+
+def test_a_source_datasets_cannot_load_is_one_line_without_python_none(monkeypatch):
+    """No `name=None` in the message: null is what a config would say, and an unset name is no news."""
+    import datasets
+
+    def fail(*a, **k):
+        raise ValueError("no such dataset\nsecond line")
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    with pytest.raises(RecipeError) as e:
+        load_rows("someorg/someset")
+    assert str(e.value) == "dataset source 'someorg/someset' (split train) could not be loaded: ValueError: no such dataset"
+    with pytest.raises(RecipeError, match=r"\(name wiki, split test\)"):
+        load_rows("someorg/someset", split="test", name="wiki")

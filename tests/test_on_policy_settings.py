@@ -258,3 +258,56 @@ def test_validate_names_the_key(tmp_path, override, message):
     assert proc.returncode == 1
     (line,) = rc.error_lines(proc)
     assert message in line, line
+
+
+# ---------------------------------------------------------------------------------------- held_out, before any weights
+
+
+def test_held_out_that_dataset_limit_cannot_leave_rows_for_is_refused_at_load(tmp_path):
+    """Packed or not, a dataset has at most dataset.limit rows (a prompt set at most its limit): held_out >= limit
+    leaves none to train on, which `recipe validate` now says from the config alone (the run said it after the
+    weights had loaded)."""
+    text = DatasetConfig(source="x", max_seq_len=128, limit=8)
+    with pytest.raises(RecipeError, match=r"^kd.on_policy.held_out=16 leaves no training rows: dataset.limit=8 keeps "
+                                          r"at most 8 \(lower held_out below 8, or raise dataset.limit\)$"):
+        check_on_policy(OnPolicySettings(), None, text)
+    check_on_policy(OnPolicySettings(held_out=7), None, text)
+    check_on_policy(OnPolicySettings(held_out=0), None, DatasetConfig(source="x", max_seq_len=128, limit=1))
+    prompts = DatasetConfig(source="p", format="chat", limit=4)  # the prompt set holds its own rows out
+    check_on_policy(OnPolicySettings(prompts=prompts, held_out=3), None, text)
+    with pytest.raises(RecipeError, match=r"held_out=4 leaves no training rows: kd.on_policy.prompts.limit=4 keeps"):
+        check_on_policy(OnPolicySettings(prompts=prompts, held_out=4), None, text)
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo",
+                           "kd.on_policy.fraction=0.5", "dataset.limit=8"], capture_output=True, text=True,
+                          env=rc.cli_env(), cwd=tmp_path)
+    assert rc.error_lines(proc) == ["recipe: error: kd.on_policy.held_out=16 leaves no training rows: dataset.limit=8 "
+                                    "keeps at most 8 (lower held_out below 8, or raise dataset.limit)"]
+
+
+def test_held_out_that_takes_every_tokenized_row_fails_before_any_weights_load(tmp_path, monkeypatch, capsys,
+                                                                             tiny_model_dir):
+    """20 passages pack into 17 rows of 512 tokens: held_out=17 passes the limit check, and the tokenized data
+    (built before the layers are scored or any weights load) says there is no row left to train on."""
+    monkeypatch.chdir(tmp_path)
+    code = rc.run_in_process("kd", "kd/smollm2_demo", [
+        f"teacher.checkpoint_dir={tiny_model_dir}", f"output_dir={tmp_path}/out", "device=cpu", "dtype=fp32",
+        "student.prune=null", "dataset.limit=20", "dataset.max_seq_len=512", "kd.on_policy={fraction: 0.5, held_out: 17}",
+        "max_steps=1"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "setup: student layers" not in out and "weights" not in out, out
+    assert rc.error_lines(subprocess.CompletedProcess([], 1, out, err)) == [
+        "recipe: error: kd.on_policy.held_out=17 leaves no training rows: the dataset has 17 after packing (lower "
+        "held_out below 17, or add rows to the dataset)"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kd.beta=0.5", "kd.beta=0.5: kd.loss=forward_kl does not read it (beta is an option of jsd); set kd.beta: null, "
+                    "or a kd.loss that takes it"),
+    ("kd.alpha=0.2", "kd.alpha=0.2: kd.loss=forward_kl does not read it (alpha is an option of skew_kl and "
+                     "skew_reverse_kl); set kd.alpha: null, or a kd.loss that takes it"),
+])
+def test_a_kd_option_the_loss_does_not_read_names_the_key_and_who_reads_it(tmp_path, override, message):
+    """It said `kd loss 'forward_kl' does not take beta; its options are: ` (an empty list) without the key."""
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", override],
+                          capture_output=True, text=True, env=rc.cli_env(), cwd=tmp_path)
+    assert rc.error_lines(proc) == [f"recipe: error: {message}"]

@@ -145,4 +145,20 @@ def test_kd_recipe_prunes_by_importance(tmp_path, idle_layer_model, capsys):
         *rc.KD_COMMON, f"teacher.checkpoint_dir={idle_layer_model}", f"output_dir={tmp_path / 'bad'}",
         "student.prune={method: loss_drop, keep: 9, calibration_tokens: 96}"])
     assert code == 1
-    assert "student.prune.keep=9 but" in capsys.readouterr().err
+    assert "key 'student.prune.keep': 9 layers to keep, but" in capsys.readouterr().err  # at load: validate says it too
+
+
+def test_prune_keep_of_every_layer_skips_the_scoring_and_says_so(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """student.prune.keep equal to the model's layer count removes nothing: no model loads, no layer is scored
+    (seconds on a CPU, minutes for an 8B teacher on a GPU), one line says why, and the student is the whole model
+    (None: so LoRA still writes its PEFT adapter, whose base folder then matches)."""
+    import llm_recipe.components.models.prune as prune
+
+    monkeypatch.setattr(prune, "score_layers", lambda *a, **k: pytest.fail("layers were scored"))
+    student = StudentSettings(prune=PruneSettings(keep=4, calibration_tokens=64))
+    assert prune.student_layers(student, tiny_model_dir, DATASET, 2, out_dir=tmp_path) is None
+    assert capsys.readouterr().out == (f"student.prune.keep=4 keeps all 4 layers of {tiny_model_dir}: nothing to "
+                                       "remove, layer scoring skipped\n")
+    assert not (tmp_path / "layer_importance.json").exists()
+    assert prune.student_layers(student, tiny_model_dir, DATASET, 2) is None  # no out_dir (not rank 0): silent
+    assert capsys.readouterr().out == ""

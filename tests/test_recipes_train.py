@@ -227,6 +227,27 @@ def test_kd_qat_student_trains_through_fake_quantizers(tmp_path, kd_forward, tin
     assert_loads_like_hf(out / "model")
 
 
+@pytest.mark.parametrize("convert", [True, False])
+def test_kd_qat_ends_as_the_qat_recipe_does(tmp_path, kd_teacher, capsys, convert):
+    """KD-QAT reads qat.convert as `recipe run qat` does: true (the default) converts the trained, layer-pruned
+    student into output_dir/quantized, the PTQ of its saved weights; false writes none and prints the command that
+    converts it later. It used to end with fake-quantized float weights and no word about either."""
+    out = tmp_path / "out"
+    qat = "qat={scheme: 8da4w, group_size: 32}" if convert else "qat={scheme: 8da4w, group_size: 32, convert: false}"
+    code = rc.run_in_process("kd", "kd/smollm2_demo", kd_overrides(out, kd_teacher, None, "student.keep_layers=[0,3]",
+                                                                  "max_steps=1", qat))
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"student (QAT-trained weights + quantization.json): {out}/model\n" in printed
+    if convert:
+        assert f"quantized (8da4w): {out}/quantized\n" in printed
+        assert_quantized_export(out)
+    else:
+        assert not (out / "quantized").exists()
+        assert (f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
+                f"model.checkpoint_dir={out}/model output_dir={out}/quantize scheme=8da4w group_size=32`\n") in printed
+
+
 def test_kd_layer_pruned_student(tmp_path, tiny_model_dir, capsys):
     # lr 1e-30 (0 is refused) keeps the initial student bit for bit: updates of that size round away in fp32.
     # Teacher layers 0 and 3 become student layers 0 and 1, the rest is shared.

@@ -80,6 +80,29 @@ def test_config_file_that_is_not_utf8_names_its_line(tmp_path, monkeypatch, caps
     doc.expect("config-utf8", one_error(code, err), tmp=tmp_path)
 
 
+@pytest.mark.parametrize("recipe,config,model_key,extra", [
+    ("kd", "kd/smollm2_demo", "teacher.checkpoint_dir", ["student.prune=null"]),  # the teacher would load first
+    ("full", "full/smollm2", "model.checkpoint_dir", []),
+    ("lora", "lora/smollm2", "model.checkpoint_dir", []),
+    ("qat", "qat/smollm2", "model.checkpoint_dir", []),
+])
+@pytest.mark.parametrize("key", ["data_files", "source"])
+def test_a_data_file_that_is_not_there_fails_before_any_weights_load(recipe, config, model_key, extra, key, tmp_path,
+                                                                   monkeypatch, capsys, tiny_model_dir):
+    """A missing `dataset.data_files` entry (or `dataset.source` path) was found only when the data was built,
+    after the weights loaded (minutes for an 8B teacher): now it is the recipe's first check, the same line for
+    every training recipe, naming the key, the override and the path."""
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "missing.jsonl"
+    data = ["dataset.source=json", f"dataset.data_files={missing}"] if key == "data_files" else [
+        f"dataset.source={missing}"]
+    code, out, err = doc.run_cli(["run", recipe, "--config", config, f"{model_key}={tiny_model_dir}",
+                                  f"output_dir={tmp_path}/out", "dataset.format=text", *data, *SMALL, *extra], capsys)
+    assert "setup:" not in out, out  # nothing was loaded: no data, layers or weights phase began
+    assert one_error(code, err) == (f"recipe: error: override '{data[-1]}': key 'dataset.{key}': no such file or "
+                                    f"directory: {missing}")
+
+
 # ----------------------------------------------------------------------------------------------- config.json vs weights
 
 
@@ -125,7 +148,9 @@ def test_pruned_student_with_another_vocabulary_is_refused_before_layer_scoring(
 
     monkeypatch.setattr(prune, "score_layers", no_scoring)
     monkeypatch.chdir(tmp_path)
-    for extra in ([], ["student.prune=null"]):  # the same line with and without importance scoring
+    # the same line with and without importance scoring (keep 3 of the student's 4 layers: the shipped keep, 20, is
+    # itself refused at load against its config.json)
+    for extra in (["student.prune.keep=3"], ["student.prune=null"]):
         code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"student.checkpoint_dir={student}",
                              f"output_dir={tmp_path}/out", *SMALL, *extra], capsys)
         doc.expect("kd-student-vocab", one_error(code, err))
@@ -146,7 +171,8 @@ def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, e
     monkeypatch.setattr(prune, "score_layers", lambda *a, **k: pytest.fail("layer scoring ran first"))
     monkeypatch.chdir(tmp_path)
     code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
-                         f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", *SMALL], capsys)
+                         f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", "student.prune.keep=3",
+                         *SMALL], capsys)
     doc.expect("kd-tokenizers-differ", one_error(code, err))
 
 

@@ -7,16 +7,21 @@ otherwise) so that a bad row is reported precisely.
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError, read_utf8, utf8_error
 
 TRANSFER_PREFIX = "transfer:"
+_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+# `datasets`' packaged builders: with one of them as the source, `data_files` are local paths (relative to the cwd)
+_LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
+                   "audiofolder", "videofolder")
 _SPLIT_RE = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*([^:\]]*)\s*:\s*([^\]]*)\s*\])?\s*$")
 
 
@@ -170,7 +175,8 @@ def _load_hf(source: str, split_name: str, name: str | None, data_files: Any) ->
     try:
         ds = datasets.load_dataset(source, name=name, split=split_name, data_files=data_files)
     except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ValueError...)
-        raise RecipeError(f"dataset source '{source}' (name={name}, split={split_name}) could not be loaded: "
+        config = f"name {name}, " if name is not None else ""
+        raise RecipeError(f"dataset source '{source}' ({config}split {split_name}) could not be loaded: "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return Rows(ds, source)
 
@@ -191,8 +197,11 @@ def load_rows(source: str, split: str = "train", name: str | None = None, data_f
     `datasets.load_dataset` name/path (with optional `name` config and `data_files`).
     """
     if not isinstance(source, str) or not source:
-        raise RecipeError(f"dataset.source must be a path or dataset name, got {source!r}")
+        raise RecipeError(f"dataset.source must be a path or dataset name, got {'null' if source is None else repr(source)}")
     split_name, _, _ = parse_split(split)
+    missing = missing_data_file(source, data_files)
+    if missing is not None:
+        raise RecipeError(f"dataset.{missing[0]}: {missing[1]}")
     path = Path(resolve_source(source)).expanduser()
     if path.is_file() and data_files is None:
         suffix = path.suffix.lower()
@@ -202,9 +211,54 @@ def load_rows(source: str, split: str = "train", name: str | None = None, data_f
         rows = readers[suffix](path)
     elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         rows = _load_from_disk(path, split_name)
-    elif (source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in (".json", ".jsonl", ".csv",
-                                                                                 ".parquet")) and not path.exists():
-        raise RecipeError(f"dataset source {path}: no such file or directory")
     else:
         rows = _load_hf(str(path) if path.exists() else source, split_name, name, data_files)
     return slice_rows(rows, split)
+
+
+def _data_file_entries(data_files: Any) -> list[str]:
+    """The paths or patterns of a `data_files` value: a string, a list of them, or a split -> either mapping."""
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, dict):
+        return [e for v in data_files.values() for e in _data_file_entries(v)]
+    if isinstance(data_files, (list, tuple)):
+        return [e for v in data_files for e in _data_file_entries(v)]
+    return []
+
+
+def missing_data_file(source: str, data_files: Any = None) -> tuple[str, str] | None:
+    """`(key, problem)` when a dataset section names a local file that is not there, else None; no file is read.
+
+    `source` is checked when it is a path (starts with /, ./, ../ or ~, or ends in .json/.jsonl/.csv/.parquet);
+    `data_files` entries when they are local (the source a packaged builder such as `json`, or a folder here;
+    a Hub dataset's own files and URLs are the loader's to find): a path must exist, a glob match a file. What
+    `load_rows` raises after the weights load, a recipe can say before (`check_data_files`)."""
+    if not isinstance(source, str) or not source:
+        return None
+    path = Path(resolve_source(source)).expanduser()
+    if (source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _DATA_SUFFIXES) and not path.exists():
+        return "source", f"no such file or directory: {path}"
+    base = path if path.is_dir() else Path.cwd() if source in _LOCAL_BUILDERS else None
+    for entry in _data_file_entries(data_files):
+        if base is None or "://" in entry:
+            continue
+        full = base / Path(entry).expanduser()
+        if glob.has_magic(entry):
+            if not glob.glob(str(full), recursive=True):
+                return "data_files", f"no file matches {entry}"
+        elif not full.exists():
+            return "data_files", f"no such file or directory: {full}"
+    return None
+
+
+def check_data_files(dataset: Any, where: Callable[[str], str] | None = None, key: str = "dataset") -> None:
+    """A RecipeError, `where: key '<key>.data_files': no such file or directory: PATH`, when the `dataset`
+    section (a `DatasetConfig`) names a local file that is not there (`missing_data_file`): recipes call it
+    before any weights load, so the run fails in a second, not after the models are read. `where(dotted key)`
+    names the file:line or override that set it."""
+    missing = missing_data_file(dataset.source, dataset.data_files)
+    if missing is not None:
+        name = f"{key}.{missing[0]}"
+        at = f"{where(name)}: " if where is not None else ""
+        raise RecipeError(f"{at}key '{name}': {missing[1]}")

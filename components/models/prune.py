@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,9 +179,10 @@ def save_scores(path: str | Path, scores: dict, kept: Sequence[int], method: str
 
 def importance_keep(model_dir: str | Path, prune: PruneSettings | Mapping, dataset: dict, batch_size: int,
                     device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
-                    out_dir: str | Path | None = None, log=print) -> list[int]:
+                    out_dir: str | Path | None = None, log=print, data: Sequence[dict] | None = None) -> list[int]:
     """Score the layers of the model in `model_dir` on the first `calibration_tokens` of `dataset` (a `dataset:`
-    section, e.g. the transfer set the student will train on) and return the `keep` most important ones.
+    section, e.g. the transfer set the student will train on) and return the `keep` most important ones. `data`:
+    that section already tokenized (a run's training data: not tokenized, nor held in memory, twice).
 
     With `out_dir`, writes `out_dir/layer_importance.json` (scores + kept layers) and `.txt` (the table) and
     prints the table through `log`.
@@ -198,7 +199,7 @@ def importance_keep(model_dir: str | Path, prune: PruneSettings | Mapping, datas
         raise RecipeError(f"student.prune.keep={keep} but {model_dir} has only {layers} layers")
     tokenizer = Tokenizer.from_dir(model_dir)
     check_tokenizer_fits(model_dir, tokenizer)
-    ds = build_dataset(tokenizer, **dataset)
+    ds = data if data is not None else build_dataset(tokenizer, **dataset)
     model, _ = load_model(model_dir, dtype=dtype, device=device, max_seq_len=dataset.get("max_seq_len"))
     scores = score_layers(model, calibration_batches(ds, tokens, batch_size, tokenizer.pad_id, device))
     del model
@@ -210,27 +211,52 @@ def importance_keep(model_dir: str | Path, prune: PruneSettings | Mapping, datas
     return kept
 
 
+def check_student_layers(student: StudentSettings, model_dir: str | Path,
+                         where: Callable[[str], str] | None = None) -> int:
+    """The student's layer choice against `model_dir`'s config.json alone (no weights, no data): a `keep_layers`
+    index past the model's last layer, or `prune.keep` above its layer count, is a one-line RecipeError naming the
+    key, where it was set (`where(dotted key)`: file:line or the override) and config.json. What the run checks
+    before anything loads and `recipe validate` checks where the folder is. Returns the model's layer count."""
+    from .args import read_model_args
+
+    def at(key: str) -> str:
+        return f"{where(key)}: key '{key}'" if where is not None else f"key '{key}'"
+
+    layers = read_model_args(model_dir).num_layers
+    config = Path(model_dir) / "config.json"
+    if student.keep_layers is not None and (last := max(int(i) for i in student.keep_layers)) >= layers:
+        raise RecipeError(f"{at('student.keep_layers')}: layer {last} does not exist: {config} has {layers} layers "
+                          f"(0..{layers - 1})")
+    if student.prune is not None and student.prune.keep > layers:
+        raise RecipeError(f"{at('student.prune.keep')}: {student.prune.keep} layers to keep, but {config} has "
+                          f"{layers} (keep at most {layers}; {layers} keeps them all)")
+    return layers
+
+
 def student_layers(student: StudentSettings, model_dir: str | Path, dataset: dict, batch_size: int,
                    device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
                    out_dir: str | Path | None = None, score: bool = True,
-                   where: str = "student.keep_layers") -> list[int] | None:
+                   where: Callable[[str], str] | None = None, log: Callable[[str], None] = print,
+                   data: Sequence[dict] | None = None) -> list[int] | None:
     """Which layers of `model_dir` a KD student keeps, from its `student:` section: `keep_layers: [...]`,
     `every: k` (layers 0, k, 2k, ... and the last), `prune: {method, keep, calibration_tokens}` (the `keep` layers
-    that matter most, measured on the first tokens of `dataset`; skipped with `score=False`, e.g. when a full
-    student resumes its own weights), or all of them (None); at most one is set (`StudentSettings.check()`, at
-    load). Cheap checks come first, before any model loads; `where` names the config line of `keep_layers` in
-    errors."""
-    from .args import read_model_args
+    that matter most, measured on the first tokens of `dataset`, or of `data`, the run's tokenized training rows
+    when given; skipped with `score=False`, e.g. when a full student resumes its own weights, and when `keep` is
+    every layer: nothing to remove, said through `log` where `out_dir` is set), or all of them (None); at most one
+    is set (`StudentSettings.check()`, at load). Cheap checks come first, before any model loads
+    (`check_student_layers`; `where(dotted key)` names the config line in errors)."""
     from .loader import keep_every
 
-    keep_layers = student.keep_layers
-    if keep_layers is not None and max(int(i) for i in keep_layers) >= (layers := read_model_args(model_dir).num_layers):
-        raise RecipeError(f"{where}: key 'student.keep_layers': layer {max(int(i) for i in keep_layers)} does not "
-                          f"exist: {model_dir}/config.json has {layers} layers (0..{layers - 1})")
-    if keep_layers is not None:
-        return [int(i) for i in keep_layers]
+    layers = check_student_layers(student, model_dir, where)
+    if student.keep_layers is not None:
+        return [int(i) for i in student.keep_layers]
     if student.every is not None:
-        return keep_every(read_model_args(model_dir).num_layers, student.every)
+        return keep_every(layers, student.every)
+    if student.prune is not None and student.prune.keep == layers:  # scoring would rank layers only to keep all
+        if out_dir is not None:
+            log(f"student.prune.keep={layers} keeps all {layers} layers of {model_dir}: nothing to remove, layer "
+                "scoring skipped")
+        return None
     if student.prune is not None and score:
-        return importance_keep(model_dir, student.prune, dataset, batch_size, device, dtype, out_dir)
+        return importance_keep(model_dir, student.prune, dataset, batch_size, device, dtype, out_dir, data=data)
     return None

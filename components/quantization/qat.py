@@ -33,13 +33,13 @@ from .schemes import (
 from .swap import swapped_class
 
 QAT_METADATA_FILE = "quantization.json"
-KD_QAT_KEYS = ("scheme", "group_size", "include_output")  # the keys of `qat:` a KD student reads
+KD_QAT_KEYS = ("scheme", "group_size", "include_output", "convert")  # the keys of `qat:` a KD run reads
 _FQ_ATTRS = ("activation_fake_quantizer", "weight_fake_quantizer")
 
 @dataclass(frozen=True, kw_only=True)
 class QATSettings:
     """The `qat:` section (null: no QAT): how the model is fake-quantized while it trains, and what converts it at
-    the end. KD reads the first three keys (`KD_QAT_KEYS`)."""
+    the end. KD reads `KD_QAT_KEYS` (all but `fake_quant_after_n_steps`)."""
 
     scheme: str = setting("8da4w", Choice(*QAT_SCHEMES), "the quantization trained for (components/quantization)")
     group_size: int = setting(32, Range(int, ge=1), "int4 weight group size along the input dim")
