@@ -248,7 +248,8 @@ def cmd_table(a) -> None:
     for r in read("recipes.jsonl"):
         ok = "ok" if r["rc"] == 0 and not r["missing"] else f"rc {r['rc']}, missing {r['missing']}"
         pe = r.get("peft") or {}
-        peft = (f"merge <= {pe['merge_max_ulp']:.2f} ulp, logits rel {pe['logits_rel']:.1e}" if "merge_max_ulp" in pe
+        peft = (f"merge: {pe['merge_mismatch']:.2%} of weights differ, <= {pe['merge_max_ulp']:.2f} step; logits rel "
+                f"{pe['logits_rel_rounded']:.1e} (vs unrounded {pe['logits_rel']:.1e})" if "merge_mismatch" in pe
                 else ("error" if pe else "-"))
         tps = r.get("tokens_per_s")
         print(f"| {r['recipe']} | {r['nproc']} | {ok} | {r['steps']} | {f'{tps:,.0f}' if tps else '-'} | "

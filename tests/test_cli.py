@@ -382,3 +382,26 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
                           stderr=subprocess.PIPE, text=True)
     os.close(w)
     assert proc.returncode == 1 and proc.stderr == ""
+
+
+def test_torchrun_workers_share_the_cores_instead_of_one_thread_each(monkeypatch):
+    """torchrun gives each worker OMP_NUM_THREADS=1 when it is unset, which left the host side of a multi-GPU run
+    (building an 8B model and its NF4 base) on one core per rank; `recipe run` shares the cores instead, and keeps
+    a value the user set."""
+    import argparse
+
+    import torch.distributed.run
+
+    from llm_recipe.cli import launch
+
+    cores = len(os.sched_getaffinity(0))
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda ns: seen.append(os.environ["OMP_NUM_THREADS"]))
+    for nproc, user, want in (("2", None, max(1, cores // 2)), ("1", None, cores), ("4", "3", 3)):
+        if user is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", user)
+        assert launch.launch_torchrun(argparse.Namespace(nproc_per_node=nproc), Path("x.py"), []) == 0
+        assert seen[-1] == str(want)
+    assert launch.worker_threads(10**6) == 1
