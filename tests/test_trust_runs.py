@@ -14,26 +14,14 @@ The expected messages come from docs/reliability.md (tests/fixtures/reliability_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
+import reliability_doc as doc
 import torch
-
-
-def _load(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-rc = _load("recipes_common")
-doc = _load("reliability_doc")
 
 CONFIG = "full/smollm2"
 
@@ -105,15 +93,16 @@ def test_a_new_run_never_mixes_with_an_earlier_run(tmp_path, tiny_model_dir, cap
 
 
 def test_overwrite_keeps_the_earlier_run_when_the_new_one_fails_during_setup(tmp_path, tiny_model_dir, capsys):
-    """overwrite=true with a mistake found during setup (here a dataset file that does not exist, found after the
+    """overwrite=true with a mistake found during setup (here a dataset file with a broken line, found after the
     weights load) leaves the earlier run exactly as it was; a run whose setup passes deletes it, leaving nothing
     hidden behind."""
     out = tmp_path / "out"
     assert run(capsys, args(tiny_model_dir, out, "max_steps=2"))[0] == 0
     before, first = snapshot(out), run_id(out)
-    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true",
-                                    f"dataset.source={tmp_path / 'missing.jsonl'}"))
-    assert code == 1 and "missing.jsonl" in one_error(err)
+    bad = tmp_path / "bad.jsonl"  # there (the early file check passes) but unreadable: found when the data loads
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true", f"dataset.source={bad}"))
+    assert code == 1 and "bad.jsonl" in one_error(err)
     assert f"the earlier run in {out} was put back" in err
     assert snapshot(out) == before and run_id(out) == first
     assert not list(out.glob(".overwritten*"))
