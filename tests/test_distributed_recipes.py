@@ -12,7 +12,6 @@ Runs are shared between assertions (module-scoped fixtures) to keep the file to 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,14 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 from safetensors.torch import load_file
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 TWO = ["--nproc-per-node", "2", "--standalone"]
 STEPS = 3

@@ -11,7 +11,6 @@ one-thread subprocesses (as in test_resume.py).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import resource
@@ -22,23 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
+import reliability_doc as doc
 import torch
 from safetensors import safe_open
 
 from llm_recipe.components.checkpoint import load_recipe_state, verify_manifest
 from llm_recipe.components.folders import LOCK_NAME
 
-
-def _load(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-rc = _load("recipes_common")
-doc = _load("reliability_doc")
 KILL_AT = Path(__file__).parent / "fixtures" / "kill_at.py"
 
 STEPS = 6

@@ -3,10 +3,8 @@ both of its drivers, fused (a plain head weight) and checkpointed (any other hea
 CPU), for every divergence, temperature, vocab slicing, one chunk or several, ignored tokens, frozen and tied
 heads, -inf teacher logits and an inference-mode teacher; and the heads it cannot fuse take the other driver."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
+import kd_reference as ref
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,12 +13,6 @@ from torch import nn
 from llm_recipe.components.losses import LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.losses.fused import fusable_head_weight
 from llm_recipe.components.models.builder import LoRASettings, _linear
-
-_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
-ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
-if "kd_reference" not in sys.modules:
-    sys.modules["kd_reference"] = ref
-    _spec.loader.exec_module(ref)
 
 KINDS = [(kind, ref.OPTIONS.get(kind, {})) for kind in ref.KINDS]
 

@@ -8,7 +8,6 @@ only. The quality comparison with online KD on the embedded model is slow-marked
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,16 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 from safetensors.torch import load_file
 
 from llm_recipe.components.models.attention import document_mask
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 DATA = ["device=cpu", "dtype=fp32", "dataset.max_seq_len=48", "dataset.limit=24"]
 BASE = [*DATA, "cache.items_per_shard=2", "batch_size=2", "num_output_chunks=2"]

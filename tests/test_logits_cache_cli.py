@@ -6,22 +6,15 @@ one that `kd` accepts with the cache (every cache check passes, and a tiny stude
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 
 from llm_recipe.components.errors import RecipeError
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 # The embedded teacher on a few short rows: 8 items, 4 shards of 2, 8 draws per token.
 SMALL = ["device=cpu", "dtype=fp32", "dataset.max_seq_len=48", "dataset.limit=8", "cache.items_per_shard=2",

@@ -3,13 +3,11 @@ of its drivers (values, gradients, masking), the memory both drivers keep, and t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import weakref
-from pathlib import Path
 
+import kd_reference as ref
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,12 +31,6 @@ from llm_recipe.components.losses import (
     skew_reverse_kl,
     symmetric_kl,
 )
-
-_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
-ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
-if "kd_reference" not in sys.modules:
-    sys.modules["kd_reference"] = ref
-    _spec.loader.exec_module(ref)
 
 B, S, D, V = 2, 13, 16, 50
 F64 = torch.float64

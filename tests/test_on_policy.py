@@ -6,10 +6,7 @@ kd recipe with it: test_on_policy_recipe.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import kd_reference as ref
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -29,16 +26,6 @@ from llm_recipe.components.on_policy import (
     score_samples,
 )
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
-    if name not in sys.modules:
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-ref = _load("kd_reference")
 IGNORE = -100
 ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,

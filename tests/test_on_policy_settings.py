@@ -5,12 +5,12 @@ the config checks (the decode path, cross-key errors, `recipe validate` naming t
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
+import on_policy_common as opc
 import pytest
+import recipes_common as rc
 import torch
 
 from llm_recipe.components.data.dataset import DatasetConfig
@@ -25,18 +25,6 @@ from llm_recipe.components.on_policy import (
     on_policy_index,
 )
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "fixtures" / f"{name}.py")
-    if name not in sys.modules:
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-rc = _load("recipes_common")
-
-opc = _load("on_policy_common")
 _jsonl, _shipped_chat, _chat_prompts = opc.jsonl, opc.shipped_chat, opc.chat_prompts
 
 

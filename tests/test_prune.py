@@ -3,13 +3,12 @@ are what they claim to be, a layer that does nothing is the first to go, and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -24,12 +23,6 @@ from llm_recipe.components.models.prune import (
     score_layers,
 )
 from llm_recipe.components.models.tokenizer import Tokenizer
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 DATASET = {"source": "transfer:passages", "max_seq_len": 64, "packed": True, "limit": 20}
 

@@ -1,25 +1,17 @@
 """The quantize recipe in-process on the tiny model: the GGUF type follows the scheme, a scheme the device cannot
 run fails before any weights load, report.json is written atomically."""
 
-import importlib.util
 import json
 import logging
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 
 from llm_recipe.components.folders import LOCK_NAME
 from llm_recipe.components.quantization.export_gguf import gguf_tensor_types
-
-if "recipes_common" not in sys.modules:  # the shared helpers, loaded once whichever test file comes first
-    _spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-    sys.modules["recipes_common"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["recipes_common"])
-rc = sys.modules["recipes_common"]
 
 CONFIG = "quantize/smollm2_8da4w"
 

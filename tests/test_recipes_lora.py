@@ -6,19 +6,12 @@ training recipes: test_recipes_train.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -9,23 +9,16 @@ nothing shared with pytest); the variants call the same `llm_recipe.cli.main.mai
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 import torch.nn.functional as F
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -20,12 +20,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-_spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
-doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
-if "reliability_doc" not in sys.modules:
-    sys.modules["reliability_doc"] = doc
-    _spec.loader.exec_module(doc)
+import reliability_doc as doc
 
 REPO = doc.REPO
 ROWS = doc.rows()

@@ -8,19 +8,12 @@ point in-process with one thread (bit-identical to the subprocess, which also ru
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+import recipes_common as rc
 import torch
 from safetensors.torch import load_file
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
 
 STEPS = 6
 LORA = ["lora.rank=4", "lora.alpha=8.0"]

@@ -3,10 +3,8 @@ independent draws its gradient and KD value converge to online forward KL's (a t
 its bias), the closed-form (fused) and autograd (checkpointed) paths agree, the draws follow the teacher, the
 stored format round-trips, and a divergence the sample cannot estimate is a one-line error."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
+import kd_reference as ref
 import pytest
 import torch
 from safetensors.torch import load, save
@@ -17,12 +15,6 @@ from llm_recipe.components.logits_cache import encode_sampled, item_uniforms
 from llm_recipe.components.logits_cache.manifest import bytes_per_token, decode_sampled
 from llm_recipe.components.losses import CachedTeacher, LiveTeacher, SampledTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.losses.sampled import compact_draws, teacher_samples
-
-_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
-ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
-if "kd_reference" not in sys.modules:
-    sys.modules["kd_reference"] = ref
-    _spec.loader.exec_module(ref)
 
 
 def _inputs(seed: int, b=2, s=7, d=16, v=50):

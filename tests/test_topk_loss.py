@@ -3,22 +3,14 @@ divergence written out (tests/fixtures/kd_reference.py): values and gradients, f
 drivers, every divergence, k < vocab and k = vocab (where it IS the full-vocabulary loss), a student head with
 padding rows; the bucket KL is a lower bound of the full KL, and a student equal to the teacher scores 0."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
+import kd_reference as ref
 import pytest
 import torch
 from torch import nn
 
 from llm_recipe.components.losses import CachedTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.losses.topk import teacher_topk
-
-_spec = importlib.util.spec_from_file_location("kd_reference", Path(__file__).parent / "fixtures" / "kd_reference.py")
-ref = sys.modules.get("kd_reference") or importlib.util.module_from_spec(_spec)
-if "kd_reference" not in sys.modules:
-    sys.modules["kd_reference"] = ref
-    _spec.loader.exec_module(ref)
 
 KINDS = [(kind, ref.OPTIONS.get(kind, {})) for kind in ref.KINDS]
 

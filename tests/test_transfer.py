@@ -3,18 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-_spec = importlib.util.spec_from_file_location("recipes_common", Path(__file__).parent / "fixtures" / "recipes_common.py")
-rc = sys.modules.get("recipes_common") or importlib.util.module_from_spec(_spec)
-if "recipes_common" not in sys.modules:
-    sys.modules["recipes_common"] = rc
-    _spec.loader.exec_module(rc)
+import recipes_common as rc
 
 # temperature 10: a random tiny model with tied embeddings repeats its last token at temperature 1
 SMALL = ["prompts.passages=6", "prompts.chat=5", "prompts.samples_per_prompt=2", "generation.max_new_tokens=6",

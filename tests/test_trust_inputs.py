@@ -6,7 +6,6 @@ message from there."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,13 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+import reliability_doc as doc
 import torch
-
-_spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
-doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
-if "reliability_doc" not in sys.modules:
-    sys.modules["reliability_doc"] = doc
-    _spec.loader.exec_module(doc)
 
 SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.limit=8", "dataset.max_seq_len=32",
          "save_every_n_steps=null", "tensorboard=false"]

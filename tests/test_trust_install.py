@@ -7,22 +7,15 @@ Each test names the docs/reliability.md row it pins (section "Input files, lm_ev
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
 import os
 import re
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-_spec = importlib.util.spec_from_file_location("reliability_doc", Path(__file__).parent / "fixtures" / "reliability_doc.py")
-doc = sys.modules.get("reliability_doc") or importlib.util.module_from_spec(_spec)
-if "reliability_doc" not in sys.modules:
-    sys.modules["reliability_doc"] = doc
-    _spec.loader.exec_module(doc)
+import reliability_doc as doc
 
 REPO = doc.REPO
 SMALL = ["device=cpu", "dtype=fp32", "max_steps=1", "batch_size=2", "dataset.limit=8", "dataset.max_seq_len=32",
