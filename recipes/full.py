@@ -22,13 +22,11 @@ from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     QATSettings,
-    convert_qat,
     fake_quant_enabled_at,
-    load_for_convert,
+    finish_qat,
     prepare_qat_training,
     set_fake_quant_enabled,
 )
-from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
 from llm_recipe.components.runs import discard_overwritten
 from llm_recipe.components.runtime import setup_runtime
@@ -152,19 +150,8 @@ def main(cfg: FullConfig) -> None:
             print(f"model: {final}")
         else:
             print(f"model (merged): {final}\nadapter (PEFT): {cfg.output_dir}/adapter")
-        if qat is not None and qat.convert:  # the fake quantizers become real quantized weights
-            if rt.world_size > 1:  # the live model holds FSDP shards: convert the merged weights just saved
-                model, args = load_for_convert(final, rt.device, rt.dtype)
-            set_fake_quant_enabled(model, True)
-            convert_qat(model, qat.scheme, qat.group_size)
-            out = export_hf_torchao(model, args, base_dir, f"{cfg.output_dir}/quantized", qat.scheme,
-                                    qat.group_size, qat.include_output)
-            print(f"quantized ({qat.scheme}): {out}")
-        elif qat is not None:
-            gpu = " device=cuda" if qat.scheme == "int4_weight_only" else ""  # int4's kernel runs on a GPU only
-            print(f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
-                  f"model.checkpoint_dir={final} output_dir={cfg.output_dir}/quantize scheme={qat.scheme} "
-                  f"group_size={qat.group_size}{gpu}`")
+        if qat is not None:  # converted into output_dir/quantized, or the command that converts it later
+            finish_qat(model, args, qat, final, base_dir, cfg.output_dir, rt)
         print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 

@@ -31,12 +31,9 @@ from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     KD_QAT_KEYS,
     QATSettings,
-    convert_qat,
-    load_for_convert,
+    finish_qat,
     prepare_qat_student,
-    set_fake_quant_enabled,
 )
-from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
 from llm_recipe.components.quantization.teacher import check_teacher_quant_config
 from llm_recipe.components.runs import discard_overwritten
@@ -239,21 +236,8 @@ def main(cfg: KDConfig) -> None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "
                   "use the merged model")
         print(f"student{' (QAT-trained weights + quantization.json)' if qat is not None else ''}: {final}")
-        # KD-QAT ends as `recipe run qat` does (the same qat.convert): the fake quantizers become real quantized
-        # weights in output_dir/quantized; with convert: false, the command that converts the saved student later.
-        if qat is not None and qat.convert:
-            if rt.world_size > 1:  # the live student holds FSDP shards: convert the merged weights just saved
-                student, sargs = load_for_convert(final, rt.device, rt.dtype)
-            set_fake_quant_enabled(student, True)
-            convert_qat(student, qat.scheme, qat.group_size)
-            out = export_hf_torchao(student, sargs, student_dir, f"{cfg.output_dir}/quantized", qat.scheme,
-                                    qat.group_size, qat.include_output)
-            print(f"quantized ({qat.scheme}): {out}")
-        elif qat is not None:
-            gpu = " device=cuda" if qat.scheme == "int4_weight_only" else ""  # int4's kernel runs on a GPU only
-            print(f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
-                  f"model.checkpoint_dir={final} output_dir={cfg.output_dir}/quantize scheme={qat.scheme} "
-                  f"group_size={qat.group_size}{gpu}`")
+        if qat is not None:  # KD-QAT ends as `recipe run qat` does (the same qat.convert)
+            finish_qat(student, sargs, qat, final, student_dir, cfg.output_dir, rt)
         print(f"metrics: {cfg.output_dir}/metrics.jsonl\nloss plot: {cfg.output_dir}/loss.png")
     rt.teardown()
 

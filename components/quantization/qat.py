@@ -277,6 +277,28 @@ def load_for_convert(model_dir: str | Path, device: str | torch.device = "cpu",
     return model, args
 
 
+def finish_qat(model: nn.Module, args: object, qat: QATSettings, final: str | Path, source_dir: str | Path,
+               output_dir: str | Path, rt: object) -> None:
+    """The end of a QAT run, `recipe run qat` and KD-QAT alike: with `qat.convert` the fake quantizers become real
+    quantized weights in `output_dir/quantized`; without, the command that converts the saved `final` folder later
+    is printed. `rt`: the run's Runtime (on several processes the live model holds shards: `final` is converted)."""
+    if qat.convert:
+        from .export_hf import export_hf_torchao
+
+        if rt.world_size > 1:
+            model, args = load_for_convert(final, rt.device, rt.dtype)
+        set_fake_quant_enabled(model, True)
+        convert_qat(model, qat.scheme, qat.group_size)
+        out = export_hf_torchao(model, args, source_dir, f"{output_dir}/quantized", qat.scheme, qat.group_size,
+                                qat.include_output)
+        print(f"quantized ({qat.scheme}): {out}")
+        return
+    gpu = " device=cuda" if qat.scheme == "int4_weight_only" else ""  # int4's kernel runs on a GPU only
+    print(f"qat.convert=false: convert it with `recipe run quantize --config quantize/smollm2_8da4w "
+          f"model.checkpoint_dir={final} output_dir={output_dir}/quantize scheme={qat.scheme} "
+          f"group_size={qat.group_size}{gpu}`")
+
+
 def qat_metadata(scheme: str, group_size: int, include_output: bool = False) -> dict:
     """What `convert_qat` needs to turn a QAT-trained HF folder into the quantized model (quantization.json)."""
     _check_qat_scheme(scheme)
