@@ -38,11 +38,8 @@ class TokError(Exception):
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_smollm2_tok(d: Path, gguf_path: Path, cache: Path) -> None:
