@@ -129,11 +129,12 @@ def main(cfg: FullConfig) -> None:
                 loss_sum = loss_sum + loss.detach() / n
             values = step_values({"loss": loss_sum}, clip_gradients(model, cfg.max_grad_norm), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the schedule then moves on)
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
                 setup.first_step(clock.elapsed(), compiled=cfg.compile, step=step)
-            logger.log(step, loss=values["loss"], lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
+            logger.log(step, loss=values["loss"], lr=lr, grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
             if save_every and step % save_every == 0 and step < steps:
                 state.save(step)

@@ -210,12 +210,13 @@ def main(cfg: KDConfig) -> None:
             sums = {**sums, **op.sums()} if op is not None else sums
             values = step_values(sums, clip_gradients(student, cfg.max_grad_norm), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the schedule then moves on)
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
                 setup.first_step(clock.elapsed(), compiled=cfg.compile, step=step)
             logger.log(step, loss=values["loss"], ce_loss=values.get("ce"), kd_loss=values.get("kd"),
-                       lr=scheduler.get_last_lr()[0], grad_norm=values["grad_norm"],
+                       lr=lr, grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib(),
                        **(op.metrics(values, clock.elapsed()) if op is not None else {}))
             if save_every and step % save_every == 0 and step < steps:

@@ -104,6 +104,21 @@ def test_full_recipe_logs_the_window_mean_cross_entropy(full_run, tiny_model_dir
     assert logged == pytest.approx(total / n, rel=1e-5)
 
 
+def test_logged_lr_is_the_rate_each_step_used(tmp_path, tiny_model_dir):
+    """metrics.jsonl's lr at step N is the learning rate step N's update used: with 2 warmup steps to 1e-3 that is
+    5e-4, 1e-3, then the cosine from 1e-3 (it used to log the rate of the step after: 1e-3, 1e-3, 5e-4, 0)."""
+    for recipe, config, extra in (("full", "full/smollm2", [f"model.checkpoint_dir={tiny_model_dir}"]),
+                                  ("kd", "kd/smollm2_demo", [f"teacher.checkpoint_dir={tiny_model_dir}",
+                                                             "student.every=null", "student.prune=null"])):
+        out = tmp_path / recipe
+        assert rc.run_in_process(recipe, config, [*rc.COMMON, *extra, f"output_dir={out}", "max_steps=4",
+                                                  "optimizer.lr=1e-3", "lr_scheduler.name=cosine",
+                                                  "lr_scheduler.warmup_steps=2", "lr_scheduler.min_lr_ratio=0.0",
+                                                  "save_every_n_steps=null"]) == 0
+        lrs = [r["lr"] for r in rc.read_metrics(out)]
+        assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], abs=1e-12), (recipe, lrs)
+
+
 @pytest.mark.parametrize("name, state_type, tol", [
     pytest.param("AdamW8bit", "torchao.optim.subclass_8bit.OptimState8bit", 0.05),
     pytest.param("AdamW4bit", "torchao.optim.subclass_4bit.OptimState4bit", 0.25, marks=pytest.mark.slow),
