@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from .schema import yaml_word
+
 # Keys a resumed run may change freely: where and how often it writes and logs, switches that change speed or
 # memory but not the math (compile, activation checkpointing, output chunks, the teacher's placement, the decode
 # path), the device, and the run's length (a longer run is the same run extended).
@@ -75,17 +77,9 @@ def config_changes(recorded: dict[str, Any], cfg: Any) -> tuple[dict[str, tuple]
     return changed, free
 
 
-def _yaml(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def describe_changes(changes: dict[str, tuple], limit: int = 6) -> str:
     """`key: old -> new` for each change (YAML spellings: null, true), at most `limit`, then how many more."""
-    parts = [f"{k}: {_yaml(old)} -> {_yaml(new)}" for k, (old, new) in list(changes.items())[:limit]]
+    parts = [f"{k}: {yaml_word(old)} -> {yaml_word(new)}" for k, (old, new) in list(changes.items())[:limit]]
     if len(changes) > limit:
         parts.append(f"and {len(changes) - limit} more")
     return ", ".join(parts)

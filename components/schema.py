@@ -18,6 +18,7 @@ llm_recipe.components.folders): a config may name a folder that exists only on t
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -175,7 +176,7 @@ class Choice(Spec):
         object.__setattr__(self, "optional", optional)
 
     def describe(self) -> str:
-        return f"one of {', '.join(map(_yaml_word, self.choices))}{' (or null)' if self.optional else ''}"
+        return f"one of {', '.join(map(yaml_word, self.choices))}{' (or null)' if self.optional else ''}"
 
     def problem(self, value: Any) -> str | None:
         # `in` alone would let 1 stand for True and 0 for False: a value must also have its choice's type
@@ -186,9 +187,12 @@ class Choice(Spec):
         return None
 
 
-def _yaml_word(choice: Any) -> str:
-    """A choice as a user writes it in YAML: false / true / null, other values as they are."""
-    return "null" if choice is None else str(choice).lower() if isinstance(choice, bool) else str(choice)
+def yaml_word(value: Any) -> str:
+    """A value as a user writes it in YAML, for messages: false / true / null, lists and mappings in flow style
+    (JSON is YAML), other values as they are."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..checkpoint.atomic import atomic_write_bytes
 from ..data.dataset import DatasetConfig
 from ..errors import RecipeError
+from ..schema import yaml_word
 
 FORMAT = "recipe-logits-cache/1"
 MODES = ("topk", "sampled")
@@ -203,11 +204,9 @@ def _same(a: Any, b: Any) -> bool:
 def show_value(value: Any) -> str:
     """A manifest or config value as a message shows it: as YAML writes it (null, true, 500, topk), a sha256 by its
     first 12 digits."""
-    if value is None or isinstance(value, (bool, dict, list)):
-        return json.dumps(value)
     if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
         return f"{value[:12]}..."
-    return str(value)
+    return yaml_word(value)
 
 
 def _read_back(text: str) -> Any:
