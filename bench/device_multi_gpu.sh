@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 23 on the lent multi-GPU machine (nvidia-h200-x2 / -x4), in its 10-minute calls (bench/README.md):
 #
-#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES]  # carry .carry/whl_kd .carry/tok .carry/peft .carry/a:
+#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES]  # carry .carry/whl_kd .carry/tok .carry/peft .carry/a
+#        .carry/pytest:
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
-#        "scaling recipes fault extra pytest") with NPROCS (default "1,2"; the recipes/fault on the largest)
+#        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests) with NPROCS (default "1,2"; the
+#        recipes/fault on the largest)
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
 #   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
 #                                                          # (the GPU tests' tiny model uses its tokenizer)
@@ -25,7 +27,7 @@ report() {  # the tables so far; the raw rows and log tails into $OUT
     if [[ -n ${OUT:-} ]]; then
         cp $M/*.jsonl /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
-            pytest.log 2>/dev/null)) 2>/dev/null
+            pytest.log pytest1.log 2>/dev/null)) 2>/dev/null
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
     fi
 }
@@ -44,17 +46,21 @@ case $stage in
 start)
     if running; then wait_for 540; exit 0; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl_kd/*.whl
-    # PEFT and the GPU tests use the machine's transformers, which refuses our huggingface-hub 2.x: they run on
-    # /tmp/site_hf, our packages minus huggingface-hub and its http stack (nothing they run downloads)
-    mkdir -p /tmp/site_hf && for e in /tmp/site/*; do
-        case $(basename "$e") in huggingface_hub* | httpx2* | httpcore2* | datasets*) ;; *) ln -sfn "$e" /tmp/site_hf/ ;; esac
-    done
     PYTHONPATH= python3 -c "import peft" 2>/dev/null || \
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peft .carry/peft/*.whl
+    # the image has no pytest (the `pytest` phase): .carry/pytest's wheels into /tmp/site (bench/make_carry.py)
+    python3 -c "import pytest" 2>/dev/null || [[ ! -d .carry/pytest ]] || python3 -m pip install -q --no-index \
+        --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/pytest/*.whl
     cp .carry/a/gguf.* /tmp/
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
+    # PEFT and the GPU tests use the machine's transformers, which refuses our huggingface-hub 2.x: they run on
+    # /tmp/site_hf, our packages minus huggingface-hub and its http stack (nothing they run downloads);
+    # linked after every install into /tmp/site, so llm_recipe and pytest are there too
+    mkdir -p /tmp/site_hf && for e in /tmp/site/*; do
+        case $(basename "$e") in huggingface_hub* | httpx2* | httpcore2* | datasets*) ;; *) ln -sfn "$e" /tmp/site_hf/ ;; esac
+    done
     PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
@@ -79,6 +85,13 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
             PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider \
                 tests/test_distributed_recipes.py 2>&1 | tail -40 | tee $M/pytest.log ;;
+        pytest1)  # the one-GPU tests the CI skips: the gpu-marked ones, then the CUDA variants of the CPU ones
+            for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
+            { PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider tests \
+                --ignore=tests/test_distributed_recipes.py
+              PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -q -p no:cacheprovider -k cuda \
+                tests/test_compile_graphs.py tests/test_qat.py tests/test_on_policy.py tests/test_runtime.py
+            } 2>&1 | tail -60 | tee $M/pytest1.log ;;
         esac
     done
     echo "=== done $(date +%T)"

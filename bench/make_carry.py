@@ -88,7 +88,7 @@ CALLS = [
     ("device_kd.sh shipped", [".whl", ".carry/tt", ".carry/tok"]),
     ("device_kd.sh onpolicy / profile / qat / memory", [".whl", ".carry/tok"]),
     ("device_kd.sh start", [".carry/whl_kd", ".carry/tt", ".carry/tok", ".carry/g1"]),
-    ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a"]),
+    ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a", ".carry/pytest"]),
     ("device_kd.sh kl with the gpu tests", [".carry/b", ".carry/pytest"]),
 ]
 
