@@ -217,6 +217,25 @@ def test_the_closing_command_covers_teacher_temperature_and_loss(capsys, tmp_pat
     check_kd_accepts("kd/smollm2_demo", words[1:])
 
 
+def test_a_kd_config_whose_folders_are_not_here_still_gets_its_command(capsys, tmp_path):
+    """The shipped 8B kd_logits config names kd/llama3_1_8b_to_llama3_2_1b, whose default student and teacher folders
+    a user who passed other paths has not downloaded: the built cache is kept, the run succeeds, and the closing
+    command names the folders the cache was built with (it ended in "no tokenizer.json" after the build on a GPU)."""
+    kd = tmp_path / "kd_elsewhere.yaml"
+    text = (Path(__file__).parents[1] / "configs" / "kd" / "smollm2_demo.yaml").read_text()
+    missing = tmp_path / "not_downloaded"
+    text = text.replace("checkpoint_dir: ${embedded_model:}", f"checkpoint_dir: {missing / 'teacher'}")
+    kd.write_text(text.replace("checkpoint_dir: null    ", f"checkpoint_dir: {missing / 'student'}", 1))
+    capsys.readouterr()
+    assert build(tmp_path / "c", f"kd_config={kd}") == 0
+    words = closing_command(capsys.readouterr().out)
+    teacher = [w for w in words if w.startswith("teacher.checkpoint_dir=")]
+    student = [w for w in words if w.startswith("student.checkpoint_dir=")]
+    assert len(teacher) == 1 and "not_downloaded" not in teacher[0]
+    assert student == [teacher[0].replace("teacher.", "student.")]  # kd_logits tokenized with the teacher's folder
+    assert (tmp_path / "c" / "manifest.json").is_file()
+
+
 def test_a_kd_config_that_does_not_load_is_one_line_before_the_teacher_runs(capsys, tmp_path):
     capsys.readouterr()
     assert build(tmp_path / "c", "kd_config=kd/no_such_config") == 1

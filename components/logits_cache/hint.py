@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import RecipeError
 from ..on_policy import KD_OPTIONS
 from .manifest import DATASET_FIELDS, first_difference, override, tokenizer_fingerprint
 
@@ -23,8 +24,8 @@ def _same_folder(a: str | None, b: str | None, fingerprint: Callable[[str], str]
         return True
     try:
         return fingerprint(a) == fingerprint(b)
-    except (OSError, ValueError):  # not there (or unreadable) on this machine: another folder as far as we know
-        return False
+    except (OSError, ValueError, RecipeError):  # not there, unreadable or without a tokenizer on this machine (the
+        return False                            # kd config's default folders, not downloaded yet): another folder
 
 
 def kd_command(out_dir: str, run: Mapping[str, Any], *, mode: str, teacher_dir: str, tokenizer_dir: str,
