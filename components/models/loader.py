@@ -131,11 +131,24 @@ def lora_rank_alpha(model: nn.Module) -> tuple[int, float] | None:
 
 
 def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed)."""
+    """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed).
+
+    Each adapted weight is merged in fp32 and rounded to its dtype once: torchtune's merge in bf16 rounds
+    `scale * B @ A` to bf16 before adding it, which moved 0.3% of a 1B model's bf16 weights by a step (up to 255
+    steps where base and update cancel) away from PEFT's merge of the same adapter. One module at a time, so the
+    fp32 copies never exceed one weight."""
     import_torchtune()
     from torchtune.modules.peft import get_merged_lora_ckpt
 
-    return get_merged_lora_ckpt(sd, rank=rank, alpha=alpha)
+    for key in [k for k in sd if k.endswith(".lora_a.weight")]:
+        module = key.removesuffix(".lora_a.weight")
+        parts = [f"{module}.weight", f"{module}.lora_a.weight", f"{module}.lora_b.weight", f"{module}.magnitude"]
+        dtype = sd[f"{module}.weight"].dtype
+        one = {k: sd[k].float() for k in parts if k in sd}
+        sd[f"{module}.weight"] = get_merged_lora_ckpt(one, rank=rank, alpha=alpha)[f"{module}.weight"].to(dtype)
+        for k in parts[1:]:
+            sd.pop(k, None)
+    return sd
 
 
 def merged_state_dict(
