@@ -34,7 +34,7 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = a.recompile_limit
     rt = setup_runtime("cuda", "bf16", 0)
     t0 = time.perf_counter()
-    teacher, args = load_model(a.model, dtype=rt.dtype, device=rt.build_device, max_seq_len=a.tokens)
+    teacher, args = load_model(a.model, dtype=rt.dtype, device=rt.build_device(a.model), max_seq_len=a.tokens)
     prepare_teacher(rt, teacher, "auto", compile=not a.no_compile)
     quantize_teacher(teacher, a.quantize, rt.device)
     torch.cuda.synchronize()

@@ -82,16 +82,17 @@ def training_state_bytes(model: nn.Module) -> int:
 
 
 def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype,
-                        device: torch.device, shards: int = 1) -> tuple[bool, str]:
+                        device: torch.device, shards: int = 1, built_here: bool = False) -> tuple[bool, str]:
     """Whether activations + training state + reserve exceed the usable free memory of `device` (always False on
     CPU, where memory is the host's and checkpointing only costs time), and the reason in words. `shards` > 1:
-    the model is about to be FSDP-sharded over that many GPUs (its weights are not on this one yet)."""
+    the model is about to be FSDP-sharded over that many GPUs, so 1/shards of its weights will be here;
+    `built_here`: its full copy is on this GPU now (Runtime.build_device) and the sharding frees it."""
     if device.type != "cuda":
         return False, "off on CPU"
     acts = activation_bytes(model, micro_batch_tokens, dtype)
     weights = 0 if shards == 1 else sum(p.numel() * p.element_size() for p in model.parameters())
     need = acts + (training_state_bytes(model) + weights) // shards + RESERVE_BYTES
-    free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
+    free = (torch.cuda.mem_get_info(device)[0] + (weights if built_here else 0)) * USABLE_FRACTION
     on = need > free
     gib = 2**30
     why = (f"{'on' if on else 'off'}: about {acts / gib:.1f} GiB of activations for {micro_batch_tokens} tokens "

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 import resource
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,12 +51,21 @@ class Runtime:
         """True on rank 0: the one process that logs and writes files."""
         return self.rank == 0
 
-    @property
-    def build_device(self) -> torch.device:
-        """Where to build a model before its weights load: this GPU in a one-process GPU run (random init of
-        an 8B model on the CPU took most of a minute of setup; on the GPU it is instant and no host copy of the
-        model is made), the CPU otherwise (FSDP shards from there; CPU runs stay as they were)."""
-        return self.device if self.device.type == "cuda" and self.world_size == 1 else torch.device("cpu")
+    def build_device(self, ckpt_dir: str | Path | None = None) -> torch.device:
+        """Where to build a model before its weights load. One process on a GPU: that GPU (random init of an 8B
+        model on the host took most of a minute of setup; on the GPU it is instant). Several processes on GPUs:
+        this GPU too when the weights of `ckpt_dir` in the run dtype take at most half of its free memory (rank
+        0 decides for all): FSDP then shards from there. On the host, each of N ranks built and NF4-quantized a
+        full 8B model with 1/N of the cores (11+ minutes for QLoRA 8B on two H200s). Otherwise, and on CPU runs,
+        the host."""
+        cpu = torch.device("cpu")
+        if self.device.type != "cuda":
+            return cpu
+        if self.world_size == 1:
+            return self.device
+        need = _weight_bytes(ckpt_dir, self.dtype) if ckpt_dir is not None else None
+        fits = need is not None and need <= torch.cuda.mem_get_info(self.device)[0] / 2
+        return self.device if self.broadcast_object(fits) else cpu
 
     # ------------------------------------------------------------------ model
     def prepare_model(
@@ -92,8 +103,9 @@ class Runtime:
             from .memory import needs_checkpointing
 
             shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
+            built_here = use_fsdp and any(p.device == self.device for p in model.parameters())
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
-                                                                self.device, shard)
+                                                                self.device, shard, built_here)
             # every rank takes rank 0's choice: under FSDP a checkpointed layer all-gathers again in backward, so
             # ranks that chose differently would run different collectives
             activation_checkpointing = self.broadcast_object(activation_checkpointing)
@@ -437,3 +449,13 @@ def _is_sharded(model: nn.Module) -> bool:
     from .models.builder import is_sharded
 
     return is_sharded(model)
+
+
+def _weight_bytes(ckpt_dir: str | Path, dtype: torch.dtype) -> int | None:
+    """Bytes of a HF folder's weights in `dtype`, from its safetensors headers (None without them)."""
+    from .models.hf_io import safetensors_shapes
+
+    shapes = safetensors_shapes(ckpt_dir)
+    if not shapes:
+        return None
+    return sum(math.prod(shape) for _, shape in shapes.values()) * dtype.itemsize

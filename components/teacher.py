@@ -77,7 +77,7 @@ def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, stude
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
-    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_seq_len)
+    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device(t.checkpoint_dir), max_seq_len=max_seq_len)
     prepare_teacher(rt, teacher, t.placement, compile)
     quantize_teacher(teacher, t.quantize, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
                      max_seq_len=max_seq_len, rt=rt)

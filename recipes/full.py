@@ -86,7 +86,7 @@ def main(cfg: FullConfig) -> None:
     setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
     with setup.phase("weights"):
         source = resume_weights(resume_from) if lora is None else None
-        model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device, lora=lora,
+        model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device(source or base_dir), lora=lora,
                                  max_seq_len=cfg.dataset.max_seq_len)
         if lora is not None:
             freeze_all_but_adapters(model)

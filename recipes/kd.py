@@ -145,9 +145,10 @@ def main(cfg: KDConfig) -> None:
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):
         if resume_weights(resume_from) is not None and lora is None:
-            student, sargs = load_model(resume_from, dtype=rt.dtype, device=rt.build_device, max_seq_len=max_len)
+            student, sargs = load_model(resume_from, dtype=rt.dtype, device=rt.build_device(resume_from), max_seq_len=max_len)
         else:
-            student, sargs = load_model(student_dir, dtype=rt.dtype, device=rt.build_device, lora=lora, keep_layers=keep, max_seq_len=max_len)
+            student, sargs = load_model(student_dir, dtype=rt.dtype, device=rt.build_device(student_dir), lora=lora,
+                                        keep_layers=keep, max_seq_len=max_len)
             if keep is not None and rt.is_main:
                 print(f"student: {len(keep)} of {targs.num_layers} teacher layers kept: {keep}", flush=True)
         if lora is not None:

@@ -228,7 +228,8 @@ def _build(cfg: KDLogitsConfig, rt: Runtime, writer: CacheWriter, dataset: Token
     # The teacher: frozen, under inference mode, optionally fp8/int8 and compiled; a full copy on every rank
     # (each rank runs its own shards, so a sharded teacher's collectives would not line up).
     if todo:
-        teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.build_device, max_seq_len=dataset.max_seq_len)
+        # replicated: the whole teacher ends on this device, so it is built there (only ranks with work get here)
+        teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.device, max_seq_len=dataset.max_seq_len)
         prepare_teacher(rt, teacher, "replicate", cfg.compile)
         quantize_teacher(teacher, cfg.teacher.quantize, rt.device, max_drift=cfg.teacher.max_drift,
                          model_dir=teacher_dir, max_seq_len=dataset.max_seq_len, rt=rt)

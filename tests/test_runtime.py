@@ -272,3 +272,42 @@ def test_activation_checkpointing_auto_follows_free_memory(monkeypatch, tiny_mod
     assert on and why.startswith("on: about")
     # twice the tokens, twice the activations
     assert memory.activation_bytes(model, 8192, torch.bfloat16) == 2 * acts
+
+
+def test_a_sharded_model_built_on_this_gpu_is_not_counted_twice(monkeypatch, tiny_model_dir):
+    """Under FSDP a model built on this GPU (Runtime.build_device) is freed by the sharding: the checkpointing
+    decision counts 1/N of its weights, not 1/N more on top of the full copy that free memory no longer shows."""
+    from llm_recipe.components import memory
+    from llm_recipe.components.models import load_model
+
+    model, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    acts = memory.activation_bytes(model, 4096, torch.bfloat16)
+    need = acts + (memory.training_state_bytes(model) + weights) // 2 + memory.RESERVE_BYTES
+    free_with_copy = int(need / memory.USABLE_FRACTION) - weights + 2**20  # the full copy is using `weights` now
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_with_copy, 0))
+    cuda = torch.device("cuda", 0)
+    assert memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda, 2)[0]  # as if the copy were elsewhere
+    on, why = memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda, 2, built_here=True)
+    assert not on and why.startswith("off:")
+
+
+def test_several_gpu_processes_build_on_the_gpu_when_the_model_fits(monkeypatch, tiny_model_dir, tmp_path):
+    """One process on a GPU builds there; several build there when the weights in the run dtype take at most half
+    of the free memory (the host build of an 8B model took 11+ minutes per rank under torchrun), else on the host;
+    CPU runs, and folders whose size is unknown, build on the host."""
+    from safetensors.torch import load_file
+
+    from llm_recipe.components.runtime import Runtime, _weight_bytes
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    size = _weight_bytes(tiny_model_dir, torch.bfloat16)
+    assert size == 2 * sum(t.numel() for t in load_file(str(tiny_model_dir / "model.safetensors")).values())
+    one = Runtime(device=cuda, dtype=torch.bfloat16)
+    two = Runtime(device=cuda, dtype=torch.bfloat16, rank=1, world_size=2)  # not joined: it decides for itself
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * size, 0))
+    assert one.build_device(tiny_model_dir) == cuda and two.build_device(tiny_model_dir) == cuda
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * size - 1, 0))
+    assert two.build_device(tiny_model_dir) == cpu and one.build_device(tiny_model_dir) == cuda
+    assert two.build_device(tmp_path) == cpu  # no safetensors here: size unknown
+    assert Runtime(device=cpu, dtype=torch.float32, world_size=2).build_device(tiny_model_dir) == cpu
