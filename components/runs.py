@@ -26,8 +26,6 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
 from .resume_changes import config_changes, describe_changes, resolved_values
+from .set_aside import discard, put_back, set_aside, set_aside_folders
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
@@ -112,16 +111,12 @@ def _run_outputs(out: Path) -> list[Path]:
 
 
 def _set_aside_outputs(out: Path) -> None:
-    """Move what a training run wrote in `out` into a hidden folder beside it (renames: instant, and a crash
-    leaves no half folder under a name a run reads). `discard_overwritten` deletes them once the new run's setup
-    passed; `put_back_overwritten` restores them when it failed first."""
-    victims = _run_outputs(out)
-    if not victims:
-        return
-    trash = Path(tempfile.mkdtemp(prefix=_SET_ASIDE, dir=out))
-    for i, p in enumerate(victims):
-        os.rename(p, trash / f"{i}_{p.name}")
-    _set_aside_here[out.resolve()] = trash
+    """Move what a training run wrote in `out` into a hidden folder beside it (components/set_aside.py).
+    `discard_overwritten` deletes them once the new run's setup passed; `put_back_overwritten` restores them when
+    it failed first."""
+    aside = set_aside(out, _run_outputs(out), _SET_ASIDE)
+    if aside is not None:
+        _set_aside_here[out.resolve()] = aside
 
 
 def discard_overwritten(output_dir: str | os.PathLike) -> None:
@@ -132,8 +127,8 @@ def discard_overwritten(output_dir: str | os.PathLike) -> None:
         return
     out = Path(output_dir)
     _set_aside_here.pop(out.resolve(), None)
-    for trash in out.glob(f"{_SET_ASIDE}*"):
-        shutil.rmtree(trash, ignore_errors=True)
+    for aside in set_aside_folders(out, _SET_ASIDE):
+        discard(aside)
 
 
 def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:
@@ -142,17 +137,10 @@ def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:
     if output_dir is None:
         return False
     out = Path(output_dir)
-    trash = _set_aside_here.pop(out.resolve(), None)
-    if trash is None or not trash.is_dir():
+    aside = _set_aside_here.pop(out.resolve(), None)
+    if aside is None or not aside.is_dir():
         return False
-    for p in _run_outputs(out):  # the stopped run's own
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-    for item in trash.iterdir():
-        os.rename(item, out / item.name.split("_", 1)[1])
-    trash.rmdir()
+    put_back(out, aside, _run_outputs(out))  # the stopped run's own outputs go
     return True
 
 

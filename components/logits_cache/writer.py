@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
+from ..set_aside import discard, put_back, set_aside, set_aside_folders
 from .manifest import (
     FORMAT,
     MANIFEST,
@@ -117,9 +115,7 @@ class CacheWriter:
             old = {}
         self.replaced = {"shards": len(old.get("shards", {})), "num_shards": old.get("num_shards"),
                          "complete": bool(old.get("complete"))}
-        self.set_aside = Path(tempfile.mkdtemp(prefix=SET_ASIDE, dir=self.out))
-        for p in files:
-            os.rename(p, self.set_aside / p.name)
+        self.set_aside = set_aside(self.out, files, SET_ASIDE)
 
     def put_back(self) -> bool:
         """After a build that stopped before its first shard: its files go and the cache `overwrite` set aside
@@ -128,7 +124,7 @@ class CacheWriter:
         aside, self.set_aside = self.set_aside, None
         if aside is None or not aside.is_dir() or _has_shards(self.out):
             return False
-        _restore(self.out, aside)
+        put_back(self.out, aside, _cache_files(self.out))
         return True
 
     def _replacing_done(self) -> None:
@@ -171,8 +167,7 @@ class CacheWriter:
     def _discard_set_aside(self) -> None:
         """Delete the cache `overwrite` set aside: this build has written a shard (rank 0)."""
         aside, self.set_aside = self.set_aside, None
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        discard(aside)
 
     def finish(self) -> dict:
         """Merge every rank's records into manifest.json (rank 0) and mark it complete; returns the manifest."""
@@ -213,25 +208,14 @@ def _has_shards(out: Path) -> bool:
     return any(out.glob(_SHARD_GLOB))
 
 
-def _restore(out: Path, aside: Path) -> None:
-    """Replace the cache files in `out` by the ones set aside in `aside`, and remove `aside`."""
-    for p in _cache_files(out):
-        p.unlink()
-    for p in aside.iterdir():
-        os.rename(p, out / p.name)
-    aside.rmdir()
-
-
 def _settle_set_aside(out: Path) -> None:
     """What a killed overwrite=true build left in `out`: the cache it set aside comes back when the build wrote no
     shard, and is deleted when it did (the new cache then holds shards that a rerun continues)."""
-    for aside in sorted(out.glob(f"{SET_ASIDE}*")):
-        if not aside.is_dir():
-            continue
+    for aside in set_aside_folders(out, SET_ASIDE):
         if _has_shards(out):
-            shutil.rmtree(aside, ignore_errors=True)
+            discard(aside)
         else:
-            _restore(out, aside)
+            put_back(out, aside, _cache_files(out))
             print(f"note: {out}: a build with overwrite=true was stopped before it wrote a shard: the cache it was "
                   "replacing is back", flush=True)
 

@@ -1,0 +1,50 @@
+"""Outputs replaced by `overwrite=true`, kept until the new run has shown it works: moved by renames into a hidden
+folder in the output folder (instant, no second copy on disk, and nothing old left under a name the new run
+reads), then deleted, or put back when the new run stops first. Training runs (runs.py) and logits caches
+(logits_cache/writer.py) each decide when; this module only moves files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["discard", "put_back", "set_aside", "set_aside_folders"]
+
+
+def set_aside(out: Path, paths: Iterable[Path], prefix: str) -> Path | None:
+    """Move `paths` (files, folders or links in `out`) into a new hidden folder `out/<prefix>XXXX` and return it;
+    None when there is nothing to move."""
+    paths = list(paths)
+    if not paths:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=prefix, dir=out))
+    for i, p in enumerate(paths):
+        os.rename(p, aside / f"{i}_{p.name}")  # numbered: two paths may share a name only in their parents
+    return aside
+
+
+def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
+    """Delete `written` (what the stopped run wrote under the old names), move what `aside` holds back to its
+    names in `out`, and remove `aside`."""
+    for p in written:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    for item in aside.iterdir():
+        os.rename(item, out / item.name.split("_", 1)[1])
+    aside.rmdir()
+
+
+def discard(aside: Path | None) -> None:
+    """Delete what was set aside (the new run has shown it works)."""
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_aside_folders(out: Path, prefix: str) -> list[Path]:
+    """The folders `set_aside` made in `out` with `prefix` that are still there (a killed run's)."""
+    return sorted(p for p in out.glob(f"{prefix}*") if p.is_dir())
