@@ -81,6 +81,15 @@ def training_state_bytes(model: nn.Module) -> int:
     return 14 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: a wrapper subclass's inner tensors (NF4 stores ~0.52 bytes per element while its
+    element_size() says 2; fp8 bases their data and scales), else numel * element_size."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype,
                         device: torch.device, shards: int = 1, built_here: bool = False) -> tuple[bool, str]:
     """Whether activations + training state + reserve exceed the usable free memory of `device` (always False on
@@ -90,7 +99,7 @@ def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.
     if device.type != "cuda":
         return False, "off on CPU"
     acts = activation_bytes(model, micro_batch_tokens, dtype)
-    weights = 0 if shards == 1 else sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = 0 if shards == 1 else sum(stored_bytes(p) for p in model.parameters())
     need = acts + (training_state_bytes(model) + weights) // shards + RESERVE_BYTES
     free = (torch.cuda.mem_get_info(device)[0] + (weights if built_here else 0)) * USABLE_FRACTION
     on = need > free

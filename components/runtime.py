@@ -99,11 +99,13 @@ class Runtime:
             # cost a full copy per GPU.
             model.to(self.device)
         _quantize_fp8_bases(model, self.device, use_fsdp)
+        # built on this GPU (build_device) and about to be sharded: the sharding frees most of this copy
+        built_here = use_fsdp and self.device.type == "cuda" and any(p.device == self.device
+                                                                       for p in model.parameters())
         if activation_checkpointing == "auto":
             from .memory import needs_checkpointing
 
             shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
-            built_here = use_fsdp and any(p.device == self.device for p in model.parameters())
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
                                                                 self.device, shard, built_here)
             # every rank takes rank 0's choice: under FSDP a checkpointed layer all-gathers again in backward, so
@@ -120,6 +122,8 @@ class Runtime:
                 layer.compile()
         if use_fsdp:
             _shard(model, layers, self.device.type, self.world_size)
+            if built_here:  # the full copy's memory back to the GPU, so later free-memory checks see it
+                torch.cuda.empty_cache()
         return model
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -399,6 +403,8 @@ def prepare_teacher(rt: Runtime, teacher: nn.Module, placement: str = "auto", co
     if placement == "auto":
         need = sum(t.numel() for t in [*teacher.parameters(), *teacher.buffers()]) * rt.dtype.itemsize
         free, where = _free_memory(rt)
+        if rt.device.type == "cuda" and any(p.device == rt.device for p in teacher.parameters()):
+            free += need  # built on this GPU (Runtime.build_device): its own copy is not taken from the free memory
         free = float(rt.broadcast_object(free))  # rank 0's view, so every rank places the teacher the same way
         placement = "replicate" if need <= free / 2 else "shard"
         if rt.is_main:

@@ -35,7 +35,8 @@ def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
         else:
             p.unlink()
     for item in aside.iterdir():
-        os.rename(item, out / item.name.split("_", 1)[1])
+        number, _, name = item.name.partition("_")
+        os.rename(item, out / (name if number.isdigit() and name else item.name))  # unnumbered: an older version's
     aside.rmdir()
 
 

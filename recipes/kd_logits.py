@@ -231,8 +231,11 @@ def _build(cfg: KDLogitsConfig, rt: Runtime, writer: CacheWriter, dataset: Token
         # replicated: the whole teacher ends on this device, so it is built there (only ranks with work get here)
         teacher, _ = load_model(teacher_dir, dtype=rt.dtype, device=rt.device, max_seq_len=dataset.max_seq_len)
         prepare_teacher(rt, teacher, "replicate", cfg.compile)
+        # the fp8 drift decision is broadcast from rank 0 when every rank gets here; else each rank with work
+        # decides for itself (a collective among some ranks would hang)
         quantize_teacher(teacher, cfg.teacher.quantize, rt.device, max_drift=cfg.teacher.max_drift,
-                         model_dir=teacher_dir, max_seq_len=dataset.max_seq_len, rt=rt)
+                         model_dir=teacher_dir, max_seq_len=dataset.max_seq_len,
+                         rt=rt if writer.every_rank_has_work() else None)
 
     bs = cfg.batch_size
     # What is left to do, up front, and a bar over target tokens whose rate gives the ETA after the first batches

@@ -135,3 +135,25 @@ def test_manifest_names_the_changed_file(tmp_path):
     (tmp_path / "manifest.json").unlink()
     with pytest.raises(RecipeError, match=r"no manifest.json \(file checksums\)"):
         verify_manifest(tmp_path)
+
+
+def test_set_aside_puts_back_folders_links_and_names_with_underscores(tmp_path):
+    """overwrite=true's set-aside (components/set_aside.py) restores every name as it was, and what the stopped
+    run wrote is removed; a folder set aside by an older version (names not numbered) comes back unrenamed."""
+    from llm_recipe.components.set_aside import put_back, set_aside, set_aside_folders
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "shard_00000.safetensors").write_bytes(b"old")
+    (tmp_path / "latest").symlink_to("model")
+    aside = set_aside(tmp_path, [tmp_path / "model", tmp_path / "shard_00000.safetensors", tmp_path / "latest"], ".x-")
+    assert set_aside_folders(tmp_path, ".x-") == [aside] and not (tmp_path / "model").exists()
+    (tmp_path / "shard_00000.safetensors").write_bytes(b"new")  # the stopped run's
+    put_back(tmp_path, aside, [tmp_path / "shard_00000.safetensors"])
+    assert (tmp_path / "shard_00000.safetensors").read_bytes() == b"old" and (tmp_path / "model/config.json").is_file()
+    assert (tmp_path / "latest").is_symlink() and not aside.exists()
+    older = tmp_path / ".x-old"
+    older.mkdir()
+    (older / "manifest.json").write_text("{}")
+    put_back(tmp_path, older, [])
+    assert (tmp_path / "manifest.json").is_file()

@@ -342,3 +342,20 @@ def test_kd_from_the_top32_or_sampled_cache_matches_online_kd_on_the_embedded_mo
     assert a < 0.8 * start and b < 0.8 * start and c < 0.8 * start  # all learnt
     assert b == pytest.approx(a, rel=0.05), (start, a, b)
     assert c == pytest.approx(a, rel=0.05), (start, a, c)
+
+
+def test_a_collective_at_teacher_setup_needs_every_rank_to_have_a_shard():
+    """kd_logits sets up its teacher (and broadcasts the fp8 drift decision) only on ranks with shards to write:
+    with fewer shards left than ranks, a broadcast among the busy ones would hang, so it is skipped then."""
+    from types import SimpleNamespace
+
+    from llm_recipe.components.logits_cache.writer import CacheWriter
+
+    w = CacheWriter.__new__(CacheWriter)  # the shard bookkeeping alone, without a folder
+    w.header, w.rt, w.records = {"num_shards": 3}, SimpleNamespace(rank=0, world_size=2), {}
+    assert w.todo() == [0, 2] and w.todo(1) == [1] and w.every_rank_has_work()
+    w.records = {"1": {}}  # rank 1's only shard is written (a resumed build)
+    assert w.todo() == [0, 2] and w.todo(1) == [] and not w.every_rank_has_work()
+    w.rt = SimpleNamespace(rank=0, world_size=4)  # 3 shards on 4 ranks
+    w.records = {}
+    assert not w.every_rank_has_work()

@@ -216,3 +216,24 @@ def test_metadata_round_trip(tmp_path):
         read_qat_metadata(tmp_path)
     with pytest.raises(RecipeError, match="not found"):
         read_qat_metadata(tmp_path / "nowhere")
+
+
+def test_bf16_qat_lora_trains_the_weight_model_folder_holds():
+    """In bf16, the merged weight QAT + LoRA fake-quantizes is, bit for bit, the one `model/` gets
+    (merged_state_dict, PEFT's merge rounded once) and the one convert quantizes: what trains is what ships."""
+    from llm_recipe.components.quantization.qat import _merge_lora_into_linear
+
+    lora = LoRASettings(rank=4, alpha=12.0, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))  # scale 3
+    model = tiny_model(lora=lora).to(torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n:
+                p.copy_(torch.randn_like(p) * 0.3)
+    prepare_qat(model, "8da4w", 32)
+    saved = merged_state_dict(model)
+    modules = lora_modules(model)
+    assert len(modules) == 8
+    for name, module in modules.items():
+        trained = _merge_lora_into_linear(module).weight
+        assert trained.dtype == torch.bfloat16
+        assert torch.equal(trained, saved[f"{name}.weight"]), name

@@ -311,3 +311,16 @@ def test_several_gpu_processes_build_on_the_gpu_when_the_model_fits(monkeypatch,
     assert two.build_device(tiny_model_dir) == cpu and one.build_device(tiny_model_dir) == cuda
     assert two.build_device(tmp_path) == cpu  # no safetensors here: size unknown
     assert Runtime(device=cpu, dtype=torch.float32, world_size=2).build_device(tiny_model_dir) == cpu
+
+
+def test_memory_estimates_count_what_an_nf4_weight_stores():
+    """An NF4 weight (QLoRA) says 2 bytes per element but stores about 0.52: counted at its nominal size, a model
+    built on the GPU would look ~4 GB smaller than it frees on two GPUs (8B QLoRA), turning checkpointing off."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from llm_recipe.components.memory import stored_bytes
+
+    w = torch.randn(256, 512, dtype=torch.bfloat16)
+    q = torch.nn.Parameter(to_nf4(w), requires_grad=False)
+    assert stored_bytes(torch.nn.Parameter(w)) == w.numel() * 2
+    assert 0.5 * w.numel() < stored_bytes(q) < 0.55 * w.numel()

@@ -136,10 +136,15 @@ class CacheWriter:
         if self.overwrite:
             self.rt.barrier()
 
-    def todo(self) -> list[int]:
-        """This rank's shards that are not written yet."""
-        n = self.header["num_shards"]
-        return [i for i in range(self.rt.rank, n, self.rt.world_size) if str(i) not in self.records]
+    def todo(self, rank: int | None = None) -> list[int]:
+        """This rank's (or `rank`'s) shards that are not written yet."""
+        n, rank = self.header["num_shards"], self.rt.rank if rank is None else rank
+        return [i for i in range(rank, n, self.rt.world_size) if str(i) not in self.records]
+
+    def every_rank_has_work(self) -> bool:
+        """Whether every rank has a shard to write (every rank reads the same records): only then may the ranks
+        with work run a collective among themselves."""
+        return all(self.todo(r) for r in range(self.rt.world_size))
 
     def items(self, shard: int) -> range:
         per = self.header["items_per_shard"]
