@@ -220,7 +220,7 @@ def test_metadata_round_trip(tmp_path):
 
 def test_bf16_qat_lora_trains_the_weight_model_folder_holds():
     """In bf16, the merged weight QAT + LoRA fake-quantizes is, bit for bit, the one `model/` gets
-    (merged_state_dict, PEFT's merge rounded once) and the one convert quantizes: what trains is what ships."""
+    (merged_state_dict, which merges plain LoRA in fp32) and the one convert quantizes: what trains is what ships."""
     from llm_recipe.components.quantization.qat import _merge_lora_into_linear
 
     lora = LoRASettings(rank=4, alpha=12.0, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))  # scale 3

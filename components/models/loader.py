@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -130,13 +130,16 @@ def lora_rank_alpha(model: nn.Module) -> tuple[int, float] | None:
     return rank, float(getattr(first, "alpha", None) or first.scaling * rank)
 
 
-def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float,
+                          as_trained: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed).
 
     Each adapted weight is merged in fp32 and rounded to its dtype once: torchtune's merge in bf16 rounds
     `scale * B @ A` to bf16 before adding it, which moved 0.3% of a 1B model's bf16 weights by a step (up to 255
     steps where base and update cancel) away from PEFT's merge of the same adapter. One module at a time, so the
-    fp32 copies never exceed one weight."""
+    fp32 copies never exceed one weight. Modules named in `as_trained` (QAT + LoRA: training fake-quantizes the
+    merge computed in the weights' dtype, quantization/qat.py) are merged that way, so quantizing `model/` gives
+    what was trained."""
     import_torchtune()
     from torchtune.modules.peft import get_merged_lora_ckpt
 
@@ -144,7 +147,7 @@ def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float) 
         module = key.removesuffix(".lora_a.weight")
         parts = [f"{module}.weight", f"{module}.lora_a.weight", f"{module}.lora_b.weight", f"{module}.magnitude"]
         dtype = sd[f"{module}.weight"].dtype
-        one = {k: sd[k].float() for k in parts if k in sd}
+        one = {k: sd[k] if module in as_trained else sd[k].float() for k in parts if k in sd}
         sd[f"{module}.weight"] = get_merged_lora_ckpt(one, rank=rank, alpha=alpha)[f"{module}.weight"].to(dtype)
         for k in parts[1:]:
             sd.pop(k, None)
@@ -167,7 +170,8 @@ def merged_state_dict(
         sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
     ra = lora_rank_alpha(model)
     if ra is not None:
-        sd = merge_lora_state_dict(sd, *ra)
+        qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
+        sd = merge_lora_state_dict(sd, *ra, as_trained=qat)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return sd

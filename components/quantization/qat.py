@@ -157,11 +157,11 @@ def _lora_scale(module: nn.Module) -> float:
 
 
 def _merged_weight(module: nn.Module, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`w + (alpha / rank) * B @ A` as the saved `model/` holds it (models/loader.py merge_lora_state_dict: the
-    same fp32 operations in the same order, rounded once to w's dtype), so the weight QAT trains against is the one
-    the run writes and converts. In bf16 the delta as an fp32 matmul costs about 5% of a QAT + LoRA step (rank 64 on
-    a 1B model, estimated) against rounding it to bf16 first, which differed from PEFT's merge."""
-    return (w.float() + (_lora_scale(module) * b.float()) @ a.float()).to(w.dtype)
+    """`w + ((alpha / rank) * B) @ A` in w's dtype: the weight QAT trains against, and the one `model/` holds for
+    a QAT module (models/loader.py merges these in the weights' dtype, in this order, where plain LoRA merges in
+    fp32 and rounds once). Merging in fp32 here costs 27-42% more in the merge's forward and backward: 84-86 vs
+    61-66 ms per micro-batch over a 1B model's linears at rank 64 on an H200 (bench/qat_lora_merge_cost.py)."""
+    return w + (_lora_scale(module) * b) @ a
 
 
 _QAT_LORA_CLASSES: dict[type, type] = {}
