@@ -334,3 +334,28 @@ def test_eval_two_processes_split_requests_and_match_one(tiny_model_dir, tmp_pat
     assert one["results"] == two["results"] and one["results"]["recipe_copa"]["sample_len"] == 8
     # both ranks' per-item samples were gathered on rank 0: the 8 items, each once
     assert sorted(s["doc_id"] for s in two["samples"]["recipe_copa"]) == list(range(8))
+
+
+def test_a_sharded_qlora_checkpoint_converts_to_the_runs_model(tmp_path, tiny_model_dir):
+    """QLoRA on 2 processes: its checkpoints leave the frozen NF4 base out, and converting one with `--base` gives
+    the weights the run's own `model/` holds at that step (the NF4-rounded base in the run's dtype plus the merged
+    adapter), not the adapter on the unrounded base. 256-wide projections: NF4 shards evenly over 2 ranks."""
+    model = rc.make_llama(tmp_path / "m256", tiny_model_dir, seed=5, hidden=256, intermediate=512, layers=1,
+                          heads=4, kv_heads=4)
+    out = tmp_path / "qlora"
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, "lora", "--config", "lora/smollm2",
+                           *TRAIN, f"model.checkpoint_dir={model}", LORA, "lora.quantize_base=nf4",
+                           "save_every_n_steps=1", f"output_dir={out}"], cwd=tmp_path, env=rc.cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    rc.assert_ok(proc)
+    last = rc.complete_checkpoints(out)[-1]
+    assert last.name == f"step_{STEPS:06d}"
+    converted = tmp_path / "converted"
+    proc = subprocess.run([sys.executable, "-m", "llm_recipe.components.checkpoint.sharded", str(last), str(converted),
+                           "--base", str(model)], env=rc.cli_env(), capture_output=True, text=True, timeout=300)
+    rc.assert_ok(proc)
+    got, want = rc.weights(converted), rc.weights(out / "model")
+    assert set(got) == set(want)
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype, k
+        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-6, msg=k)

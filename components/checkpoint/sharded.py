@@ -170,7 +170,12 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
         lacking = [k for k in meta["from_base"] if k not in base_sd]
         if lacking:
             raise RecipeError(f"{base}: has no weight for {lacking[0]} (is it the run's base model?)")
-        sd.update({k: base_sd[k] for k in meta["from_base"]})
+        # what the run trained on and its model/ holds: the base rounded to NF4 (torchao's defaults, as torchtune's
+        # LoRALinear quantizes it) and dequantized, in the run's dtype (that of the saved adapters)
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        dtype = next((v.dtype for k, v in sd.items() if k.endswith(".lora_a.weight")), next(iter(sd.values())).dtype)
+        sd.update({k: to_nf4(base_sd[k].to(dtype)).get_original_weight() for k in meta["from_base"]})
     if meta["lora"] is not None:
         sd = merge_lora_state_dict(sd, meta["lora"]["rank"], meta["lora"]["alpha"])
     return save_model(None, args, out_dir, tokenizer_dir=ckpt, state_dict=sd)
