@@ -99,9 +99,7 @@ class Runtime:
             # cost a full copy per GPU.
             model.to(self.device)
         _quantize_fp8_bases(model, self.device, use_fsdp)
-        # built on this GPU (build_device) and about to be sharded: the sharding frees most of this copy
-        built_here = use_fsdp and self.device.type == "cuda" and any(p.device == self.device
-                                                                       for p in model.parameters())
+        built_here = use_fsdp and _on_gpu(model, self.device)  # and about to be sharded: that frees most of it
         if activation_checkpointing == "auto":
             from .memory import needs_checkpointing
 
@@ -403,8 +401,8 @@ def prepare_teacher(rt: Runtime, teacher: nn.Module, placement: str = "auto", co
     if placement == "auto":
         need = sum(t.numel() for t in [*teacher.parameters(), *teacher.buffers()]) * rt.dtype.itemsize
         free, where = _free_memory(rt)
-        if rt.device.type == "cuda" and any(p.device == rt.device for p in teacher.parameters()):
-            free += need  # built on this GPU (Runtime.build_device): its own copy is not taken from the free memory
+        if _on_gpu(teacher, rt.device):
+            free += need  # its own copy is not taken from the free memory
         free = float(rt.broadcast_object(free))  # rank 0's view, so every rank places the teacher the same way
         placement = "replicate" if need <= free / 2 else "shard"
         if rt.is_main:
@@ -455,6 +453,12 @@ def _is_sharded(model: nn.Module) -> bool:
     from .models.builder import is_sharded
 
     return is_sharded(model)
+
+
+def _on_gpu(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model` was built on `device`, a GPU (Runtime.build_device), so that its full copy already counts
+    against that GPU's free memory."""
+    return device.type == "cuda" and any(p.device == device for p in model.parameters())
 
 
 def _weight_bytes(ckpt_dir: str | Path, dtype: torch.dtype) -> int | None:
