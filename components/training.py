@@ -22,6 +22,7 @@ from torch import nn
 from .data.dataset import build_dataset, build_loader
 from .data.loader import StatefulLoader
 from .losses import kd_and_ce
+from .losses.rows import loss_rows
 from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
 from .models.host_embedding import input_tokens
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .train_config import TrainConfig
 
 IGNORE_INDEX = -100
+LOSS_ROWS = "loss_rows"  # to_device's key for the batch's components.losses.rows.LossRows
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -103,8 +105,17 @@ def windows(loader: StatefulLoader, accum: int, count: int) -> Iterator[list[dic
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device`; packed rows get their attention mask there: a flex-attention BlockMask on
-    a GPU, else dense (components/models/attention.py says why)."""
-    return batch_to_device(batch, device)
+    a GPU, else dense (components/models/attention.py says why). Labels still on the host also give `loss_rows`:
+    which positions carry a label, so that the loss projects only those (components/losses/rows.py)."""
+    out = batch_to_device({k: v for k, v in batch.items() if k != LOSS_ROWS}, device)
+    labels = batch.get("labels")
+    if LOSS_ROWS in batch:
+        out[LOSS_ROWS] = batch[LOSS_ROWS]
+    elif isinstance(labels, torch.Tensor) and labels.device.type == "cpu":
+        rows = loss_rows(labels, out["labels"].device)
+        if rows is not None:
+            out[LOSS_ROWS] = rows
+    return out
 
 
 def count_targets(window: list[dict], rt: Runtime) -> torch.Tensor:
@@ -126,7 +137,8 @@ def hidden_states(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def lm_loss_sum(model: nn.Module, batch: dict, num_chunks: int) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch, never materialising full logits."""
-    return kd_and_ce(hidden_states(model, batch), model.output, batch["labels"], num_chunks=num_chunks)["loss"]
+    return kd_and_ce(hidden_states(model, batch), model.output, batch["labels"], num_chunks=num_chunks,
+                     rows_with_labels=batch.get(LOSS_ROWS))["loss"]
 
 
 def clip_gradients(model: nn.Module, max_grad_norm: float | None) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ from llm_recipe.components.teacher import TeacherSettings, check_teacher_and_stu
 from llm_recipe.components.train_config import TrainConfig
 from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
 from llm_recipe.components.training import (
+    LOSS_ROWS,
     Throughput,
     build_train_loader,
     clip_gradients,
@@ -202,7 +203,8 @@ def main(cfg: KDConfig) -> None:
                         target = LiveTeacher(hidden_states(teacher, batch), teacher.output)
                 hidden = hidden_states(student, batch)
                 parts = kd_and_ce(hidden, student.output, batch["labels"], target, op.kd_loss if on else kd_loss,
-                                  1.0 if on else kd_ratio, num_chunks=chunks, vocab_size=vocab)
+                                  1.0 if on else kd_ratio, num_chunks=chunks, vocab_size=vocab,
+                                  rows_with_labels=batch.get(LOSS_ROWS))  # skips chunks of prompt tokens
                 (parts["loss"] / n * rt.world_size).backward()
                 if on:  # its loss term and the teacher-scored reverse KL of the samples, for the step's metrics
                     op.score(parts, n, hidden, student.output, batch["labels"], target)

@@ -33,12 +33,13 @@ from .kd_loss import blend
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
+    from .rows import LossRows
     from .teachers import Teacher
 
 __all__ = ["forward_kl_ce_chunk", "fusable_head_weight", "fused_loss"]
 
-# rows i..j of the flattened batch -> the teacher's targets for them (logits, or a cached top-k tuple)
-TeacherRows = Callable[[int, int], Any]
+# rows of the flattened batch (a slice, or positions) -> the teacher's targets for them (logits, or a cached top-k)
+TeacherRows = Callable[[slice | Tensor], Any]
 # (student logits, teacher targets or None, labels) -> (ce_sum, kd_sum, d loss / d student logits)
 ChunkFn = Callable[[Tensor, Any, Tensor], tuple[Tensor, Tensor, Tensor]]
 # a closed-form chunk: ChunkFn with the loss weights, temperature and ignore_index as keywords
@@ -119,24 +120,30 @@ def _autograd_chunk(s: Tensor, t: Any, y: Tensor, kd_ratio: float, divergence: C
 class _FusedLinearKDCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, teacher_rows: TeacherRows | None, labels: Tensor,
-                chunk_fn: ChunkFn, rows: int, vocab: int | None, kd_ratio: float) -> tuple[Tensor, Tensor, Tensor]:
+                chunk_fn: ChunkFn, rows: int, vocab: int | None, kd_ratio: float,
+                order: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight if vocab is None else weight[:vocab]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        # with `order`, only those rows are projected: the others (no label) get a zero gradient
+        grad_h = (torch.empty_like(hidden) if order is None else torch.zeros_like(hidden)) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         acc = torch.promote_types(hidden.dtype, torch.float32)
         ce = hidden.new_zeros((), dtype=acc)
         kd = hidden.new_zeros((), dtype=acc)
-        for i in range(0, hidden.shape[0], rows):
-            h = hidden[i:i + rows]
+        for i in range(0, hidden.shape[0] if order is None else order.shape[0], rows):
+            sel = slice(i, i + rows) if order is None else order[i:i + rows]
+            h = hidden[sel]
             s = h @ w.t()
-            t = None if teacher_rows is None else teacher_rows(i, i + rows)
-            ce_c, kd_c, g = chunk_fn(s, t, labels[i:i + rows])
+            t = None if teacher_rows is None else teacher_rows(sel)
+            ce_c, kd_c, g = chunk_fn(s, t, labels[sel])
             del s, t
             ce += ce_c
             kd += kd_c
             if need_h:
-                torch.mm(g, w, out=grad_h[i:i + rows])
+                if order is None:
+                    torch.mm(g, w, out=grad_h[sel])
+                else:
+                    grad_h.index_copy_(0, sel, g @ w)
             if need_w:
                 grad_w[: w.shape[0]].addmm_(g.t(), h)
         ctx.save_for_backward(grad_h, grad_w)
@@ -150,15 +157,17 @@ class _FusedLinearKDCE(torch.autograd.Function):
             grad_h = grad_h * g_total.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = grad_w * g_total.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher | None, kd_loss: KDLoss | None,
-               kd_ratio: float, num_chunks: int, vocab_size: int | None,
-               compile: bool) -> tuple[Tensor, Tensor, Tensor]:
+               kd_ratio: float, num_chunks: int, vocab_size: int | None, compile: bool,
+               rows_with_labels: LossRows | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, ce_sum, kd_sum)`` for ``hidden [b, s, d]`` and the student's plain head ``weight [V, d]``, in
     ``num_chunks`` row chunks of the flattened batch; only the loss has grad. Arguments are checked by the caller
-    (objective.py); ``compile`` compiles the closed-form forward-KL kernel."""
+    (objective.py); ``compile`` compiles the closed-form forward-KL kernel. With ``rows_with_labels`` (rows.py),
+    chunks of the same size run over the labelled rows first, and whole chunks of rows without a label are skipped:
+    neither head is projected for them."""
     if vocab_size is not None and vocab_size > weight.shape[0]:
         raise RecipeError(f"loss vocab_size={vocab_size} exceeds the output head's {weight.shape[0]} rows")
     hidden = hidden.flatten(0, 1)
@@ -173,11 +182,17 @@ def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher 
                                      ignore_index=IGNORE_INDEX)
     teacher_rows = None if teacher is None else _rows_of(teacher, vocab_size)
     rows = -(-hidden.shape[0] // num_chunks)
+    order = None
+    if rows_with_labels is not None:
+        # whole chunks (the same shape as without, so compiled kernels are reused) cover the labelled rows
+        covered = -(-rows_with_labels.labelled // rows) * rows
+        if covered < hidden.shape[0]:
+            order = rows_with_labels.order[:covered]
     return _FusedLinearKDCE.apply(hidden, weight, teacher_rows, labels.flatten(), chunk_fn, rows, vocab_size,
-                                  kd_ratio)
+                                  kd_ratio, order)
 
 
 def _rows_of(teacher: Teacher, vocab_size: int | None) -> TeacherRows:
-    """Rows i..j of the flattened batch -> the teacher's targets for them."""
+    """Rows of the flattened batch (a slice, or positions) -> the teacher's targets for them."""
     flat = [t.flatten(0, 1) for t in teacher.tensors()]
-    return lambda i, j: teacher.targets(*(t[i:j] for t in flat), vocab_size=vocab_size)
+    return lambda sel: teacher.targets(*(t[sel] for t in flat), vocab_size=vocab_size)

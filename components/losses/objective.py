@@ -19,6 +19,7 @@ from .checkpointed import checkpointed_sums
 from .divergences import IGNORE_INDEX
 from .fused import fusable_head_weight, fused_loss
 from .kd_loss import KDLoss, blend
+from .rows import LossRows
 from .teachers import Teacher
 
 __all__ = ["chunked_cross_entropy", "kd_and_ce"]
@@ -48,7 +49,8 @@ def _check(hidden: Tensor, labels: Tensor, num_chunks: int, vocab_size: int | No
 
 def kd_and_ce(student_hidden: Tensor, student_head: nn.Module | Callable[[Tensor], Tensor], labels: Tensor,
               teacher: Teacher | None = None, kd_loss: KDLoss | None = None, kd_ratio: float = 0.0,
-              num_chunks: int = 8, vocab_size: int | None = None, compile: bool | None = None) -> dict[str, Tensor]:
+              num_chunks: int = 8, vocab_size: int | None = None, compile: bool | None = None,
+              rows_with_labels: LossRows | None = None) -> dict[str, Tensor]:
     """``{"loss": (1 - kd_ratio) * CE + kd_ratio * KD, "ce", "kd", "n"}``, sums over valid tokens (labels already
     shifted, -100 ignored); only "loss" has grad (divide it by n, or by a global count).
 
@@ -57,13 +59,14 @@ def kd_and_ce(student_hidden: Tensor, student_head: nn.Module | Callable[[Tensor
     ``CachedTeacher(logp, ids)``; without one the KD term is 0 (CE alone). ``kd_loss`` comes from
     ``build_kd_loss``. Tokens are processed in ``num_chunks`` chunks; ``vocab_size`` slices both sides' logits
     (``shared_vocab``, or a cache's vocabulary); ``compile`` (default: on CUDA) compiles the fused driver's
-    closed-form forward-KL kernel.
+    closed-form forward-KL kernel. ``rows_with_labels`` (``loss_rows`` of the host labels) lets the fused driver
+    skip whole chunks of unlabelled tokens; the result is the same.
     """
     _check(student_hidden, labels, num_chunks, vocab_size, teacher, kd_loss, kd_ratio)
     weight = fusable_head_weight(student_head)
     if weight is not None:
         loss, ce, kd = fused_loss(student_hidden, weight, labels, teacher, kd_loss, kd_ratio, num_chunks, vocab_size,
-                                  student_hidden.is_cuda if compile is None else compile)
+                                  student_hidden.is_cuda if compile is None else compile, rows_with_labels)
     else:
         ce, kd = checkpointed_sums(student_hidden, student_head, labels, teacher, kd_loss, num_chunks, vocab_size)
         loss, ce, kd = blend(ce, kd, kd_ratio), ce.detach(), kd.detach()
