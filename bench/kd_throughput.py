@@ -45,6 +45,7 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 # name -> (side, student, options). Ours: extra `recipe run kd` overrides. torchtune: harness flags.
+CHAT = ["dataset.source=transfer:chat", "dataset.format=chat", "dataset.use_chat_template=true"]
 ROWS: dict[str, tuple[str, str, list[str]]] = {
     "tt_lora_eager": ("torchtune", "lora", []),
     "tt_lora_compile": ("torchtune", "lora", ["--compile"]),
@@ -90,6 +91,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # teacher.max_drift=0.01 on the random-weight teacher: what the setup-time drift check costs on an 8B teacher
     # (random weights drift 0.31 nats/token under fp8, so the bound keeps this teacher in bf16)
     "shipped_lora_drift_bound": ("shipped", "lora", ["teacher.max_drift=0.01"]),
+    # the local chat set (reading-comprehension contexts with short answers: 96% of tokens are prompt, no label)
+    # through the shipped chat template and train_on_input: false
+    "shipped_lora_chat": ("shipped", "lora", CHAT),
 }
 
 
