@@ -18,7 +18,7 @@ from llm_recipe.components.models.host_embedding import (
     move_embedding_to_host,
     why_not_on_host,
 )
-from llm_recipe.components.training import hidden_states, to_device
+from llm_recipe.components.training import LOSS_ROWS, hidden_states, to_device
 
 
 def _args(vocab: int = 1000, hidden: int = 64, tied: bool = False):
@@ -70,7 +70,7 @@ def test_batch_keeps_its_host_tokens_and_nothing_else_changes():
     batch = _packed_batch(1000, 0)
     moved = to_device(batch, torch.device("cpu"))
     assert moved[HOST_TOKENS] is batch["tokens"]  # a reference to the host tensor: no copy
-    assert set(moved) == set(batch) | {"mask", HOST_TOKENS}
+    assert set(moved) - {LOSS_ROWS} == set(batch) | {"mask", HOST_TOKENS}  # loss_rows: tests/test_loss_rows.py
     for k, v in batch.items():
         assert torch.equal(moved[k], v)
     again = to_device(moved, torch.device("cpu"))  # moving a moved batch keeps the host copy on the host
