@@ -282,7 +282,8 @@ def test_packing_blocks_cross_document_attention_and_matches_unpacked_targets(tm
     assert "mask" not in batch  # built on the device from input_pos (components/models/attention.py)
     mask = document_mask(batch["input_pos"])
     assert mask.shape == (len(packed), 64, 64) and mask.dtype == torch.bool
-    doc_iter = iter(unpacked)
+    docs = [collate([doc], pad_id=tok.pad_id) for doc in unpacked]
+    found = []
     for r, row in enumerate(packed):
         start = 0
         for k, n in enumerate(row["seq_lens"]):
@@ -296,13 +297,13 @@ def test_packing_blocks_cross_document_attention_and_matches_unpacked_targets(tm
             if is_pad:
                 assert (batch["labels"][r, start:] == IGNORE_INDEX).all()
             else:
-                doc = next(doc_iter)
-                ref = collate([doc], pad_id=tok.pad_id)
-                assert torch.equal(batch["tokens"][r, start : start + n], ref["tokens"][0])
-                assert torch.equal(batch["labels"][r, start : start + n], ref["labels"][0])
+                k = next(k for k, ref in enumerate(docs) if k not in found and ref["tokens"].shape[1] == n
+                         and torch.equal(batch["tokens"][r, start : start + n], ref["tokens"][0]))
+                found.append(k)
+                assert torch.equal(batch["labels"][r, start : start + n], docs[k]["labels"][0])
                 assert batch["labels"][r, start + n - 1] == IGNORE_INDEX  # no target crosses a boundary
             start += n
-    assert next(doc_iter, None) is None  # every document packed, in order
+    assert sorted(found) == list(range(len(docs)))  # every document packed, once
     assert packed.num_loss_tokens() == unpacked.num_loss_tokens()
     assert [x["tokens"] for x in build_dataset(tok, str(p), max_seq_len=64, packed=True)] == \
         [x["tokens"] for x in packed]  # deterministic
@@ -311,9 +312,40 @@ def test_packing_blocks_cross_document_attention_and_matches_unpacked_targets(tm
 def test_packed_dataset_pads_remainder_and_truncates_long_examples():
     ex = [{"tokens": [1, 2, 3], "labels": [1, 2, 3]}, {"tokens": list(range(10, 20)), "labels": list(range(10, 20))}]
     packed = PackedDataset(ex, max_seq_len=6, pad_id=0)
-    assert [r["seq_lens"] for r in packed] == [[3, 3], [6]]
-    assert packed[0]["tokens"] == [1, 2, 3, 0, 0, 0] and packed[0]["labels"][3:] == [-100] * 3
-    assert packed[1]["tokens"] == list(range(10, 16))
+    assert [r["seq_lens"] for r in packed] == [[6], [3, 3]]  # a row is emitted when it is full, the rest at the end
+    assert packed[0]["tokens"] == list(range(10, 16))
+    assert packed[1]["tokens"] == [1, 2, 3, 0, 0, 0] and packed[1]["labels"][3:] == [-100] * 3
+
+
+def _example(n: int, first: int) -> dict:
+    return {"tokens": list(range(first, first + n)), "labels": list(range(first, first + n))}
+
+
+def test_packing_puts_an_example_in_the_first_open_row_it_fits_and_pads_less_than_filling_in_order():
+    # lengths 6, 5, 2, 3 into rows of 8: first fit 6+2 | 5+3, two full rows; one open row at a time is the usual
+    # next fit (fill a row in order, pad it when the next example does not fit): 6 | 5+2 | 3, eight pad tokens
+    examples = [_example(n, 100 * i) for i, n in enumerate([6, 5, 2, 3])]
+    packed = PackedDataset(examples, max_seq_len=8, pad_id=0)
+    assert [r["seq_lens"] for r in packed] == [[6, 2], [5, 3]]
+    assert packed[0]["tokens"] == list(range(0, 6)) + [200, 201]
+    assert packed[1]["labels"] == list(range(100, 105)) + [300, 301, 302]
+    in_order = PackedDataset(examples, max_seq_len=8, pad_id=0, open_rows=1)
+    assert [r["seq_lens"] for r in in_order] == [[6, 2], [5, 2, 1], [3, 5]]  # the last length of each: padding
+    assert in_order[2]["tokens"] == [300, 301, 302, 0, 0, 0, 0, 0]
+
+
+def test_packing_the_transfer_passages_pads_a_third_of_what_filling_in_order_does(tok):
+    from llm_recipe.components.data.dataset import build_dataset as build
+
+    docs = list(build(tok, "transfer:passages", format="text", max_seq_len=2048))
+
+    def padded(rows: PackedDataset) -> int:  # a padded row's last "document" is its padding
+        return sum(r["seq_lens"][-1] for r in rows if r["tokens"][-1] == tok.pad_id)
+
+    first_fit = PackedDataset(docs, 2048, tok.pad_id)
+    in_order = PackedDataset(docs, 2048, tok.pad_id, open_rows=1)
+    assert padded(first_fit) * 3 < padded(in_order)
+    assert len(first_fit) < len(in_order)
 
 
 # ---------------------------------------------------------------- loader

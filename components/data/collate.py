@@ -59,23 +59,27 @@ def collate_packed(batch: Sequence[dict], ignore_index: int = IGNORE_INDEX) -> d
 
 
 class PackedDataset(Sequence):
-    """Examples concatenated greedily, in order, into rows of exactly max_seq_len tokens.
+    """Examples packed into rows of exactly max_seq_len tokens, each example into the first of the open rows it fits
+    (first fit over a window of `open_rows`; when none has room and the window is full, the fullest row is closed).
 
+    Why not the usual next fit (fill one row in order, pad it when the next example does not fit; torchtune's
+    PackedDataset): it pads away half an example per row, 7.6% of the tokens of 2048-token rows of the transfer
+    passages and 15% at 1024, which every step computes; first fit over 16 open rows pads 1.1% and 3.3%, so an
+    epoch has 6-12% fewer rows. Deterministic for a given order of examples, which stay within a window of rows.
     Each row keeps `seq_lens` (its documents' lengths; trailing padding counts as one extra document that only
     attends to itself, so no attention row is empty). Examples longer than max_seq_len are truncated.
     """
 
     def __init__(self, examples: Sequence[dict], max_seq_len: int, pad_id: int,
-                 ignore_index: int = IGNORE_INDEX) -> None:
+                 ignore_index: int = IGNORE_INDEX, open_rows: int = 16) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be positive")
         self.max_seq_len = max_seq_len
         self.rows: list[dict] = []
-        tokens: list[int] = []
-        labels: list[int] = []
-        lens: list[int] = []
+        rows: list[tuple[list[int], list[int], list[int]]] = []  # open rows: tokens, labels, document lengths
 
-        def flush() -> None:
+        def close(row: tuple[list[int], list[int], list[int]]) -> None:
+            tokens, labels, lens = row
             pad = max_seq_len - len(tokens)
             self.rows.append({
                 "tokens": tokens + [pad_id] * pad,
@@ -87,14 +91,20 @@ class PackedDataset(Sequence):
             t, lab = list(ex["tokens"][:max_seq_len]), list(ex["labels"][:max_seq_len])
             if not t:
                 continue
-            if len(tokens) + len(t) > max_seq_len:
-                flush()
-                tokens, labels, lens = [], [], []
-            tokens += t
-            labels += lab
-            lens.append(len(t))
-        if tokens:
-            flush()
+            i = next((i for i, r in enumerate(rows) if len(r[0]) + len(t) <= max_seq_len), None)
+            if i is None:
+                if len(rows) == open_rows:
+                    close(rows.pop(max(range(len(rows)), key=lambda k: len(rows[k][0]))))
+                rows.append(([], [], []))
+                i = len(rows) - 1
+            row = rows[i]
+            row[0].extend(t)
+            row[1].extend(lab)
+            row[2].append(len(t))
+            if len(row[0]) == max_seq_len:
+                close(rows.pop(i))
+        for row in rows:
+            close(row)
 
     def __len__(self) -> int:
         return len(self.rows)
