@@ -274,18 +274,18 @@ def test_held_out_that_dataset_limit_cannot_leave_rows_for_is_refused_at_load(tm
 
 def test_held_out_that_takes_every_tokenized_row_fails_before_any_weights_load(tmp_path, monkeypatch, capsys,
                                                                              tiny_model_dir):
-    """20 passages pack into 17 rows of 512 tokens: held_out=17 passes the limit check, and the tokenized data
+    """20 passages pack into 16 rows of 512 tokens: held_out=16 passes the limit check, and the tokenized data
     (built before the layers are scored or any weights load) says there is no row left to train on."""
     monkeypatch.chdir(tmp_path)
     code = rc.run_in_process("kd", "kd/smollm2_demo", [
         f"teacher.checkpoint_dir={tiny_model_dir}", f"output_dir={tmp_path}/out", "device=cpu", "dtype=fp32",
-        "student.prune=null", "dataset.limit=20", "dataset.max_seq_len=512", "kd.on_policy={fraction: 0.5, held_out: 17}",
+        "student.prune=null", "dataset.limit=20", "dataset.max_seq_len=512", "kd.on_policy={fraction: 0.5, held_out: 16}",
         "max_steps=1"])
     out, err = capsys.readouterr()
     assert code == 1 and "setup: student layers" not in out and "weights" not in out, out
     assert rc.error_lines(subprocess.CompletedProcess([], 1, out, err)) == [
-        "recipe: error: kd.on_policy.held_out=17 leaves no training rows: the dataset has 17 after packing (lower "
-        "held_out below 17, or add rows to the dataset)"]
+        "recipe: error: kd.on_policy.held_out=16 leaves no training rows: the dataset has 16 after packing (lower "
+        "held_out below 16, or add rows to the dataset)"]
 
 
 @pytest.mark.parametrize("override, message", [
