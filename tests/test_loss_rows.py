@@ -137,3 +137,35 @@ def _hidden_head(model, batch):
     from llm_recipe.components.training import hidden_states
 
     return hidden_states(model, batch), model.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled forward-KL kernel in bf16")
+def test_on_cuda_the_compiled_bf16_loss_skips_the_same_rows_and_gives_the_same_numbers():
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    h = torch.randn(2, 512, 64, device=dev, dtype=dt, requires_grad=True)
+    w = torch.randn(1000, 64, device=dev, dtype=dt, requires_grad=True)
+    th = torch.randn(2, 512, 96, device=dev, dtype=dt)
+    tw = torch.randn(1000, 96, device=dev, dtype=dt)
+    y = torch.randint(0, 1000, (2, 512))
+    y[0, :400] = -100  # prompts: 300 of 1024 positions labelled, 5 chunks of 64 instead of 16
+    y[1, :324] = -100
+    head = CountingHead(tw)
+    kd = build_kd_loss("forward_kl")
+    want = kd_and_ce(h, _plain(w), y.to(dev), LiveTeacher(th, lambda x: x @ tw.t()), kd, 0.5, num_chunks=16)
+    want_g = torch.autograd.grad(want["loss"], (h, w))
+    got = kd_and_ce(h, _plain(w), y.to(dev), LiveTeacher(th, head), kd, 0.5, num_chunks=16,
+                    rows_with_labels=loss_rows(y, dev))
+    got_g = torch.autograd.grad(got["loss"], (h, w))
+    assert head.rows == 5 * 64
+    for k in ("loss", "ce", "kd"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(got_g[0], want_g[0], rtol=2e-2, atol=1e-4)  # per row: the same math
+    # the head's gradient sums over chunks in bf16: fewer chunks round less, so against fp32 it is no worse
+    h32, w32 = (t.detach().float().requires_grad_(True) for t in (h, w))
+    ref = kd_and_ce(h32, _plain(w32), y.to(dev), LiveTeacher(th.float(), lambda x: x @ tw.float().t()), kd, 0.5,
+                    num_chunks=16)
+    ref_gw = torch.autograd.grad(ref["loss"], w32)[0]
+    err_got, err_want = ((g[1].float() - ref_gw).norm() / ref_gw.norm() for g in (got_g, want_g))
+    print(f"relative error of the head's gradient: {float(err_got):.2e} with rows, {float(err_want):.2e} without")
+    assert err_got <= 1.05 * err_want and err_got < 0.02
