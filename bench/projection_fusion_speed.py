@@ -19,26 +19,12 @@ import json
 
 import torch
 import torch.nn as nn
+from attention_speed import timed  # bench/ is on sys.path when a bench script runs
 
 SHAPES = {  # hidden, q width, k/v width, MLP width
     "teacher": (4096, 4096, 1024, 14336),
     "student": (2048, 2048, 512, 8192),
 }
-
-
-def timed(fn, iters: int) -> float:
-    """Milliseconds per call (median of `iters` CUDA-event timings, after 5 warm-up calls)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 class Separate(nn.Module):

@@ -28,17 +28,9 @@ def _inputs(seed: int, vocab: int | None, b=2, s=7, d=16, dt=24, v=50):
     return h, w, th, tw, y
 
 
-def _plain(w: torch.Tensor) -> nn.Linear:
-    """A bias-free Linear (the fused driver) whose weight is the test's tensor `w` itself."""
-    head = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-    del head.weight
-    head.weight = w
-    return head
-
-
 def _head(path: str, w: torch.Tensor):
     """The student head that makes kd_and_ce take `path`: a plain Linear fuses, a bare callable does not."""
-    return _plain(w) if path == "fused" else (lambda x: x @ w.t())
+    return ref.plain_head(w) if path == "fused" else (lambda x: x @ w.t())
 
 
 @pytest.mark.parametrize("kind,extra", KINDS)

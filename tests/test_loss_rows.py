@@ -7,7 +7,6 @@ teacher's head sees only the rows it must; `to_device` hands the recipes those r
 import kd_reference as ref
 import pytest
 import torch
-from torch import nn
 
 from llm_recipe.components.losses import CachedTeacher, LiveTeacher, build_kd_loss, kd_and_ce
 from llm_recipe.components.losses import fused as fused_module
@@ -28,14 +27,6 @@ def _inputs(seed: int, b=2, s=16, d=8, dt=12, v=40):
     y[0, :10] = -100
     y[1, :9] = -100
     return h, w, th, tw, y
-
-
-def _plain(w: torch.Tensor) -> nn.Linear:
-    """A bias-free Linear (the fused driver) whose weight is the test's tensor `w` itself."""
-    head = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-    del head.weight
-    head.weight = w
-    return head
 
 
 class CountingHead:
@@ -59,7 +50,7 @@ def test_skipped_prompt_chunks_give_the_reference_and_the_teacher_head_sees_half
     head = CountingHead(tw)
     rows = loss_rows(y, "cpu")
     assert rows.labelled == 13
-    out = kd_and_ce(h, _plain(w), y, LiveTeacher(th, head), build_kd_loss(kind, 1.0, **extra), 0.5, num_chunks=8,
+    out = kd_and_ce(h, ref.plain_head(w), y, LiveTeacher(th, head), build_kd_loss(kind, 1.0, **extra), 0.5, num_chunks=8,
                     rows_with_labels=rows)
     gh, gw = torch.autograd.grad(out["loss"], (h, w))
     torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-12, atol=1e-10)
@@ -78,9 +69,9 @@ def test_a_cached_teacher_and_ce_alone_give_the_same_with_and_without_the_rows()
     cached = CachedTeacher(logp.unflatten(0, y.shape), ids.unflatten(0, y.shape))
     for teacher, kd_loss, ratio in ((cached, build_kd_loss("forward_kl"), 0.5),
                                     (cached, build_kd_loss("reverse_kl"), 0.7), (None, None, 0.0)):
-        want = kd_and_ce(h, _plain(w), y, teacher, kd_loss, ratio, num_chunks=8)
+        want = kd_and_ce(h, ref.plain_head(w), y, teacher, kd_loss, ratio, num_chunks=8)
         want_g = torch.autograd.grad(want["loss"], (h, w))
-        got = kd_and_ce(h, _plain(w), y, teacher, kd_loss, ratio, num_chunks=8, rows_with_labels=loss_rows(y, "cpu"))
+        got = kd_and_ce(h, ref.plain_head(w), y, teacher, kd_loss, ratio, num_chunks=8, rows_with_labels=loss_rows(y, "cpu"))
         got_g = torch.autograd.grad(got["loss"], (h, w))
         for k in ("loss", "ce", "kd"):
             torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-10)
@@ -91,7 +82,7 @@ def test_a_micro_batch_without_labels_projects_nothing_and_gives_zero():
     h, w, th, tw, y = _inputs(3)
     y[:] = -100
     head = CountingHead(tw)
-    out = kd_and_ce(h, _plain(w), y, LiveTeacher(th, head), build_kd_loss("forward_kl"), 0.5, num_chunks=8,
+    out = kd_and_ce(h, ref.plain_head(w), y, LiveTeacher(th, head), build_kd_loss("forward_kl"), 0.5, num_chunks=8,
                     rows_with_labels=loss_rows(y, "cpu"))
     gh, gw = torch.autograd.grad(out["loss"], (h, w))
     assert float(out["loss"].detach()) == 0.0 and head.rows == 0
@@ -152,9 +143,9 @@ def test_on_cuda_the_compiled_bf16_loss_skips_the_same_rows_and_gives_the_same_n
     y[1, :324] = -100
     head = CountingHead(tw)
     kd = build_kd_loss("forward_kl")
-    want = kd_and_ce(h, _plain(w), y.to(dev), LiveTeacher(th, lambda x: x @ tw.t()), kd, 0.5, num_chunks=16)
+    want = kd_and_ce(h, ref.plain_head(w), y.to(dev), LiveTeacher(th, lambda x: x @ tw.t()), kd, 0.5, num_chunks=16)
     want_g = torch.autograd.grad(want["loss"], (h, w))
-    got = kd_and_ce(h, _plain(w), y.to(dev), LiveTeacher(th, head), kd, 0.5, num_chunks=16,
+    got = kd_and_ce(h, ref.plain_head(w), y.to(dev), LiveTeacher(th, head), kd, 0.5, num_chunks=16,
                     rows_with_labels=loss_rows(y, dev))
     got_g = torch.autograd.grad(got["loss"], (h, w))
     assert head.rows == 5 * 64
@@ -163,9 +154,9 @@ def test_on_cuda_the_compiled_bf16_loss_skips_the_same_rows_and_gives_the_same_n
     torch.testing.assert_close(got_g[0], want_g[0], rtol=2e-2, atol=1e-4)  # per row: the same math
     # the head's gradient sums over chunks in bf16: fewer chunks round less, so against fp32 it is no worse
     h32, w32 = (t.detach().float().requires_grad_(True) for t in (h, w))
-    ref = kd_and_ce(h32, _plain(w32), y.to(dev), LiveTeacher(th.float(), lambda x: x @ tw.float().t()), kd, 0.5,
+    exact = kd_and_ce(h32, ref.plain_head(w32), y.to(dev), LiveTeacher(th.float(), lambda x: x @ tw.float().t()), kd, 0.5,
                     num_chunks=16)
-    ref_gw = torch.autograd.grad(ref["loss"], w32)[0]
+    ref_gw = torch.autograd.grad(exact["loss"], w32)[0]
     err_got, err_want = ((g[1].float() - ref_gw).norm() / ref_gw.norm() for g in (got_g, want_g))
     print(f"relative error of the head's gradient: {float(err_got):.2e} with rows, {float(err_want):.2e} without")
     assert err_got <= 1.05 * err_want and err_got < 0.02

@@ -32,14 +32,6 @@ def _targets(th: torch.Tensor, tw: torch.Tensor, k: int, temperature: float):
     return logp.unflatten(0, th.shape[:2]), ids.unflatten(0, th.shape[:2])
 
 
-def _linear(w: torch.Tensor) -> nn.Linear:
-    """A plain bias-free Linear (the fused path) whose weight is the test's leaf tensor `w`."""
-    head = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-    del head.weight
-    head.weight = w
-    return head
-
-
 class _Head(nn.Module):  # not fusable: goes through the checkpointed chunks
     def __init__(self, w):
         super().__init__()
@@ -71,7 +63,7 @@ def test_cached_loss_matches_the_bucket_reference(kind, extra, fused, temperatur
                                              (logp.flatten(0, 1), ids.flatten(0, 1)), temperature, **extra)
     ref_gh, ref_gw = torch.autograd.grad(ref_loss * 3.0, (h, w))
 
-    head = _linear(w) if fused else _Head(w)
+    head = ref.plain_head(w) if fused else _Head(w)
     out = kd_and_ce(h, head, y, CachedTeacher(logp, ids), build_kd_loss(kind, temperature, **extra), kd_ratio,
                     num_chunks=chunks)
     gh, gw = torch.autograd.grad(out["loss"] * 3.0, (h, w))
@@ -92,7 +84,7 @@ def test_student_equal_to_teacher_scores_zero_and_gets_no_kd_gradient():
     h, w, _, _, y = _inputs(3)
     with torch.no_grad():
         logp, ids = _targets(h.detach(), w.detach(), k=4, temperature=1.5)
-    head = _linear(w)
+    head = ref.plain_head(w)
     out = kd_and_ce(h, head, y, CachedTeacher(logp, ids), build_kd_loss("forward_kl", 1.5), 1.0)
     assert abs(float(out["kd"])) < 1e-10
     (gh,) = torch.autograd.grad(out["loss"], (h,))
@@ -107,7 +99,7 @@ def test_student_head_padding_rows_are_sliced_to_the_cache_vocabulary(fused):
     want, _, _ = ref.objective("jsd", (h @ w.t()).flatten(0, 1), y.flatten(), 0.5,
                                (logp.flatten(0, 1), ids.flatten(0, 1)), 1.0, beta=0.3)
     want_gh, want_gw = torch.autograd.grad(want, (h, w))
-    out = kd_and_ce(h, _linear(padded) if fused else _Head(padded), y, CachedTeacher(logp, ids),
+    out = kd_and_ce(h, ref.plain_head(padded) if fused else _Head(padded), y, CachedTeacher(logp, ids),
                     build_kd_loss("jsd", beta=0.3), 0.5, num_chunks=2, vocab_size=w.shape[0])
     gh, gw = torch.autograd.grad(out["loss"], (h, padded))
     torch.testing.assert_close(out["loss"], want)
