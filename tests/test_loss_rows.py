@@ -160,3 +160,11 @@ def test_on_cuda_the_compiled_bf16_loss_skips_the_same_rows_and_gives_the_same_n
     err_got, err_want = ((g[1].float() - ref_gw).norm() / ref_gw.norm() for g in (got_g, want_g))
     print(f"relative error of the head's gradient: {float(err_got):.2e} with rows, {float(err_want):.2e} without")
     assert err_got <= 1.05 * err_want and err_got < 0.02
+
+
+def test_rows_of_another_batch_shape_are_refused():
+    h, w, _, _, y = _inputs(5)
+    other = torch.full((3, 16), -100)
+    other[:, -2:] = 1
+    with pytest.raises(ValueError, match="rows_with_labels is for 48 positions, the hidden states have 32"):
+        kd_and_ce(h, ref.plain_head(w), y, num_chunks=8, rows_with_labels=loss_rows(other, "cpu"))

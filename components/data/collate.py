@@ -64,7 +64,7 @@ class PackedDataset(Sequence):
 
     Why not the usual next fit (fill one row in order, pad it when the next example does not fit; torchtune's
     PackedDataset): it pads away half an example per row, 7.6% of the tokens of 2048-token rows of the transfer
-    passages and 15% at 1024, which every step computes; first fit over 16 open rows pads 1.1% and 3.3%, so an
+    passages and 15% at 1024, which every step computes; first fit over 16 open rows pads 1.1% and 2.9%, so an
     epoch has 6-12% fewer rows. Deterministic for a given order of examples, which stay within a window of rows.
     Each row keeps `seq_lens` (its documents' lengths; trailing padding counts as one extra document that only
     attends to itself, so no attention row is empty). Examples longer than max_seq_len are truncated.

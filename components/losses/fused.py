@@ -184,6 +184,9 @@ def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher 
     rows = -(-hidden.shape[0] // num_chunks)
     order = None
     if rows_with_labels is not None:
+        if rows_with_labels.order.shape[0] != hidden.shape[0]:
+            raise ValueError(f"rows_with_labels is for {rows_with_labels.order.shape[0]} positions, the hidden states "
+                             f"have {hidden.shape[0]}: loss_rows of this batch's labels")
         # whole chunks (the same shape as without, so compiled kernels are reused) cover the labelled rows
         covered = -(-rows_with_labels.labelled // rows) * rows
         if covered < hidden.shape[0]:

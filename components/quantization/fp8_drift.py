@@ -43,7 +43,8 @@ LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
 # where the first 256 give 0.0091); 64 x 512 first rows estimate the first 256 within 1% (0.0106 vs 0.0107).
 CALIBRATION_TOKENS = 32768
 CALIBRATION_BATCH_TOKENS = 4096  # per eager forward: attention materialises its scores (2 x 2048 rows: ~1 GiB, 8B)
-VERSION = 2  # of the ladder, calibration and emulation: a cached decision of another version is measured again
+VERSION = 3  # of the ladder, calibration (3: first-fit packed rows) and emulation: a cached decision of another
+#   version is measured again
 
 
 def e4m3_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
