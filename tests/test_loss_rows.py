@@ -18,12 +18,7 @@ KINDS = [(kind, ref.OPTIONS.get(kind, {})) for kind in ref.KINDS]
 
 def _inputs(seed: int, b=2, s=16, d=8, dt=12, v=40):
     """Two rows whose first 10 and 9 tokens are a prompt (ignored): 13 of 32 positions carry a label."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(b, s, d, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(v, d, dtype=torch.float64, generator=g, requires_grad=True)
-    th = torch.randn(b, s, dt, dtype=torch.float64, generator=g)
-    tw = torch.randn(v, dt, dtype=torch.float64, generator=g)
-    y = torch.randint(0, v, (b, s), generator=g)
+    h, w, th, tw, y = ref.random_inputs(seed, b, s, d, dt, v)
     y[0, :10] = -100
     y[1, :9] = -100
     return h, w, th, tw, y
