@@ -15,6 +15,8 @@
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
+#   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest: bench/logits_kernel_speed.py (the loss's Triton
+#                                          # kernel vs Inductor's), then the CUDA tests TESTS (default: the loss's)
 #   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
 #                                          # bench/on_policy_speed.py (issue 22: on-policy KD's sampling speed,
 #                                          # eager vs compiled, and the batch-32 decode against transformers)
@@ -142,6 +144,20 @@ memory)  # one short call: the live allocations at the peak of a shipped row (be
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
+    ;;
+kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU tests
+    install_ours
+    copy_repo
+    cp -r tests /tmp/repo/
+    ours python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+        --target /tmp/site .carry/pytest/*.whl
+    cd /tmp/repo
+    ours python3 bench/logits_kernel_speed.py ${KERNEL_ARGS:-} | tee /tmp/logits_kernel_speed.jsonl
+    ours python3 -m pytest -q -p no:cacheprovider ${2:-tests/test_logits_kernel.py tests/test_fused_loss.py \
+        tests/test_loss_rows.py} >/tmp/pytest.txt 2>&1
+    grep -E "passed|failed|^E " /tmp/pytest.txt | tail -15
+    [[ -n ${OUT:-} ]] && cp /tmp/logits_kernel_speed.jsonl /tmp/pytest.txt "$OUT/"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
 kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .carry/a, then `part` with .carry/c):
      # the embedded SmolLM2 on the GPU: teacher drift per teacher.quantize (fp8@B: with teacher.max_drift=B), then

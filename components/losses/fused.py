@@ -12,9 +12,9 @@ Why ours and not Liger-Kernel's ``LigerFusedLinearJSD``: it covers forward KL (b
 reverse/symmetric/skew, no CE in the same pass, so CE needs a second projection of the student's head), and
 crashed at 16k tokens on torch 2.11 (issue 9's measurement); docs/losses.md says what is measured. Forward KL
 + CE (the default; CE alone too) has a closed-form gradient per teacher kind (``forward_kl_ce_chunk`` here for
-logits, topk.py's for a cache), compiled on CUDA (one fused kernel pass over the logits); the other divergences run
-their reference implementations on the chunk and take the gradient with autograd, so every divergence gives the
-same gradients as the checkpointed path (tests/test_fused_loss.py).
+logits, topk.py's for a cache), compiled on CUDA, where live logits take two Triton passes instead
+(logits_kernel.py); the other divergences run their reference implementations on the chunk and take the gradient
+with autograd, so every divergence gives the same gradients as the checkpointed path (tests/test_fused_loss.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..errors import RecipeError
 from .checkpointed import ce_sum
 from .divergences import IGNORE_INDEX
 from .kd_loss import blend
+from .logits_kernel import forward_kl_ce_logits, logits_kernel_available
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
@@ -173,7 +174,11 @@ def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher 
     hidden = hidden.flatten(0, 1)
     if teacher is None or kd_loss.kind == "forward_kl":
         kernel = forward_kl_ce_chunk if teacher is None else teacher.forward_kl_kernel()
-        chunk_fn = functools.partial(_compiled(kernel) if compile else kernel, ce_w=1.0 - kd_ratio, kd_w=kd_ratio,
+        if kernel is forward_kl_ce_chunk and logits_kernel_available(hidden):
+            kernel = forward_kl_ce_logits  # CUDA: two Triton passes over the logits (logits_kernel.py)
+        elif compile:
+            kernel = _compiled(kernel)
+        chunk_fn = functools.partial(kernel, ce_w=1.0 - kd_ratio, kd_w=kd_ratio,
                                      temperature=1.0 if kd_loss is None else kd_loss.temperature,
                                      ignore_index=IGNORE_INDEX)
     else:
