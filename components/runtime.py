@@ -115,6 +115,10 @@ class Runtime:
             for layer in layers:
                 _checkpoint_forward(layer)
         if compile:
+            if self.device.type == "cuda":
+                from .inductor_choices import use_one_pass_row_reductions
+
+                use_one_pass_row_reductions()  # the fp8 quantization's wide rows in one pass (inductor_choices.py)
             for layer in layers:
                 # nn.Module.compile keeps parameter names and the module type (unlike torch.compile(module)).
                 layer.compile()
