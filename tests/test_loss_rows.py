@@ -31,7 +31,7 @@ class CountingHead:
         self.w, self.rows = w, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.rows += x.shape[0]
+        self.rows += x.shape[:-1].numel()
         return x @ self.w.t()
 
 
@@ -56,6 +56,38 @@ def test_skipped_prompt_chunks_give_the_reference_and_the_teacher_head_sees_half
     assert torch.all(gh.flatten(0, 1)[(y == -100).flatten()] == 0)
     # 8 chunks of 4 rows; the 13 labelled rows fill 4 of them: 16 rows projected instead of 32
     assert head.rows == 16
+
+
+@pytest.mark.parametrize("kind,extra", KINDS)
+def test_the_checkpointed_driver_skips_the_same_chunks_and_gives_the_reference(kind, extra):
+    """A head the fused driver cannot see through (LoRA, QAT, NF4: here a plain callable) takes the checkpointed
+    driver, which skips whole chunks of unlabelled rows too, in forward and in its recomputation in backward."""
+    h, w, th, tw, y = _inputs(hash(kind) % 1000 + 1)
+    ref_loss, ref_ce, ref_kd = ref.objective(kind, (h @ w.t()).flatten(0, 1), y.flatten(), 0.5,
+                                             (th @ tw.t()).flatten(0, 1), 1.0, **extra)
+    ref_gh, ref_gw = torch.autograd.grad(ref_loss, (h, w))
+
+    student_head, teacher_head = CountingHead(w), CountingHead(tw)
+    out = kd_and_ce(h, student_head, y, LiveTeacher(th, teacher_head), build_kd_loss(kind, 1.0, **extra), 0.5,
+                    num_chunks=8, rows_with_labels=loss_rows(y, "cpu"))
+    gh, gw = torch.autograd.grad(out["loss"], (h, w))
+    for got, want in ((out["loss"], ref_loss), (out["ce"], ref_ce), (out["kd"], ref_kd)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-10, atol=1e-12)
+    assert torch.all(gh.flatten(0, 1)[(y == -100).flatten()] == 0)
+    # 4 chunks of 4 rows cover the 13 labelled rows: both heads project them in forward and again in the
+    # checkpointed backward's recomputation, 32 rows each instead of 64
+    assert (student_head.rows, teacher_head.rows) == (32, 32)
+
+
+def test_the_checkpointed_driver_without_any_label_keeps_its_graph_and_gives_zero():
+    h, w, th, tw, y = _inputs(5)
+    y[:] = -100
+    out = kd_and_ce(h, CountingHead(w), y, LiveTeacher(th, CountingHead(tw)), build_kd_loss("forward_kl"), 0.5,
+                    num_chunks=8, rows_with_labels=loss_rows(y, "cpu"))
+    gh, gw = torch.autograd.grad(out["loss"], (h, w))
+    assert float(out["loss"].detach()) == 0.0 and not gh.any() and not gw.any()
 
 
 def test_a_cached_teacher_and_ce_alone_give_the_same_with_and_without_the_rows():

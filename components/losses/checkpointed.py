@@ -29,6 +29,7 @@ from .divergences import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
+    from .rows import LossRows
     from .teachers import Teacher
 
 __all__ = ["checkpointed_sums", "ce_sum", "project"]
@@ -77,11 +78,17 @@ def _run(fn: Callable[..., tuple[Tensor, Tensor]], *args: object) -> tuple[Tenso
 
 
 def checkpointed_sums(hidden: Tensor, head: Projection, labels: Tensor, teacher: Teacher | None,
-                      kd_loss: KDLoss | None, num_chunks: int, vocab_size: int | None) -> tuple[Tensor, Tensor]:
+                      kd_loss: KDLoss | None, num_chunks: int, vocab_size: int | None,
+                      rows_with_labels: LossRows | None = None) -> tuple[Tensor, Tensor]:
     """``(ce_sum, kd_sum)`` over valid tokens (0-dim, with grad), ``num_chunks`` sequence chunks at a time; the KD
-    sum is 0 without a teacher. Arguments are checked by the caller (objective.py)."""
+    sum is 0 without a teacher. Arguments are checked by the caller (objective.py). With ``rows_with_labels``
+    (rows.py) the chunks keep their size but cover the labelled positions first, and whole chunks of positions
+    without a label are not projected, as in the fused driver."""
+    tensors = () if teacher is None else teacher.tensors()
+    if rows_with_labels is not None:
+        hidden, labels, tensors, num_chunks = _labelled_first(hidden, labels, tensors, num_chunks, rows_with_labels)
     # An inference-mode teacher tensor cannot be saved for the checkpointed backward: a normal copy can.
-    tensors = () if teacher is None else tuple(t.clone() if t.is_inference() else t for t in teacher.tensors())
+    tensors = tuple(t.clone() if t.is_inference() else t for t in tensors)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     ce = hidden.new_zeros((), dtype=dtype)
     kd = hidden.new_zeros((), dtype=dtype)
@@ -91,3 +98,23 @@ def checkpointed_sums(hidden: Tensor, head: Projection, labels: Tensor, teacher:
         ce = ce + ce_c
         kd = kd + kd_c
     return ce, kd
+
+
+def _labelled_first(hidden: Tensor, labels: Tensor, tensors: tuple[Tensor, ...], num_chunks: int,
+                    rows: LossRows) -> tuple[Tensor, Tensor, tuple[Tensor, ...], int]:
+    """The positions that whole chunks of the usual size need to cover every labelled one, as one row ``[1, n]``
+    (labelled first), and the number of such chunks; the inputs unchanged when they cover everything."""
+    positions = hidden.shape[0] * hidden.shape[1]
+    if rows.order.shape[0] != positions:
+        raise ValueError(f"rows_with_labels is for {rows.order.shape[0]} positions, the hidden states have "
+                         f"{positions}: loss_rows of this batch's labels")
+    size = -(-positions // num_chunks)
+    covered = max(-(-rows.labelled // size), 1) * size  # one chunk at least: the loss keeps its graph
+    if covered >= positions:
+        return hidden, labels, tensors, num_chunks
+    keep = rows.order[:covered]
+
+    def pick(x: Tensor) -> Tensor:
+        return x.flatten(0, 1).index_select(0, keep).unsqueeze(0)
+
+    return pick(hidden), pick(labels), tuple(pick(t) for t in tensors), covered // size

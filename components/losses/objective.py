@@ -59,7 +59,7 @@ def kd_and_ce(student_hidden: Tensor, student_head: nn.Module | Callable[[Tensor
     ``CachedTeacher(logp, ids)``; without one the KD term is 0 (CE alone). ``kd_loss`` comes from
     ``build_kd_loss``. Tokens are processed in ``num_chunks`` chunks; ``vocab_size`` slices both sides' logits
     (``shared_vocab``, or a cache's vocabulary); ``compile`` (default: on CUDA) compiles the fused driver's
-    closed-form forward-KL kernel. ``rows_with_labels`` (``loss_rows`` of the host labels) lets the fused driver
+    closed-form forward-KL kernel. ``rows_with_labels`` (``loss_rows`` of the host labels) lets either driver
     skip whole chunks of unlabelled tokens; the result is the same.
     """
     _check(student_hidden, labels, num_chunks, vocab_size, teacher, kd_loss, kd_ratio)
@@ -68,7 +68,8 @@ def kd_and_ce(student_hidden: Tensor, student_head: nn.Module | Callable[[Tensor
         loss, ce, kd = fused_loss(student_hidden, weight, labels, teacher, kd_loss, kd_ratio, num_chunks, vocab_size,
                                   student_hidden.is_cuda if compile is None else compile, rows_with_labels)
     else:
-        ce, kd = checkpointed_sums(student_hidden, student_head, labels, teacher, kd_loss, num_chunks, vocab_size)
+        ce, kd = checkpointed_sums(student_hidden, student_head, labels, teacher, kd_loss, num_chunks, vocab_size,
+                                   rows_with_labels)
         loss, ce, kd = blend(ce, kd, kd_ratio), ce.detach(), kd.detach()
     return {"loss": loss, "ce": ce, "kd": kd, "n": (labels != IGNORE_INDEX).sum()}
 
