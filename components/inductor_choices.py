@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["WIDEST_ONE_PASS_ROW", "use_one_pass_row_reductions"]
+__all__ = ["WIDEST_ONE_PASS_ROW", "one_pass_row_choices", "use_one_pass_row_reductions"]
 
 WIDEST_ONE_PASS_ROW = 16_384  # the 8B's MLP width (14,336) fits; the 128,256-wide logits stay looped
 
@@ -46,12 +46,19 @@ def _choices_class() -> type:
     return OnePassRowReductions
 
 
+def one_pass_row_choices() -> Any:
+    """The heuristic as Inductor's config holds it: a factory at module level, so that Inductor's cache key can
+    pickle it by name (torch 2.11 pickles the config value; a class defined in a function cannot be pickled, and
+    every graph then bypassed the compile cache)."""
+    return _choices_class()()
+
+
 def use_one_pass_row_reductions() -> None:
-    """Make the heuristic Inductor's for every later compile in this process (idempotent)."""
+    """Make the heuristic Inductor's for every later compile in this process (idempotent). Threads that already
+    compiled keep theirs (Inductor's handler is per thread): recipes install it before their first compile."""
     from torch._inductor import config
     from torch._inductor.virtualized import V
 
-    cls = _choices_class()
-    config.inductor_choices_class = cls
-    if not isinstance(V.choices, cls):  # a compile earlier in this thread already fixed its handler
-        V.set_choices_handler(cls())
+    config.inductor_choices_class = one_pass_row_choices
+    if not isinstance(V.choices, _choices_class()):  # a compile earlier in this thread already fixed its handler
+        V.set_choices_handler(one_pass_row_choices())

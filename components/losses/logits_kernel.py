@@ -12,6 +12,7 @@ checks both against fp64). Liger-Kernel's fused losses do not cover CE + forward
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -48,10 +49,14 @@ def forward_kl_ce_logits(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd
     None, ``y [n]``, in two Triton passes; sums in fp32, the gradient in ``s``'s dtype."""
     triton, stats_kernel, grad_kernel = _triton()
     rows, vocab = s.shape
+    if (t is not None and t.shape != s.shape) or y.shape != (rows,):
+        raise ValueError(f"logits {tuple(s.shape)}, teacher {None if t is None else tuple(t.shape)} and labels "
+                         f"{tuple(y.shape)} do not fit: expected s and t [n, v], y [n]")
     if s.stride(1) != 1:
         s = s.contiguous()
     if t is not None and t.stride(1) != 1:
         t = t.contiguous()
+    y = y.contiguous()  # read as y[row]
     n_slices = triton.cdiv(vocab, SLICE)
     scaled = t is not None and temperature != 1.0
     stats = torch.empty(rows, n_slices, 6, device=s.device, dtype=torch.float32)
@@ -60,11 +65,13 @@ def forward_kl_ce_logits(s: Tensor, t: Tensor | None, y: Tensor, ce_w: float, kd
     t_arg = s if t is None else t
     inv_temp = 1.0 / temperature
     grid = (rows, n_slices)
-    stats_kernel[grid](s, t_arg, stats, s.stride(0), t_arg.stride(0), vocab, inv_temp, n_slices,
-                       HAS_T=t is not None, SCALED=scaled, SLICE=SLICE, BLOCK=BLOCK, num_warps=WARPS)
-    grad_kernel[grid](s, t_arg, y, stats, grad, sums, s.stride(0), t_arg.stride(0), grad.stride(0), vocab,
-                      inv_temp, ce_w, kd_w * temperature, ignore_index, n_slices,
-                      HAS_T=t is not None, SCALED=scaled, SLICE=SLICE, BLOCK=BLOCK,
-                      SLICES_P2=triton.next_power_of_2(n_slices), num_warps=WARPS)
+    slices_p2 = triton.next_power_of_2(n_slices)
+    with torch.cuda.device(s.device) if s.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
+        stats_kernel[grid](s, t_arg, stats, s.stride(0), t_arg.stride(0), vocab, inv_temp, n_slices,
+                           HAS_T=t is not None, SCALED=scaled, SLICE=SLICE, BLOCK=BLOCK, num_warps=WARPS)
+        grad_kernel[grid](s, t_arg, y, stats, grad, sums, s.stride(0), t_arg.stride(0), grad.stride(0), vocab,
+                          inv_temp, ce_w, kd_w * temperature, ignore_index, n_slices,
+                          HAS_T=t is not None, SCALED=scaled, SLICE=SLICE, BLOCK=BLOCK,
+                          SLICES_P2=slices_p2, num_warps=WARPS)
     totals = sums.sum(dim=(0, 1))
     return totals[0], totals[1] * temperature**2, grad

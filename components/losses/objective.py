@@ -59,8 +59,9 @@ def kd_and_ce(student_hidden: Tensor, student_head: nn.Module | Callable[[Tensor
     ``CachedTeacher(logp, ids)``; without one the KD term is 0 (CE alone). ``kd_loss`` comes from
     ``build_kd_loss``. Tokens are processed in ``num_chunks`` chunks; ``vocab_size`` slices both sides' logits
     (``shared_vocab``, or a cache's vocabulary); ``compile`` (default: on CUDA) compiles the fused driver's
-    closed-form forward-KL kernel. ``rows_with_labels`` (``loss_rows`` of the host labels) lets either driver
-    skip whole chunks of unlabelled tokens; the result is the same.
+    closed-form forward-KL kernels (on CUDA, live logits and CE alone take the Triton kernel either way).
+    ``rows_with_labels`` (``loss_rows`` of the host labels) lets either driver skip whole chunks of unlabelled
+    tokens; the result is the same.
     """
     _check(student_hidden, labels, num_chunks, vocab_size, teacher, kd_loss, kd_ratio)
     weight = fusable_head_weight(student_head)
