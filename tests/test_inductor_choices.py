@@ -11,7 +11,7 @@ from llm_recipe.components.inductor_choices import use_one_pass_row_reductions
 CUDA = torch.cuda.is_available()
 
 
-def test_the_heuristic_pickles_by_name_so_inductor_s_compile_cache_keeps_working(monkeypatch):
+def test_the_heuristic_pickles_by_name_so_inductor_s_compile_cache_keeps_working():
     """torch 2.11 pickles `config.inductor_choices_class` into every graph's cache key: a class defined inside a
     function cannot be pickled, and every graph then bypassed the cache (recompiled on every run)."""
     import pickle
@@ -22,15 +22,15 @@ def test_the_heuristic_pickles_by_name_so_inductor_s_compile_cache_keeps_working
     from llm_recipe.components import inductor_choices
 
     before = V.choices
-    monkeypatch.setattr(config, "inductor_choices_class", None)  # restored after the test
-    try:
-        use_one_pass_row_reductions()
-        factory = pickle.loads(pickle.dumps(config.inductor_choices_class))
-        assert factory is inductor_choices.one_pass_row_choices
-        assert factory().uuid() == "llm_recipe.OnePassRowReductions.16384"
-        assert isinstance(V.choices, type(factory()))
-    finally:
-        V.set_choices_handler(before)
+    with config.patch(inductor_choices_class=None):  # restored after the test
+        try:
+            use_one_pass_row_reductions()
+            factory = pickle.loads(pickle.dumps(config.inductor_choices_class))
+            assert factory is inductor_choices.one_pass_row_choices
+            assert factory().uuid() == "llm_recipe.OnePassRowReductions.16384"
+            assert isinstance(V.choices, type(factory()))
+        finally:
+            V.set_choices_handler(before)
 
 
 def _quantize_down_input(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
