@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import RecipeError
 from .divergences import IGNORE_INDEX
+from .rows import covering_positions
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
@@ -105,16 +106,11 @@ def _labelled_first(hidden: Tensor, labels: Tensor, tensors: tuple[Tensor, ...],
     """The positions that whole chunks of the usual size need to cover every labelled one, as one row ``[1, n]``
     (labelled first), and the number of such chunks; the inputs unchanged when they cover everything."""
     positions = hidden.shape[0] * hidden.shape[1]
-    if rows.order.shape[0] != positions:
-        raise ValueError(f"rows_with_labels is for {rows.order.shape[0]} positions, the hidden states have "
-                         f"{positions}: loss_rows of this batch's labels")
-    size = -(-positions // num_chunks)
-    covered = max(-(-rows.labelled // size), 1) * size  # one chunk at least: the loss keeps its graph
-    if covered >= positions:
+    keep = covering_positions(rows, positions, num_chunks, 1)  # one chunk at least: the loss keeps its graph
+    if keep is None:
         return hidden, labels, tensors, num_chunks
-    keep = rows.order[:covered]
 
     def pick(x: Tensor) -> Tensor:
         return x.flatten(0, 1).index_select(0, keep).unsqueeze(0)
 
-    return pick(hidden), pick(labels), tuple(pick(t) for t in tensors), covered // size
+    return pick(hidden), pick(labels), tuple(pick(t) for t in tensors), keep.shape[0] // -(-positions // num_chunks)

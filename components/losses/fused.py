@@ -31,6 +31,7 @@ from .checkpointed import ce_sum
 from .divergences import IGNORE_INDEX
 from .kd_loss import blend
 from .logits_kernel import forward_kl_ce_logits, logits_kernel_available
+from .rows import covering_positions
 
 if TYPE_CHECKING:
     from .kd_loss import KDLoss
@@ -187,15 +188,8 @@ def fused_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher 
                                      ignore_index=IGNORE_INDEX)
     teacher_rows = None if teacher is None else _rows_of(teacher, vocab_size)
     rows = -(-hidden.shape[0] // num_chunks)
-    order = None
-    if rows_with_labels is not None:
-        if rows_with_labels.order.shape[0] != hidden.shape[0]:
-            raise ValueError(f"rows_with_labels is for {rows_with_labels.order.shape[0]} positions, the hidden states "
-                             f"have {hidden.shape[0]}: loss_rows of this batch's labels")
-        # whole chunks (the same shape as without, so compiled kernels are reused) cover the labelled rows
-        covered = -(-rows_with_labels.labelled // rows) * rows
-        if covered < hidden.shape[0]:
-            order = rows_with_labels.order[:covered]
+    # whole chunks (the same shape as without, so compiled kernels are reused) cover the labelled rows
+    order = None if rows_with_labels is None else covering_positions(rows_with_labels, hidden.shape[0], num_chunks, 0)
     return _FusedLinearKDCE.apply(hidden, weight, teacher_rows, labels.flatten(), chunk_fn, rows, vocab_size,
                                   kd_ratio, order)
 

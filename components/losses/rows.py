@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .divergences import IGNORE_INDEX
 
-__all__ = ["LossRows", "loss_rows"]
+__all__ = ["LossRows", "covering_positions", "loss_rows"]
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,15 @@ def loss_rows(labels: Tensor, device: torch.device | str) -> LossRows | None:
         return None
     order = torch.cat([valid.nonzero().squeeze(1), (~valid).nonzero().squeeze(1)])
     return LossRows(order.to(device, non_blocking=True), labelled)
+
+
+def covering_positions(rows: LossRows, positions: int, num_chunks: int, min_chunks: int) -> Tensor | None:
+    """The positions, labelled first, that whole chunks of the usual size (``positions / num_chunks``, rounded up:
+    compiled kernels keep their shape) need to cover every labelled one, at least ``min_chunks`` of them; None when
+    that is every position. Both loss drivers chunk these instead of all positions."""
+    if rows.order.shape[0] != positions:
+        raise ValueError(f"rows_with_labels is for {rows.order.shape[0]} positions, the hidden states have "
+                         f"{positions}: loss_rows of this batch's labels")
+    size = -(-positions // num_chunks)
+    covered = max(-(-rows.labelled // size), min_chunks) * size
+    return None if covered >= positions else rows.order[:covered]
