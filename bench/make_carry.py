@@ -90,6 +90,7 @@ CALLS = [
     ("device_kd.sh start", [".carry/whl_kd", ".carry/tt", ".carry/tok", ".carry/g1"]),
     ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a", ".carry/pytest"]),
     ("device_kd.sh kl with the gpu tests", [".carry/b", ".carry/pytest"]),
+    ("device_kd.sh kernel", [".whl", ".carry/pytest"]),
 ]
 
 

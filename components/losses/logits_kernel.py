@@ -1,8 +1,8 @@
 """Forward KL + CE over one chunk of logits as two Triton passes (CUDA): the fused driver's kernel for live logits.
 
 ``forward_kl_ce_chunk`` (fused.py) compiled by Inductor became five kernels per chunk on the H200: four looped
-row reductions for the two log-sum-exps (a max pass and a sum pass each) and a final pass that spilled, about
-300 us for a chunk of 256 x 128,256 bf16 logits that two reads and a write of each tensor bound at ~80 us. Here
+row reductions for the two log-sum-exps (a max pass and a sum pass each) and a final pass: 0.34-0.39 ms for a
+chunk of 256 x 128,256 bf16 logits, where two reads and a write of each tensor take ~0.07 ms; ours 0.18-0.20 ms. Here
 pass 1 reads the student's and the teacher's logits once (online max and sum of exponentials per vocabulary
 slice), pass 2 reads them again and writes the gradient, with the CE and KL sums per slice; both passes split each
 row into slices so a chunk fills the GPU. Same arithmetic as ``forward_kl_ce_chunk`` in fp32 (tests/test_logits_kernel.py
