@@ -124,7 +124,7 @@ CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ra
 
 def _encoder(c: Cache, seed: int, first: int, rows: list[int], device):
     """``encode(logits, i, j)`` for `teacher_rows` on a batch of items first, first + 1, ... with `rows` target
-    rows each: their top-k, or their draws (each item's uniforms from its own generator: the same draws whatever
+    rows each: their top-k, or their draws (each item's uniforms from its own generator: the same numbers whatever
     the batch size or chunking)."""
     if c.mode == "topk":
         return lambda logits, i, j: teacher_topk(logits, c.top_k, c.temperature)

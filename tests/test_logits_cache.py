@@ -257,13 +257,27 @@ def test_sampled_cache_holds_the_teachers_seeded_draws(tmp_path, sampled_cache, 
         assert torch.all(got_counts.sum(-1) == 8)
         assert (got_ids == ids).all(-1).float().mean() > 0.99 and (got_counts == counts).all(-1).float().mean() > 0.99
         torch.testing.assert_close(got_logp.float()[got_counts > 0], logp[got_counts > 0], rtol=1e-3, atol=2e-3)
-    # other batch size and chunking, same draws: the same bytes
+    # Another batch size and chunking: the same uniforms per item, so the same draws wherever the teacher's logits
+    # round the same. Batch shapes change float rounding (here up to one fp16 step of a stored log-prob), which moves
+    # a draw that sits on a CDF boundary: 15 of 9,024 draws on a 2-core Xeon (AVX-512). Uniforms that followed the
+    # batch would change nearly every draw. (The same settings give the same bytes: test_logits_cache_cli.py.)
     again = tmp_path / "again"
     rc.assert_ok(rc.run_cli("kd_logits", "kd_logits/smollm2_demo", [*SAMPLED, "batch_size=1", "num_output_chunks=3",
                                                                    f"output_dir={again}"], cwd=tmp_path))
-    for i in (0, 5, 11):
-        name = f"shard_{i:05d}.safetensors"
-        assert (again / name).read_bytes() == (sampled_cache / name).read_bytes(), name
+    other = LogitsCache(again)
+    draws = moved = 0
+    for item in range(m["num_items"]):
+        logp_a, ids_a, counts_a = cache.rows(item)
+        logp_b, ids_b, counts_b = other.rows(item)
+        same = ((ids_a == ids_b) & (counts_a == counts_b)).all(-1)
+        for r in (~same).nonzero().flatten().tolist():
+            a = {i: c for i, c in zip(ids_a[r].tolist(), counts_a[r].tolist(), strict=True) if c}
+            b = {i: c for i, c in zip(ids_b[r].tolist(), counts_b[r].tolist(), strict=True) if c}
+            moved += sum(abs(a.get(k, 0) - b.get(k, 0)) for k in a.keys() | b.keys()) // 2
+        draws += int(counts_a.sum())
+        kept = same.unsqueeze(-1) & (counts_a > 0)
+        torch.testing.assert_close(logp_b.float()[kept], logp_a.float()[kept], rtol=1e-3, atol=2e-3)
+    assert draws > 1000 and moved <= 0.005 * draws, (moved, draws)
 
 
 def test_kd_trains_from_the_sampled_cache_with_forward_kl_only(capsys, tmp_path, sampled_cache, tiny_model_dir):

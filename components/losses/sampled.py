@@ -28,9 +28,9 @@ def teacher_samples(logits: Tensor, uniforms: Tensor, temperature: float = 1.0) 
     """``(log-probs [n, N], ids [n, N], counts [n, N])``: N draws per row from ``softmax(logits / T)``, by inverse
     CDF of the given ``uniforms [n, N]`` in [0, 1), compacted to the distinct ids first (``compact_draws``).
 
-    The caller owns the random numbers (one CPU generator per dataset item), so the draws do not depend on the
-    device, the batch size or how rows are chunked. The CDF is summed in fp64, and ids of probability 0 are never
-    drawn."""
+    The caller owns the random numbers (one CPU generator per dataset item), so they do not depend on the device,
+    the batch size or how rows are chunked; a draw changes only where the logits round differently (a uniform on a
+    CDF boundary). The CDF is summed in fp64, and ids of probability 0 are never drawn."""
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     cdf = logp.exp().to(torch.float64).cumsum(-1)
     draws = torch.searchsorted(cdf, uniforms.to(cdf) * cdf[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
