@@ -273,6 +273,7 @@ def test_torchao_checkpoint_is_scored_quantized(model_dir, ours, tmp_path):
     assert lq != lf and lq == pytest.approx(lf, abs=0.1)  # int8 weights: close to, not equal to, float
 
 
+@pytest.mark.slow  # ~25 s on 2 cores (a whole `recipe run eval`) for a filtered log line: `make test-all` runs it
 def test_eval_prints_no_hint_for_lm_evals_own_cli(model_dir, tmp_path):
     # lm-eval logs "Custom kwargs can be passed to `--metadata` ..." for every task with a custom_dataset loader
     # (all of ours); a `recipe run eval` user has no such flag to pass, so it is filtered (components/eval/quiet.py)

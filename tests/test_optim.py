@@ -314,6 +314,7 @@ def test_master_weight_adamw_keeps_small_updates_of_bf16_weights(tmp_path):
     assert torch.equal(model.weight, ref32.weight.to(torch.bfloat16))
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (Inductor compiles torchao's step in C++) for a silenced warning: `make test-all`
 def test_a_low_bit_step_prints_no_torch_caching_advice(tmp_path):
     """torch's AOT autograd cache warns that torchao's state subclasses lack `_stable_hash_for_caching`; in a
     run that line lands in the progress bar, and a user can do nothing about it (a fresh process: it warns once)."""

@@ -226,6 +226,7 @@ def test_lm_eval_missing_checkpoint_fails_before_lm_eval_starts(tmp_path):
     doc.expect("lm-eval-missing-checkpoint", proc.stderr, dir=tmp_path / "nope")
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (a whole lm-eval run) for a filtered log line: `make test-all` runs it
 def test_lm_eval_outside_a_git_repository_prints_no_git_error(tiny_model_dir, tmp_path):
     from llm_recipe.components.eval.quiet import in_git_work_tree
 
