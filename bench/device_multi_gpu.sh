@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 23 on the lent multi-GPU machine (nvidia-h200-x2 / -x4), in its 10-minute calls (bench/README.md):
 #
-#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES] [ROWS]  # carry .carry/whl_kd .carry/tok .carry/peft
-#        .carry/a .carry/pytest (ROWS: the `recipes` rows, e.g. lora,kd_lora; default all):
+#   bash bench/device_multi_gpu.sh start [NPROCS] [PHASES] [ROWS] [N]  # carry .carry/whl_kd .carry/tok .carry/peft
+#        .carry/a .carry/pytest (ROWS: the `recipes` rows, e.g. lora,kd_lora; default all; N: the GPUs of the
+#        `recipes` and `fault` phases, default the largest of NPROCS; issue 23 asks for them on 2):
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
 #        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests) with NPROCS (default "1,2"; the
 #        recipes/fault on the largest)
@@ -13,7 +14,7 @@
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
-stage=${1:?stage: start [NPROCS] [PHASES] | part | assets | wait [SECS]}
+stage=${1:?stage: start [NPROCS] [PHASES] [ROWS] [N] | part | assets | wait [SECS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 export PYTHONPATH=/tmp/site
 B=/tmp/kdb M=/tmp/mgpu
@@ -68,13 +69,13 @@ start)
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
     nvidia-smi topo -m | head -4
-    cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" "${4:-}" \
+    cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" "${4:-}" "${5:-}" \
         >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 420
     ;;
 runner)  # the phases one after another (the GPUs are never shared between two measurements)
-    nprocs=$2 n=${2##*,}
+    nprocs=$2 n=${5:-${2##*,}}
     for phase in $3; do
         echo "=== $phase $(date +%T)"
         case $phase in
