@@ -100,10 +100,12 @@ class Runtime:
             model.to(self.device)
         _quantize_fp8_bases(model, self.device, use_fsdp)
         built_here = use_fsdp and _on_gpu(model, self.device)  # and about to be sharded: that frees most of it
+        per_step = use_fsdp and self._gather_per_step(model, built_here)
         if activation_checkpointing == "auto":
             from .memory import needs_checkpointing
 
-            shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
+            # an FSDP rank holds 1/N of the weights and state, unless the layers stay gathered for the whole step
+            shard = self.world_size if use_fsdp and not per_step else 1
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
                                                                 self.device, shard, built_here)
             # every rank takes rank 0's choice: under FSDP a checkpointed layer all-gathers again in backward, so
@@ -123,10 +125,26 @@ class Runtime:
                 # nn.Module.compile keeps parameter names and the module type (unlike torch.compile(module)).
                 layer.compile()
         if use_fsdp:
-            _shard(model, layers, self.device.type, self.world_size)
+            from .fsdp import shard
+
+            shard(model, layers, self.device.type, self.world_size, per_step)
             if built_here:  # the full copy's memory back to the GPU, so later free-memory checks see it
                 torch.cuda.empty_cache()
         return model
+
+    def _gather_per_step(self, model: nn.Module, built_here: bool) -> bool:
+        """Whether the FSDP2 layers of `model` gather once per optimizer step instead of per micro-batch
+        (components/fsdp.py); rank 0's view of its free memory decides for every rank, and it says so."""
+        from .fsdp import gather_per_step
+
+        free, where = _free_memory(self)
+        if built_here:  # the full copy on this GPU now is what the gathered layers will take again
+            free += sum(p.numel() * p.element_size() for p in model.parameters())
+        keep, why = gather_per_step(model, free)
+        keep = self.broadcast_object(keep)  # ranks that chose differently would run different collectives
+        if self.is_main and why != "frozen":
+            print(f"fsdp: layers gathered {why} {where}", flush=True)
+        return keep
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict as plain CPU tensors on rank 0; an empty dict on other ranks.
@@ -135,6 +153,10 @@ class Runtime:
         """
         if _is_sharded(model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            from .fsdp import reshard
+
+            reshard(model)  # gathered by a forward without backward (sampling, a held-out score): shards again
 
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             return sd if self.is_main else {}
@@ -159,6 +181,10 @@ class Runtime:
         """The optimizer state to checkpoint: full (gathered, CPU) on rank 0 when sharded, else `state_dict()`."""
         if _is_sharded(model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            from .fsdp import reshard
+
+            reshard(model)
 
             sd = get_optimizer_state_dict(
                 model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -365,27 +391,6 @@ def _checkpoint_forward(layer: nn.Module) -> None:
     layer._recipe_checkpointed = True
 
 
-def _shard(model: nn.Module, layers: nn.ModuleList, device_type: str, world_size: int) -> None:
-    """FSDP2 per transformer layer, then the root (embeddings, final norm, output projection).
-
-    Overlap: each layer prefetches the next layer's all-gather in forward (FSDP2 already prefetches the
-    previous one in backward), so the gather of layer i+1 runs while layer i computes even when the CPU is not
-    far ahead of the GPU; it costs one more gathered layer alive. Layers reshard after forward (memory; their
-    backward re-gathers them). The root keeps FSDP2's default of staying gathered after forward: chunked
-    losses call `model.output` (the output projection, or the tied embedding) outside the model's forward,
-    which needs its full weight, and backward would re-gather it at once anyway.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    _check_nf4_shardable(model, world_size)
-    mesh = dist.device_mesh.init_device_mesh(device_type, (world_size,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for this, nxt in zip(layers[:-1], layers[1:], strict=True):
-        this.set_modules_to_forward_prefetch([nxt])
-
-
 TEACHER_PLACEMENTS = ("auto", "shard", "replicate")
 
 
@@ -432,25 +437,6 @@ def _free_memory(rt: Runtime) -> tuple[float, str]:
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return float(avail) / procs, f"RAM per process ({procs} on this host)"
-
-
-def _check_nf4_shardable(model: nn.Module, world_size: int) -> None:
-    """FSDP2 shards a torchao NF4 weight (QLoRA) by splitting each of its inner tensors (4-bit data, per-block
-    scalers, and the per-`scaler_block_size`-blocks quantization factors) into `world_size` equal parts
-    (torchao nf4_tensor.nf4_split). A weight with fewer than `world_size` quantization factors, or a count
-    not divisible by it, would fail deep inside fully_shard with an AssertionError: say which one instead."""
-    for name, p in model.named_parameters():
-        factors = getattr(p, "quantization_factor", None)
-        if factors is None or not hasattr(p, "scaler_block_size"):
-            continue
-        per_factor = p.block_size * p.scaler_block_size
-        if factors.numel() % world_size or p.numel() % (per_factor * world_size):
-            raise RecipeError(
-                f"lora.quantize_base: the NF4 weight {name} {tuple(p.shape)} cannot be sharded over {world_size} "
-                f"processes: FSDP2 splits NF4's scales evenly, which needs its size to be a multiple of "
-                f"block_size*scaler_block_size*world_size = {per_factor * world_size}; use fewer processes "
-                "or lora.quantize_base=false"
-            )
 
 
 def _is_sharded(model: nn.Module) -> bool:

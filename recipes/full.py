@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
+from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
@@ -122,8 +123,9 @@ def main(cfg: FullConfig) -> None:
                 set_fake_quant_enabled(model, fake_quant_enabled_at(step, qat.fake_quant_after_n_steps))
             clock.begin()
             n, loss_sum = count_targets(window, rt), 0.0
-            for batch in window:
+            for i, batch in enumerate(window):
                 where.shape = list(batch["tokens"].shape)
+                accumulate(model, last=i == len(window) - 1)  # FSDP: gather and reduce once per step (fsdp.py)
                 loss = lm_loss_sum(model, to_device(batch, rt.device), chunks)
                 (loss / n * rt.world_size).backward()
                 loss_sum = loss_sum + loss.detach() / n

@@ -19,6 +19,7 @@ from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.kd_settings import KDSettings
 from llm_recipe.components.losses import LiveTeacher, kd_and_ce
@@ -192,8 +193,9 @@ def main(cfg: KDConfig) -> None:
             if op is not None:  # the chosen micro-batches become prompt + the student's sampled completion
                 window = op.sample_window(student, window, step)
             n, sums = count_targets(window, rt), {}
-            for batch in window:
+            for i, batch in enumerate(window):
                 where.shape = list(batch["tokens"].shape)
+                accumulate(student, last=i == len(window) - 1)  # FSDP: gather and reduce once per step (fsdp.py)
                 batch = to_device(batch, rt.device)
                 on = "prompt_lens" in batch  # an on-policy micro-batch (completion_batch)
                 if cache is not None:  # the cached top-k and tail, or the cached sample (docs/losses.md)

@@ -41,7 +41,12 @@ def cases(model: Path) -> dict[str, tuple[str, str, list[str]]]:
     kd = [*TRAIN, f"teacher.checkpoint_dir={model}", "student.every=null", "student.prune=null", "dataset.max_seq_len=48",
           "dataset.limit=16"]
     return {
-        "lora": ("lora", "lora/smollm2", [*TRAIN, f"model.checkpoint_dir={model}", LORA, "save_every_n_steps=1"]),
+        # Two micro-batches per step: FSDP gathers the layers and reduce-scatters the gradients once per step
+        # (components/fsdp.py), so the first micro-batch's gradients stay local until the second's backward. 72
+        # passages leave 34 rows with targets, more than the 3 x 8 the steps take: an epoch's end would pad the
+        # ranks' shares by wrapping around (loader.py), which one process does not do.
+        "lora": ("lora", "lora/smollm2", [*TRAIN, f"model.checkpoint_dir={model}", LORA, "save_every_n_steps=1",
+                                         "gradient_accumulation_steps=2", "dataset.limit=72"]),
         # KD with a DoRA student on the teacher's own layers (so a PEFT adapter is written).
         "kd_dora": ("kd", "kd/smollm2_demo", [*kd, LORA, "lora.use_dora=true", "save_every_n_steps=null"]),
         # KD with a full, layer-pruned student.
@@ -54,10 +59,12 @@ def cases(model: Path) -> dict[str, tuple[str, str, list[str]]]:
     }
 
 
-def run(recipe: str, config: str, overrides: list[str], cwd: Path, torchrun: list[str] = ()) -> None:
+def run(recipe: str, config: str, overrides: list[str], cwd: Path, torchrun: list[str] = ()) -> str:
+    """Run `recipe run ...` in a subprocess; its stdout."""
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *torchrun, recipe, "--config", config,
                            *overrides], cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
     rc.assert_ok(proc)
+    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +78,8 @@ def pair(tmp_path_factory, tiny_model_dir):
             recipe, config, overrides = cases(tiny_model_dir)[case]
             one, two = root / f"{case}_1", root / f"{case}_2"
             assert rc.run_in_process(recipe, config, [*overrides, "batch_size=4", f"output_dir={one}"]) == 0
-            run(recipe, config, [*overrides, "batch_size=2", f"output_dir={two}"], root, TWO)
+            out = run(recipe, config, [*overrides, "batch_size=2", f"output_dir={two}"], root, TWO)
+            (root / f"{case}_2.stdout").write_text(out)  # read by `launch_log`
             done[case] = (one, two)
         return done[case]
 
@@ -158,8 +166,14 @@ def assert_adapter(one: Path, two: Path, base: Path) -> None:
     torch.testing.assert_close(theirs, rc.our_logits(two / "model", tokens), atol=1e-4, rtol=0)
 
 
+def launch_log(two: Path) -> str:
+    """What the 2-process run of `pair` printed."""
+    return (two.parent / f"{two.name}.stdout").read_text()
+
+
 def test_lora_two_processes_match_one(pair, tiny_model_dir, tmp_path, capsys):
     one, two = pair("lora")
+    assert "fsdp: layers gathered once" in launch_log(two)  # the schedule the comparison below covers
     assert_close_weights(one / "model", two / "model")
     assert_adapter(one, two, tiny_model_dir)
     assert_checkpoints_match(one, two, tmp_path)
