@@ -286,8 +286,11 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
             assert (rb[k] is None and ra[k] is None) or rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (k, ra, rb)
     wa, wb = rc.weights(one / "model"), rc.weights(two / "model")
     assert wa.keys() == wb.keys()
+    # Adam divides each gradient by its own running size, so an element whose gradient is rounding noise moves by
+    # up to lr either way: 1 of 4096 o_proj elements was 3.3e-5 apart on a 2-core VM (lr 1e-3, 3 steps move
+    # elements by up to 3e-3). 1e-4 is a tenth of one step; a rank's gradients left out would move ~lr.
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=2e-5, rtol=1e-4, msg=k)
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-4, rtol=1e-4, msg=k)
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
