@@ -90,17 +90,21 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype,
-                        device: torch.device, shards: int = 1, built_here: bool = False) -> tuple[bool, str]:
+def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype, device: torch.device,
+                        shards: int = 1, built_here: bool = False, gathered: bool = False) -> tuple[bool, str]:
     """Whether activations + training state + reserve exceed the usable free memory of `device` (always False on
     CPU, where memory is the host's and checkpointing only costs time), and the reason in words. `shards` > 1:
-    the model is about to be FSDP-sharded over that many GPUs, so 1/shards of its weights will be here;
-    `built_here`: its full copy is on this GPU now (Runtime.build_device) and the sharding frees it."""
+    the model is about to be FSDP-sharded over that many GPUs, so 1/shards of its weights and optimizer state will
+    be here; `gathered`: its layers stay gathered for a whole step (components/fsdp.py), so all of its weights and
+    an unsharded gradient per trained weight are here too; `built_here`: its full copy is on this GPU now
+    (Runtime.build_device) and the sharding frees it."""
     if device.type != "cuda":
         return False, "off on CPU"
     acts = activation_bytes(model, micro_batch_tokens, dtype)
     weights = 0 if shards == 1 else sum(stored_bytes(p) for p in model.parameters())
-    need = acts + (training_state_bytes(model) + weights) // shards + RESERVE_BYTES
+    resident = weights if gathered else weights // shards
+    grads = 2 * sum(p.numel() for p in model.parameters() if p.requires_grad) if gathered and shards > 1 else 0
+    need = acts + training_state_bytes(model) // shards + resident + grads + RESERVE_BYTES
     free = (torch.cuda.mem_get_info(device)[0] + (weights if built_here else 0)) * USABLE_FRACTION
     on = need > free
     gib = 2**30

@@ -104,10 +104,9 @@ class Runtime:
         if activation_checkpointing == "auto":
             from .memory import needs_checkpointing
 
-            # an FSDP rank holds 1/N of the weights and state, unless the layers stay gathered for the whole step
-            shard = self.world_size if use_fsdp and not per_step else 1
+            shard = self.world_size if use_fsdp else 1  # an FSDP rank holds 1/N of the weights and state
             activation_checkpointing, why = needs_checkpointing(model, micro_batch_tokens or 0, self.dtype,
-                                                                self.device, shard, built_here)
+                                                                self.device, shard, built_here, per_step)
             # every rank takes rank 0's choice: under FSDP a checkpointed layer all-gathers again in backward, so
             # ranks that chose differently would run different collectives
             activation_checkpointing = self.broadcast_object(activation_checkpointing)

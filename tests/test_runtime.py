@@ -292,6 +292,27 @@ def test_a_sharded_model_built_on_this_gpu_is_not_counted_twice(monkeypatch, tin
     assert not on and why.startswith("off:")
 
 
+def test_a_model_gathered_for_the_whole_step_counts_all_its_weights_and_unsharded_gradients(monkeypatch,
+                                                                                             tiny_model_dir):
+    """Gathered once per step (components/fsdp.py), a sharded model keeps all of its weights and a gradient per
+    trained weight on each GPU through the step; only the optimizer state stays 1/N: the decision counts that."""
+    from llm_recipe.components import memory
+    from llm_recipe.components.models import load_model
+
+    model, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = 2 * sum(p.numel() for p in model.parameters())
+    need = (memory.activation_bytes(model, 4096, torch.bfloat16) + memory.training_state_bytes(model) // 2 + weights
+            + grads + memory.RESERVE_BYTES)
+    cuda = torch.device("cuda", 0)
+    for margin, on in ((2**20, False), (-(2**20), True)):
+        free_with_copy = int(need / memory.USABLE_FRACTION) - weights + margin  # the full copy is here now
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, f=free_with_copy: (f, 0))
+        assert memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda, 2, True, gathered=True)[0] is on
+        if not on:  # per micro-batch it would need 1/2 of the weights and no unsharded gradients
+            assert not memory.needs_checkpointing(model, 4096, torch.bfloat16, cuda, 2, True)[0]
+
+
 def test_several_gpu_processes_build_on_the_gpu_when_the_model_fits(monkeypatch, tiny_model_dir, tmp_path):
     """One process on a GPU builds there; several build there when the weights in the run dtype take at most half
     of the free memory (the host build of an 8B model took 11+ minutes per rank under torchrun), else on the host;
