@@ -5,7 +5,8 @@
 #        .carry/a .carry/pytest (ROWS: the `recipes` rows, e.g. lora,kd_lora; default all; N: the GPUs of the
 #        `recipes` and `fault` phases, default the largest of NPROCS; issue 23 asks for them on 2):
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
-#        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests) with NPROCS (default "1,2"; the
+#        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests; `profile`: the scaling row under
+#        torch.profiler on 1 GPU and on the largest N) with NPROCS (default "1,2"; the
 #        recipes/fault on the largest)
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
 #   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
@@ -34,7 +35,7 @@ report() {  # the tables so far; the raw rows and log tails into $OUT
     (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M) 2>&1
     tail -5 /tmp/runner.log
     if [[ -n ${OUT:-} ]]; then
-        cp $M/*.jsonl /tmp/runner.log "$OUT/" 2>/dev/null
+        cp $M/*.jsonl $M/profile_n*.txt /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
             pytest.log pytest1.log 2>/dev/null)) 2>/dev/null
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
@@ -85,6 +86,13 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         extra)  # diagnosis rows: the full student, and the teacher sharded instead of replicated
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_full
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$n" --rows kd_lora_shard ;;
+        profile)  # where rank 0's GPU time goes in the scaling row, on 1 GPU and on N (bench/profile_kd.py under torchrun)
+            for g in 1 "$n"; do
+                OMP_NUM_THREADS=8 python3 -m torch.distributed.run --standalone --nproc-per-node "$g" \
+                    bench/profile_kd.py --out $B --row shipped_lora --skip 4 --active 2 --gaps --top 25 \
+                    >$M/profile_n$g.txt 2>&1
+                grep -E '^\{"row"|^GPU busy' $M/profile_n$g.txt
+            done ;;
         pytest)  # the gpu-marked tests need the embedded model (stage `assets`): wait for it up to 10 minutes
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
             link_site_hf

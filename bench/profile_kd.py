@@ -8,12 +8,17 @@ kernels by total device time and the share of each kernel family (matmul, attent
 `--gaps`: also records host ops (a table by host time) and prints where the GPU sat idle inside the profiled steps
 (the largest gaps between kernels, the kernels around each and the host ops running meanwhile), and the busy share
 of the span. `--host`: cProfile the host's Python in those steps instead (what a host-bound step spends it on).
+
+Several GPUs: `torchrun --standalone --nproc-per-node N bench/profile_kd.py ...` runs the row's recipe in each
+worker (each joins the process group as `recipe run --nproc-per-node N` does), every rank under the profiler, rank 0
+printing; NCCL's kernels are their own family, and `--gaps` shows where rank 0's GPU waited.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -24,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kd_throughput  # noqa: E402  (the row definitions)
 
-FAMILIES = [("matmul", r"gemm|matmul|cutlass|xmma|nvjet|scaled_mm|f8f8|aten::(addmm|mm|bmm)\b"),
+FAMILIES = [("nccl (collectives)", r"nccl"), ("matmul", r"gemm|matmul|cutlass|xmma|nvjet|scaled_mm|f8f8|aten::(addmm|mm|bmm)\b"),
             ("attention", r"flash|fmha|attention"), ("triton (compiled)", r"^triton_"),
             ("copy/convert", r"copy|elementwise|cast|fill"), ("reduce/norm", r"reduce|norm|softmax")]
 
@@ -73,6 +78,8 @@ def main() -> None:
     with torch.profiler.profile(activities=activities, schedule=sched) as prof:
         register_optimizer_step_post_hook(lambda *_: prof.step())
         rc = recipe_main(argv)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: every rank profiled the same way, rank 0 reports
+        return
     # self time: with --gaps the host ops are recorded too, and their total device time is their kernels' again
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not e.key.startswith("ProfilerStep")]
