@@ -163,7 +163,10 @@ class TrainState:
         step = self.scheduler.last_epoch  # LambdaLR's lr at its position, as its step() computes it
         for group, base, f in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * f(step)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        # a copy, as LambdaLR keeps it: torchao's low-bit AdamWs hold lr as a tensor that the next step() fills in
+        # place, so an alias would make the step's logged lr the following step's
+        self.scheduler._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                                   for g in self.optimizer.param_groups]
         self.loader.load_state_dict(state["loader"])
         restore_rng(state["rng"])
         self.last_checkpoint = ckpt
