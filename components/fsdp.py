@@ -22,19 +22,11 @@ from .errors import RecipeError
 GATHER_SHARE = 0.25
 
 
-def gathered_bytes(model: nn.Module) -> int:
-    """Bytes a process holds while `model` is gathered for a whole step: every weight as stored, plus an unsharded
-    gradient for each trainable one."""
-    from .memory import stored_bytes
-
-    weights = sum(stored_bytes(p) for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return weights + grads
-
-
 def gather_per_step(model: nn.Module, free_bytes: float) -> tuple[bool, str]:
     """Whether to keep `model` gathered for a whole optimizer step (see the module docstring), and why in words.
     Only a trained model: a frozen, sharded teacher is sharded to save memory and never runs backward."""
+    from .memory import gathered_bytes
+
     if not any(p.requires_grad for p in model.parameters()):
         return False, "frozen"
     need, gib = gathered_bytes(model), 2**30

@@ -90,6 +90,13 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes a process holds while `model` is gathered for a whole step (components/fsdp.py): every weight as
+    stored, plus an unsharded gradient, in its weight's dtype, for each trained one."""
+    weights = sum(stored_bytes(p) for p in model.parameters())
+    return weights + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype, device: torch.device,
                         shards: int = 1, built_here: bool = False, gathered: bool = False) -> tuple[bool, str]:
     """Whether activations + training state + reserve exceed the usable free memory of `device` (always False on
@@ -102,9 +109,8 @@ def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.
         return False, "off on CPU"
     acts = activation_bytes(model, micro_batch_tokens, dtype)
     weights = 0 if shards == 1 else sum(stored_bytes(p) for p in model.parameters())
-    resident = weights if gathered else weights // shards
-    grads = 2 * sum(p.numel() for p in model.parameters() if p.requires_grad) if gathered and shards > 1 else 0
-    need = acts + training_state_bytes(model) // shards + resident + grads + RESERVE_BYTES
+    resident = gathered_bytes(model) if gathered and shards > 1 else weights // shards
+    need = acts + training_state_bytes(model) // shards + resident + RESERVE_BYTES
     free = (torch.cuda.mem_get_info(device)[0] + (weights if built_here else 0)) * USABLE_FRACTION
     on = need > free
     gib = 2**30

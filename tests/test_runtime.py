@@ -301,7 +301,7 @@ def test_a_model_gathered_for_the_whole_step_counts_all_its_weights_and_unsharde
 
     model, _ = load_model(tiny_model_dir, dtype=torch.float32)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = 2 * sum(p.numel() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())  # in the weights' dtype (fp32 here)
     need = (memory.activation_bytes(model, 4096, torch.bfloat16) + memory.training_state_bytes(model) // 2 + weights
             + grads + memory.RESERVE_BYTES)
     cuda = torch.device("cuda", 0)
