@@ -10,7 +10,7 @@
 #        recipes/fault on the largest)
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
 #   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
-#                                                          # (the GPU tests' tiny model uses its tokenizer)
+#                                                          # (for `pytest1`; `pytest` needs only .carry/tok)
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
@@ -34,8 +34,9 @@ running() { pgrep -f "^bash bench/device_multi_gp[u].sh runner" >/dev/null; }
 report() {  # the tables so far; the raw rows and log tails into $OUT
     (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M) 2>&1
     tail -5 /tmp/runner.log
+    [[ -f $M/pytest.log ]] && grep -E "PASSED|FAILED|ERROR|passed|failed" $M/pytest.log | tail -12
     if [[ -n ${OUT:-} ]]; then
-        cp $M/*.jsonl $M/profile_n*.txt /tmp/runner.log "$OUT/" 2>/dev/null
+        cp $M/*.jsonl $M/profile_n*.txt $M/smi_*.csv $M/pytest*.log /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
             pytest.log pytest1.log 2>/dev/null)) 2>/dev/null
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
@@ -62,6 +63,7 @@ start)
     python3 -c "import pytest" 2>/dev/null || [[ ! -d .carry/pytest ]] || python3 -m pip install -q --no-index \
         --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/pytest/*.whl
     cp .carry/a/gguf.* /tmp/
+    rm -rf /tmp/tok && cp -r .carry/tok /tmp/tok  # SmolLM2's tokenizer: the `pytest` phase's tiny model (tests/conftest.py)
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
@@ -80,7 +82,11 @@ runner)  # the phases one after another (the GPUs are never shared between two m
     for phase in $3; do
         echo "=== $phase $(date +%T)"
         case $phase in
-        scaling) python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora ;;
+        scaling)  # with the GPUs' clocks, power and throttle reasons each second (is a 4-GPU step slower for the GPUs?)
+            nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+                --format=csv,noheader -lms 1000 >$M/smi_scaling.csv 2>&1 &
+            python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
+            kill $! ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
         extra)  # diagnosis rows: the full student, and the teacher sharded instead of replicated
@@ -93,11 +99,12 @@ runner)  # the phases one after another (the GPUs are never shared between two m
                     >$M/profile_n$g.txt 2>&1
                 grep -E '^\{"row"|^GPU busy' $M/profile_n$g.txt
             done ;;
-        pytest)  # the gpu-marked tests need the embedded model (stage `assets`): wait for it up to 10 minutes
-            for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
+        pytest)  # the gpu-marked 2-GPU tests; their tiny model takes SmolLM2's tokenizer from /tmp/tok (no `assets`
+                 # stage needed); each test's line is in pytest.log as soon as it ends
             link_site_hf
-            PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -q -p no:cacheprovider \
-                tests/test_distributed_recipes.py 2>&1 | tail -40 | tee $M/pytest.log ;;
+            RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -v \
+                -p no:cacheprovider --durations=0 tests/test_distributed_recipes.py >$M/pytest.log 2>&1
+            tail -40 $M/pytest.log ;;
         pytest1)  # the one-GPU tests the CI skips: the gpu-marked ones, then the CUDA variants of the CPU ones
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
             link_site_hf  # (test_eval.py needs lm-eval, which .carry/whl_kd leaves out; it has no GPU test)

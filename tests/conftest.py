@@ -29,7 +29,23 @@ def embedded_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
+def embedded_tokenizer_dir(request) -> Path:
+    """SmolLM2's tokenizer files. RECIPE_TEST_TOKENIZER_DIR names a folder that already holds them (the GPU
+    machine's harness carries them as `.carry/tok`, bench/make_carry.py: its 10-minute calls then run the GPU tests
+    before the 98 MB GGUF has arrived in three parts); otherwise the embedded model's folder."""
+    import json
+    import os
+
+    folder = os.environ.get("RECIPE_TEST_TOKENIZER_DIR")
+    if not folder:
+        return request.getfixturevalue("embedded_model_dir")
+    vocab = json.loads((Path(folder) / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == 49152, f"RECIPE_TEST_TOKENIZER_DIR={folder}: not SmolLM2's tokenizer ({len(vocab)} tokens)"
+    return Path(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir) -> Path:
     """A 4-layer, 64-wide Llama with random weights and SmolLM2's real tokenizer and chat template."""
     from llm_recipe.components.models import ModelArgs, build_model, save_model
 
@@ -42,7 +58,7 @@ def tiny_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
     torch.manual_seed(0)
     model = build_model(args)
     out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    save_model(model, args, out, tokenizer_dir=embedded_model_dir)
+    save_model(model, args, out, tokenizer_dir=embedded_tokenizer_dir)
     assert (out / "tokenizer.json").is_file()
     return out
 
