@@ -85,7 +85,8 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         scaling)  # with the GPUs' clocks, power and throttle reasons each second (is a 4-GPU step slower for the GPUs?)
             nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
                 --format=csv,noheader -lms 1000 >$M/smi_scaling.csv 2>&1 &
-            python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
+            # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
+            TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
