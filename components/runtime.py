@@ -152,14 +152,10 @@ class Runtime:
         Every rank must call it (it gathers shards when the model is FSDP-sharded).
         """
         if _is_sharded(model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from . import fsdp
 
-            from .fsdp import reshard
-
-            reshard(model)  # gathered by a forward without backward (sampling, a held-out score): shards again
-
-            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return sd if self.is_main else {}
+            fsdp.reshard(model)  # gathered by a forward without backward (sampling, a held-out score): shards again
+            return fsdp.full_state_dict(model, keep=self.is_main)
         return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
     def load_full_state_dict(
