@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .data.dataset import build_dataset, build_loader
@@ -146,8 +147,34 @@ def clip_gradients(model: nn.Module, max_grad_norm: float | None) -> torch.Tenso
     if max_grad_norm is None:
         return None
     params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    if grads and all(_row_sharded(g, grads[0]) for g in grads):
+        return _clip_local_shards(grads, max_grad_norm)
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor (other placements)
+
+
+def _row_sharded(grad: torch.Tensor, first: torch.Tensor) -> bool:
+    """An FSDP2 gradient: a DTensor sharded along one mesh dimension (the mesh of `first`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (isinstance(grad, DTensor) and grad.device_mesh is first.device_mesh and grad.device_mesh.ndim == 1
+            and all(isinstance(pl, Shard) for pl in grad.placements))
+
+
+@torch.no_grad()
+def _clip_local_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ on FSDP2 gradients, computed on each rank's shards: the squared norms of the local
+    parts summed over ranks (one all-reduce), then the same scaling (max_norm / (norm + 1e-6), at most 1).
+    Why not torch's on the DTensors: its sharding propagation over hundreds of DTensors costs the host every step
+    (224 LoRA gradients on 2 processes of the dev VM: 12.9 ms against 1.4 ms for plain tensors), time the GPU
+    waits for at the step boundary."""
+    local = [g.to_local() for g in grads]  # the shards themselves (no copy): scaling them scales the DTensors
+    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+    dist.all_reduce(squares, group=grads[0].device_mesh.get_group())
+    total = squares.sqrt()
+    torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
