@@ -90,11 +90,15 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes all of `model`'s weights hold as stored (NF4 and fp8 bases at their real size)."""
+    return sum(stored_bytes(p) for p in model.parameters())
+
+
 def gathered_bytes(model: nn.Module) -> int:
     """Bytes a process holds while `model` is gathered for a whole step (components/fsdp.py): every weight as
     stored, plus an unsharded gradient, in its weight's dtype, for each trained one."""
-    weights = sum(stored_bytes(p) for p in model.parameters())
-    return weights + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.dtype, device: torch.device,
@@ -108,7 +112,7 @@ def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.
     if device.type != "cuda":
         return False, "off on CPU"
     acts = activation_bytes(model, micro_batch_tokens, dtype)
-    weights = 0 if shards == 1 else sum(stored_bytes(p) for p in model.parameters())
+    weights = 0 if shards == 1 else weight_bytes(model)
     resident = gathered_bytes(model) if gathered and shards > 1 else weights // shards
     need = acts + training_state_bytes(model) // shards + resident + RESERVE_BYTES
     free = (torch.cuda.mem_get_info(device)[0] + (weights if built_here else 0)) * USABLE_FRACTION

@@ -135,11 +135,11 @@ class Runtime:
         """Whether the FSDP2 layers of `model` gather once per optimizer step instead of per micro-batch
         (components/fsdp.py); rank 0's view of its free memory decides for every rank, and it says so."""
         from .fsdp import gather_per_step
-        from .memory import stored_bytes
+        from .memory import weight_bytes
 
         free, where = _free_memory(self)
         if built_here:  # the full copy on this GPU now is what the gathered layers will take again
-            free += sum(stored_bytes(p) for p in model.parameters())
+            free += weight_bytes(model)
         keep, why = gather_per_step(model, free)
         keep = self.broadcast_object(keep)  # ranks that chose differently would run different collectives
         if self.is_main and why != "frozen":
