@@ -34,11 +34,11 @@ running() { pgrep -f "^bash bench/device_multi_gp[u].sh runner" >/dev/null; }
 report() {  # the tables so far; the raw rows and log tails into $OUT
     (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M) 2>&1
     tail -5 /tmp/runner.log
-    [[ -f $M/pytest.log ]] && grep -E "PASSED|FAILED|ERROR|passed|failed" $M/pytest.log | tail -12
+    for f in $M/pytest.log $M/pytest_b.log; do [[ -f $f ]] && grep -E "PASSED|FAILED|ERROR|passed|failed" $f | tail -12; done
     if [[ -n ${OUT:-} ]]; then
         cp $M/*.jsonl $M/profile_n*.txt $M/smi_*.csv $M/pytest*.log /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
-            pytest.log pytest1.log 2>/dev/null)) 2>/dev/null
+            pytest*.log 2>/dev/null)) 2>/dev/null
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
     fi
 }
@@ -62,7 +62,7 @@ start)
     # the image has no pytest (the `pytest` phase): .carry/pytest's wheels into /tmp/site (bench/make_carry.py)
     python3 -c "import pytest" 2>/dev/null || [[ ! -d .carry/pytest ]] || python3 -m pip install -q --no-index \
         --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/pytest/*.whl
-    cp .carry/a/gguf.* /tmp/
+    [[ ! -d .carry/a ]] || cp .carry/a/gguf.* /tmp/  # the GGUF's first part (for `assets`; scaling and pytest need none)
     rm -rf /tmp/tok && cp -r .carry/tok /tmp/tok  # SmolLM2's tokenizer: the `pytest` phase's tiny model (tests/conftest.py)
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
@@ -102,10 +102,18 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             done ;;
         pytest)  # the gpu-marked 2-GPU tests; their tiny model takes SmolLM2's tokenizer from /tmp/tok (no `assets`
                  # stage needed); each test's line is in pytest.log as soon as it ends
+            # with 4 GPUs, two halves at once on GPUs 0,1 and 2,3 (each test's runs stay on its own pair)
             link_site_hf
-            RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m pytest -m gpu -v \
-                -p no:cacheprovider --durations=0 tests/test_distributed_recipes.py >$M/pytest.log 2>&1
-            tail -40 $M/pytest.log ;;
+            gpu_tests() {  # CUDA_VISIBLE_DEVICES, -k expression, log
+                CUDA_VISIBLE_DEVICES=$1 RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m \
+                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "$2" tests/test_distributed_recipes.py >"$3" 2>&1
+            }
+            if (($(nvidia-smi -L | wc -l) >= 4)); then
+                gpu_tests 0,1 "lora or kd_full" $M/pytest.log & gpu_tests 2,3 "kd_dora or qat" $M/pytest_b.log; wait
+            else
+                gpu_tests 0,1 "" $M/pytest.log
+            fi
+            tail -40 $M/pytest*.log ;;
         pytest1)  # the one-GPU tests the CI skips: the gpu-marked ones, then the CUDA variants of the CPU ones
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
             link_site_hf  # (test_eval.py needs lm-eval, which .carry/whl_kd leaves out; it has no GPU test)
