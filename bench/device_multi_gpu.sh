@@ -83,6 +83,7 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         echo "=== $phase $(date +%T)"
         case $phase in
         scaling)  # with the GPUs' clocks, power and throttle reasons each second (is a 4-GPU step slower for the GPUs?)
+            mkdir -p $M
             nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
                 --format=csv,noheader -lms 1000 >$M/smi_scaling.csv 2>&1 &
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
@@ -113,7 +114,7 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             else
                 gpu_tests 0,1 "" $M/pytest.log
             fi
-            tail -40 $M/pytest*.log ;;
+            tail -n 40 $M/pytest*.log ;;
         pytest1)  # the one-GPU tests the CI skips: the gpu-marked ones, then the CUDA variants of the CPU ones
             for _ in $(seq 60); do [[ -f /tmp/assets_ready ]] && break; sleep 10; done
             link_site_hf  # (test_eval.py needs lm-eval, which .carry/whl_kd leaves out; it has no GPU test)

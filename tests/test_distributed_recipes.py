@@ -328,6 +328,10 @@ def test_two_gpus_match_one(case, compile, tiny_model_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run(recipe, config, [*overrides, "batch_size=4", f"output_dir={one}"], tmp_path)
     run(recipe, config, [*overrides, "batch_size=2", f"output_dir={two}"], tmp_path, TWO)
+    if case == "qat":  # fake quantization is discontinuous: compare the updates, as the CPU test does
+        assert_close_updates(one / "model", two / "model", tiny_model_dir)
+        assert_checkpoints_match(one, two, tmp_path, close=lambda a, b: assert_close_updates(a, b, tiny_model_dir))
+        return
     assert_close_weights(one / "model", two / "model", atol=1e-4)
     if (one / "adapter").is_dir():
         assert_adapter(one, two, tiny_model_dir)
