@@ -28,15 +28,25 @@ def process_start_time() -> float:
         return time.time()
 
 
+_first_in_process = True  # only a process's first SetupLog counts its start-up (`recipe demo` runs several recipes)
+
+
 class SetupLog:
     """`with log.phase("teacher weights"):` prints `setup: teacher weights ...` and `setup: teacher weights: 12.3 s`;
-    `log.first_step(seconds)` prints when the process's first step ended and the parts before it. Silent off rank 0."""
+    `log.first_step(seconds)` prints when the process's first step ended and the parts before it, the process's
+    start-up first (interpreter, imports, config: from launch to this log's creation at the top of the recipe's
+    main). Silent off rank 0 (`is_main`; default: torchrun's RANK is 0 or unset, so it can exist before the
+    runtime)."""
 
-    def __init__(self, is_main: bool = True) -> None:
-        self.is_main = is_main
+    def __init__(self, is_main: bool | None = None) -> None:
+        global _first_in_process
+        self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
         self.launched = process_start_time()
         self.began = time.time()  # differs from the launch when a process runs recipes in turn (`recipe demo`)
         self.parts: list[tuple[str, float]] = []
+        if _first_in_process:
+            self.parts.append(("start-up (Python, imports, config)", max(0.0, self.began - self.launched)))
+        _first_in_process = False
 
     def say(self, text: str) -> None:
         if self.is_main:  # through tqdm, so a progress bar on screen is redrawn below the line

@@ -76,15 +76,16 @@ CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges
 def main(cfg: FullConfig) -> None:
     # Local data files the config names must be there: one line now, not after the weights load.
     check_data_files(cfg.dataset, config_source(cfg).where)
-    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
+    setup = SetupLog()  # says what setup is doing and how long each part takes, from launch on
+    with setup.phase("device"):  # CUDA and, under torchrun, the process group
+        rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     base_dir = cfg.model.checkpoint_dir
-    tokenizer = load_tokenizer(base_dir)
     lora, qat = cfg.lora, cfg.qat
-
     # Full fine-tuning resumes from the checkpoint's own weights (saved in the training dtype); LoRA keeps its
     # base from model.checkpoint_dir and restores only the adapters, with the rest of the state below.
-    resume_from = start_or_resume_run(cfg)
-    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("tokenizer and run folder"):
+        tokenizer = load_tokenizer(base_dir)
+        resume_from = start_or_resume_run(cfg)
     with setup.phase("weights"):
         source = resume_weights(resume_from) if lora is None else None
         model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device(source or base_dir), lora=lora,

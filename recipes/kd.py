@@ -101,18 +101,20 @@ def main(cfg: KDConfig) -> None:
     on_policy, qat = cfg.kd.on_policy, cfg.qat
     if on_policy is not None and on_policy.prompts is not None:
         check_data_files(on_policy.prompts, config_source(cfg).where, key=PROMPTS_KEY)
-    rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
+    setup = SetupLog()  # says what setup is doing and how long each part takes, from launch on
+    with setup.phase("device"):  # CUDA and, under torchrun, the process group
+        rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
     student_dir = cfg.student.checkpoint_dir or teacher_dir
     if student_dir is None:
         raise RecipeError("set teacher.checkpoint_dir (or student.checkpoint_dir with teacher.logits_dir)")
-    tokenizer = load_tokenizer(student_dir)
     kd_loss, kd_ratio = cfg.kd.loss_fn(), cfg.kd.kd_ratio  # loss = (1 - kd_ratio) * CE + kd_ratio * KD
     lora, max_len = cfg.lora, cfg.dataset.max_seq_len
-    resume_from = start_or_resume_run(cfg)  # the checkpoint to resume (None: a new run)
-    # same tokens (and a divergence a sampled cache can estimate)? before loading weights
-    check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
-    setup = SetupLog(rt.is_main)  # says what setup is doing and how long each part takes
+    with setup.phase("tokenizer and run folder"):
+        tokenizer = load_tokenizer(student_dir)
+        resume_from = start_or_resume_run(cfg)  # the checkpoint to resume (None: a new run)
+        # same tokens (and a divergence a sampled cache can estimate)? before loading weights
+        check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
     prompt_set = None
     if on_policy is not None and on_policy.prompts is not None:  # before any weights: a bad set fails in seconds
         with setup.phase("on-policy prompts"):
