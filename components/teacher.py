@@ -4,6 +4,8 @@ vocabulary the loss runs over."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,19 +70,25 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
 
 def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, student_dir: str | Path,
                  temperature: float, max_seq_len: int,
-                 compile: bool) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
+                 compile: bool, phase: Callable[[str], AbstractContextManager[None]] | None = None,
+                 ) -> tuple[nn.Module | None, ModelArgs, LogitsCache | None]:
     """`(teacher, teacher_args, None)`, or `(None, teacher_args, cache)` with `teacher.logits_dir`: the cache is
     verified (shards, checksums) and checked against this run (teacher, tokenizer, `dataset` section, temperature)
-    here, before any model is loaded; one-line errors name what differs. `compile`: the run's `compile:`."""
+    here, before any model is loaded; one-line errors name what differs. `compile`: the run's `compile:`.
+    `phase` (a SetupLog's): times the weights and the quantization apart."""
+    phase = phase or (lambda _: nullcontext())
     if t.logits_dir is not None:
         cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, temperature)
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
     # quantized (fp8 / int8) and compiled.
-    teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device(t.checkpoint_dir), max_seq_len=max_seq_len)
-    prepare_teacher(rt, teacher, t.placement, compile)
-    quantize_teacher(teacher, t.quantize, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
-                     max_seq_len=max_seq_len, rt=rt)
+    with phase("teacher weights"):
+        teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device(t.checkpoint_dir),
+                                    max_seq_len=max_seq_len)
+        prepare_teacher(rt, teacher, t.placement, compile)
+    with phase(f"teacher {t.quantize}") if t.quantize is not None else nullcontext():
+        quantize_teacher(teacher, t.quantize, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
+                         max_seq_len=max_seq_len, rt=rt)
     return teacher, targs, None
 
 

@@ -141,10 +141,9 @@ def main(cfg: KDConfig) -> None:
                               where=config_source(cfg).where, data=loader.dataset)
 
     # Teacher: frozen (placed, quantized, compiled: components/teacher.py).
-    if cache is None:
-        with setup.phase("teacher weights"):
-            teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir,
-                                                 kd_loss.temperature, max_len, cfg.compile)
+    if cache is None:  # setup says the weights' time and the quantization's (teacher.quantize) apart
+        teacher, targs, cache = load_teacher(cfg.teacher, cfg.dataset.kwargs(), rt, student_dir, kd_loss.temperature,
+                                             max_len, cfg.compile, phase=setup.phase)
 
     # Student: resumes from its checkpoint when full; LoRA keeps its base and restores adapters from state.
     with setup.phase("student weights"):

@@ -266,12 +266,14 @@ def test_kd_layer_pruned_student(tmp_path, tiny_model_dir, capsys):
     # lr 1e-30 (0 is refused) keeps the initial student bit for bit: updates of that size round away in fp32.
     # Teacher layers 0 and 3 become student layers 0 and 1, the rest is shared.
     out = tmp_path / "out"
+    # (an int8 teacher, the quantization CPUs run: setup times it apart from the weights)
     code = rc.run_in_process("kd", "kd/smollm2_demo", kd_overrides(out, tiny_model_dir, None, "student.keep_layers=[0,3]",
-                                                                  "optimizer.lr=1e-30"))
+                                                                  "optimizer.lr=1e-30", "teacher.quantize=int8_weight_only"))
     assert code == 0
     printed = capsys.readouterr().out
     assert "student: 2 of 4 teacher layers kept: [0, 3]" in printed
     assert "setup: teacher weights ..." in printed and "setup: first optimizer step done" in printed
+    assert re.search(r"teacher weights [0-9.]+ s, teacher int8_weight_only [0-9.]+ s, student weights", printed)
     cfg = json.loads((out / "model" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2
     teacher, student = rc.weights(tiny_model_dir), rc.weights(out / "model")
