@@ -79,11 +79,11 @@ peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     ;;
 runner)  # the phases one after another (the GPUs are never shared between two measurements)
     nprocs=$2 n=${5:-${2##*,}}
+    mkdir -p $M
     for phase in $3; do
         echo "=== $phase $(date +%T)"
         case $phase in
         scaling)  # with the GPUs' clocks, power and throttle reasons each second (is a 4-GPU step slower for the GPUs?)
-            mkdir -p $M
             nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
                 --format=csv,noheader -lms 1000 >$M/smi_scaling.csv 2>&1 &
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
@@ -110,7 +110,8 @@ runner)  # the phases one after another (the GPUs are never shared between two m
                     pytest -m gpu -v -p no:cacheprovider --durations=0 -k "$2" tests/test_distributed_recipes.py >"$3" 2>&1
             }
             if (($(nvidia-smi -L | wc -l) >= 4)); then
-                gpu_tests 0,1 "lora or kd_full" $M/pytest.log & gpu_tests 2,3 "kd_dora or qat" $M/pytest_b.log; wait
+                gpu_tests 0,1 "not (kd_dora or qat)" $M/pytest.log & first=$!
+                gpu_tests 2,3 "kd_dora or qat" $M/pytest_b.log; wait $first
             else
                 gpu_tests 0,1 "" $M/pytest.log
             fi

@@ -140,6 +140,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     from ..components.quantization.export_gguf import export_gguf
     from ..components.quantization.export_hf import export_hf_torchao
     from ..components.settings import schema_of
+    from ..components.setup_log import not_a_fresh_process
     from .recipes import load_recipe
 
     start = time.perf_counter()
@@ -185,6 +186,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     # The layers were chosen above: the run takes them as they are instead of scoring them again.
     cfg = load_recipe_config("kd/smollm2_demo", overrides + list(kd_overrides) + [
         f"student.keep_layers={keep}", "student.every=null", "student.prune=null"], recipe.CONFIG, recipe=name)
+    not_a_fresh_process()  # its setup log: the eval and pruning above are not the recipe's start-up
     with prepared_run(cfg, schema_of(recipe.CONFIG)):  # folder checks and the output_dir lock, as `recipe run` does
         recipe.main(cfg)
     lap("kd", t0)

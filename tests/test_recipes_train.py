@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,8 @@ def test_full_recipe_writes_a_model_transformers_loads(full_run, tiny_model_dir)
                   r"([0-9.]+) s, weights ([0-9.]+) s, data and optimizer ([0-9.]+) s, step 1 ([0-9.]+) s\n", proc.stdout)
     assert m, proc.stdout
     total, *parts = map(float, m.groups())
-    assert float(m.group(2)) > 0.5  # importing torch alone takes longer: the launch is the process's start
+    if sys.platform == "linux":  # the launch from /proc (elsewhere: the log's creation, start-up ~0)
+        assert float(m.group(2)) > 0.5  # importing torch alone takes longer: the launch is the process's start
     assert total - 1.0 <= sum(parts) <= total + 0.4  # the parts (each rounded) account for the time since launch
     assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000002", "step_000003"]
     for ckpt in rc.complete_checkpoints(out):

@@ -1,0 +1,38 @@
+"""The setup log's summary names the process's start-up once, and not where the process did other work first."""
+
+from __future__ import annotations
+
+import re
+
+from llm_recipe.components import setup_log
+
+
+def _summary(capsys) -> str:
+    log = setup_log.SetupLog(is_main=True)
+    with log.phase("weights"):
+        pass
+    log.first_step(0.5, compiled=False)
+    return capsys.readouterr().out
+
+
+def test_first_log_of_a_process_counts_its_start_up_and_only_it(monkeypatch, capsys):
+    monkeypatch.setattr(setup_log, "_first_in_process", True)
+    first = _summary(capsys)
+    assert re.search(r"\): start-up \(Python, imports, config\) [0-9.]+ s, weights [0-9.]+ s, step 1 0.5 s\n", first)
+    # a second recipe in the same process (its launch is long past): no start-up part
+    assert re.search(r"\): weights [0-9.]+ s, step 1 0.5 s\n", _summary(capsys))
+
+
+def test_demo_says_its_process_did_other_work_first(monkeypatch, capsys):
+    monkeypatch.setattr(setup_log, "_first_in_process", True)
+    setup_log.not_a_fresh_process()  # what `recipe demo` calls before its kd run
+    assert "start-up" not in _summary(capsys)
+
+
+def test_silent_off_rank_zero(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    log = setup_log.SetupLog()
+    with log.phase("weights"):
+        pass
+    log.first_step(0.5, compiled=False)
+    assert capsys.readouterr().out == ""
