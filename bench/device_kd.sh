@@ -8,6 +8,8 @@
 #                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
 #                                          # prints what is done after ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
+#   bash bench/device_kd.sh startup [WAYS] # after `shipped`: import times with and without bytecode, then
+#                                          # bench/weights_load_speed.py on the 8B folder (issue 19's first step)
 #   bash bench/device_kd.sh profile [ROW [ARGS]]  # carry .whl .carry/tok: wheels, random HF folders, one row under
 #                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
 #   bash bench/device_kd.sh qat [COMPILES]  # carry .whl .carry/tok: QAT's cost (plain vs fake-quantized steps of the
@@ -144,6 +146,21 @@ memory)  # one short call: the live allocations at the peak of a shipped row (be
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
+    ;;
+startup)  # after `shipped` on the same machine (its wheels, repo and folders): what the seconds before a run's setup
+          # and its teacher weights are made of: import time with and without bytecode, then bench/weights_load_speed.py
+    cd /tmp/repo
+    env | grep -E "^PYTHON" || echo "no PYTHON* variables"
+    imports() { ours python3 -X importtime -c "import llm_recipe.recipes.kd" 2>/tmp/imp.txt
+                sort -t'|' -k2 -n /tmp/imp.txt | tail -n 1; }
+    t0=$SECONDS; imports; echo "import of recipes.kd as installed: $((SECONDS - t0)) s"
+    t0=$SECONDS; imports; echo "again: $((SECONDS - t0)) s"
+    n=$(find /tmp/site -name "*.pyc" | wc -l); echo "pyc files under /tmp/site: $n"
+    t0=$SECONDS; python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1; echo "compileall /tmp/site: $((SECONDS - t0)) s"
+    t0=$SECONDS; imports; echo "import with bytecode: $((SECONDS - t0)) s"
+    grep -E "\|   ?[a-z]" /tmp/imp.txt | sort -t'|' -k2 -n | tail -n 12
+    ours python3 bench/weights_load_speed.py --model $B/teacher_8b ${2:+--ways "$2"} | tee /tmp/weights_load.jsonl
+    [[ -n ${OUT:-} ]] && cp /tmp/weights_load.jsonl /tmp/imp.txt "$OUT/"
     ;;
 kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU tests
     install_ours

@@ -94,6 +94,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # the local chat set (reading-comprehension contexts with short answers: 96% of tokens are prompt, no label)
     # through the shipped chat template and train_on_input: false
     "shipped_lora_chat": ("shipped", "lora", CHAT),
+    # TEMPORARY (issue 19 A/B, session 36): the models' weights through the memory map and load_state_dict, as
+    # before components/models/stream_load.py
+    "x_lora_mmap_load": ("shipped", "lora", ["ENV:RECIPE_X_MMAP_LOAD=1"]),
 }
 
 
@@ -222,8 +225,9 @@ def run_row(a, name: str) -> dict:
         res = json.loads([ln for ln in (out_dir / "log.txt").read_text().splitlines() if ln.startswith("{")][-1])
         row.update(tokens_per_s=res["tokens_per_s"], peak_gib=res["peak_gib"], first_step_s=res.get("first_step_s"))
     else:
-        first = re.search(r"first optimizer step done ([0-9.]+) s after launch", (out_dir / "log.txt").read_text())
+        first = re.search(r"first optimizer step done ([0-9.]+) s after launch.*", (out_dir / "log.txt").read_text())
         row["first_step_s"] = float(first.group(1)) if first else None
+        row["setup_log"] = first.group(0) if first else None  # the parts of the start-up, as the run printed them
         steps = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         timed = [s for s in steps if s.get("step", 0) > a.warmup]
         row.update(tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),

@@ -46,9 +46,10 @@ def load_hf_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     raise RecipeError(f"{d}: no model.safetensors, {INDEX_FILE} or pytorch_model.bin")
 
 
-def safetensors_shapes(ckpt_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
-    """`{tensor name: (file, shape)}` from the safetensors headers of a HF folder (no tensor data is read), or None
-    when the folder has no safetensors or a header cannot be read (loading then reports it)."""
+def safetensors_headers(ckpt_dir: str | Path) -> dict[str, tuple[Path, int, dict]] | None:
+    """`{tensor name: (file, byte offset of the file's data, header entry)}` from the safetensors headers of a HF
+    folder (no tensor data is read), or None when the folder has no safetensors or a header cannot be read
+    (loading then reports it)."""
     d = Path(ckpt_dir)
     if (d / "model.safetensors").is_file():
         files = [d / "model.safetensors"]
@@ -59,7 +60,7 @@ def safetensors_shapes(ckpt_dir: str | Path) -> dict[str, tuple[str, list[int]]]
             return None
     else:
         return None
-    shapes: dict[str, tuple[str, list[int]]] = {}
+    entries: dict[str, tuple[Path, int, dict]] = {}
     for f in files:
         try:
             with open(f, "rb") as fh:
@@ -69,10 +70,18 @@ def safetensors_shapes(ckpt_dir: str | Path) -> dict[str, tuple[str, list[int]]]
                 header = json.loads(fh.read(n))
         except (OSError, struct.error, ValueError):
             return None
+        if not isinstance(header, dict):
+            return None
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("shape"), list):
-                shapes[name] = (str(f), info["shape"])
-    return shapes
+                entries[name] = (f, 8 + n, info)
+    return entries
+
+
+def safetensors_shapes(ckpt_dir: str | Path) -> dict[str, tuple[str, list[int]]] | None:
+    """`{tensor name: (file, shape)}` from the safetensors headers of a HF folder, or None (safetensors_headers)."""
+    entries = safetensors_headers(ckpt_dir)
+    return None if entries is None else {k: (str(f), info["shape"]) for k, (f, _, info) in entries.items()}
 
 
 def copy_tokenizer_files(tokenizer_dir: str | Path | None, out_dir: Path) -> None:

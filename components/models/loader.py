@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from .args import ModelArgs, check_weight_shapes, read_model_args
 from .builder import LoRASettings, build_model
 from .convert import hf_to_tune_names, tune_to_hf_names
 from .hf_io import load_hf_state_dict, write_hf_folder
+from .stream_load import read_into, stored_tensors
 from .tune import import_torchtune
 
 if TYPE_CHECKING:
@@ -51,11 +53,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def prune_layers(sd: dict[str, torch.Tensor], keep: Sequence[int], num_layers: int) -> dict[str, torch.Tensor]:
-    """Keep only layers `keep` (in order), renumbered 0..len(keep)-1: the student init of pruning-then-KD."""
+def check_keep_layers(keep: Sequence[int], num_layers: int) -> None:
     bad = [i for i in keep if not 0 <= i < num_layers]
     if bad or len(set(keep)) != len(keep) or not keep:
         raise RecipeError(f"keep_layers {list(keep)}: need distinct layer indices in [0, {num_layers})")
+
+
+def prune_layers(sd: dict[str, torch.Tensor], keep: Sequence[int], num_layers: int) -> dict[str, torch.Tensor]:
+    """Keep only layers `keep` (in order), renumbered 0..len(keep)-1: the student init of pruning-then-KD."""
+    check_keep_layers(keep, num_layers)
     new_index = {old: new for new, old in enumerate(keep)}
     out = {}
     for k, v in sd.items():
@@ -87,14 +93,29 @@ def load_model(
     """Build the decoder for a HF folder and load its weights; LoRA params are freshly initialised."""
     args = read_model_args(ckpt_dir)
     check_weight_shapes(ckpt_dir, args)  # from the headers, before GBs are read and the model is built
-    sd = hf_to_tune_names(load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
     if keep_layers is not None:
-        sd = prune_layers(sd, keep_layers, args.num_layers)
-        args = args.with_layers(len(keep_layers))
+        check_keep_layers(keep_layers, args.num_layers)
+    model_args = args.with_layers(len(keep_layers)) if keep_layers is not None else args
     torch_dtype = resolve_dtype(dtype)
     with _default_dtype(torch_dtype), torch.device(device):
-        model = build_model(args, lora=lora, max_seq_len=max_seq_len)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+        model = build_model(model_args, lora=lora, max_seq_len=max_seq_len)
+    targets = model.state_dict()
+    # A model built on a GPU reads its safetensors straight into its tensors (stream_load: several times the speed
+    # of a memory map copied tensor by tensor); on the host, and for tensors of other kinds (QLoRA's NF4 base),
+    # the memory map and load_state_dict.
+    stream = all(type(t) is torch.Tensor and t.is_cuda and t.is_contiguous() for t in targets.values())
+    stored = stored_tensors(ckpt_dir) if stream else None
+    if os.environ.get("RECIPE_X_MMAP_LOAD") == "1":  # TEMPORARY (issue 19 A/B of the loaders): the memory map
+        stored = None
+    sd = hf_to_tune_names(stored if stored is not None else load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
+    if keep_layers is not None:
+        sd = prune_layers(sd, keep_layers, args.num_layers)
+    if stored is not None:
+        missing, unexpected = [k for k in targets if k not in sd], [k for k in sd if k not in targets]
+        if not unexpected:
+            read_into({k: targets[k] for k in sd}, sd)
+    else:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not _is_adapter_key(k)]
     if missing or unexpected:
         raise RecipeError(f"{ckpt_dir}: weights do not match config.json (missing {missing[:3]}, "
@@ -105,7 +126,7 @@ def load_model(
     for m in model.modules():
         if isinstance(m, DoRALinear):
             m.initialize_dora_magnitude()
-    return model, args
+    return model, model_args
 
 
 def _is_adapter_key(key: str) -> bool:
