@@ -94,9 +94,6 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # the local chat set (reading-comprehension contexts with short answers: 96% of tokens are prompt, no label)
     # through the shipped chat template and train_on_input: false
     "shipped_lora_chat": ("shipped", "lora", CHAT),
-    # TEMPORARY (issue 19 A/B, session 36): the models' weights through the memory map and load_state_dict, as
-    # before components/models/stream_load.py
-    "x_lora_mmap_load": ("shipped", "lora", ["ENV:RECIPE_X_MMAP_LOAD=1"]),
 }
 
 

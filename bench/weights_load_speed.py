@@ -10,7 +10,7 @@ folder's files, which are in the page cache (read once before timing, as on a se
 - `mmap_copy_threads`: the same copies spread over threads (torch releases the GIL during a copy);
 - `safe_open_cuda`: safetensors' own `safe_open(device="cuda")`;
 - `stream_T[_cMiB]`: what `load_model` does for a GPU build now (components/models/stream_load.py): plain
-  `readinto` into two pinned buffers of c MiB (default 64) per thread, each copied asynchronously to the GPU while
+  `readinto` into two pinned buffers of c MiB (default 16) per thread, each copied asynchronously to the GPU while
   the other is read, T threads over contiguous runs of the files.
 
     python bench/weights_load_speed.py --model /tmp/kdb/teacher_8b [--repeat 2] [--ways mmap_copy,stream_4,...]
@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cpu: checks the ways' bytes without a GPU (nothing pinned)")
     p.add_argument("--ways", default="mmap_copy,mmap_copy_threads,safe_open_cuda,stream_1,stream_2,stream_4,"
-                                     "stream_8,stream_4_c16,stream_4_c256")
+                                     "stream_8,stream_4_c16,stream_8_c64")
     a = p.parse_args()
     device = torch.device(a.device)
     files = shard_files(a.model)

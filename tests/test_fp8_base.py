@@ -238,7 +238,9 @@ def test_gpu_fp8_base_is_close_to_bf16_lora_and_smaller():
     assert full["layers.0.attn.q_proj.weight"].device.type == "cpu"
     m = model.layers[0].attn.q_proj
     merged = merged_state_dict(model)["layers.0.attn.q_proj.weight"]
-    want_w = m.weight.dequantize(torch.bfloat16) + 2.0 * m.lora_b.weight.detach() @ m.lora_a.weight.detach()
+    # merged in fp32 and rounded once, as merge_lora_state_dict does (a bf16 sum rounds twice: a step apart)
+    want_w = (m.weight.dequantize().float()
+              + 2.0 * m.lora_b.weight.detach().float() @ m.lora_a.weight.detach().float()).bfloat16()
     assert merged.dtype == torch.bfloat16
     torch.testing.assert_close(merged, want_w)
 

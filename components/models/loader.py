@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,8 +104,6 @@ def load_model(
     # the memory map and load_state_dict.
     stream = all(type(t) is torch.Tensor and t.is_cuda and t.is_contiguous() for t in targets.values())
     stored = stored_tensors(ckpt_dir) if stream else None
-    if os.environ.get("RECIPE_X_MMAP_LOAD") == "1":  # TEMPORARY (issue 19 A/B of the loaders): the memory map
-        stored = None
     sd = hf_to_tune_names(stored if stored is not None else load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
     if keep_layers is not None:
         sd = prune_layers(sd, keep_layers, args.num_layers)

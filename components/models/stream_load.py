@@ -8,6 +8,7 @@ bench/weights_load_speed.py measures both on the 8B teacher's 16 GB (docs/benchm
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -24,8 +25,8 @@ from .hf_io import safetensors_headers
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
-CHUNK_BYTES = 64 << 20  # per pinned buffer; two per thread
-THREADS = 4
+CHUNK_BYTES = 16 << 20  # per pinned buffer, two per thread: pinning more host memory costs more than it saves
+THREADS = min(8, os.cpu_count() or 1)  # 16 GB on one H200 host: 1 thread 3.1 s, 2: 1.6 s, 4: 1.1-1.4 s, 8: 0.6-1.0 s
 
 
 @dataclass(frozen=True)
