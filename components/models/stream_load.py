@@ -58,12 +58,15 @@ def stored_tensors(ckpt_dir: str | Path) -> dict[str, StoredTensor] | None:
 
 def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor], threads: int = THREADS,
               chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Fill each contiguous tensor `targets[name]` from `stored[name]` (same shape; the dtype is converted on the
-    tensor's device when it differs). The tensors are split by bytes into `threads` runs in file order, one thread, CUDA
-    stream and pair of pinned buffers each (host tensors: read in place of the pinned buffers, no stream). Raises RecipeError naming the tensor on a shape mismatch or a short
-    file."""
+    """Fill each contiguous tensor `targets[name]` (all on one device) from `stored[name]`: same shape, the dtype
+    converted on that device when it differs. The tensors are split by bytes into `threads` runs in file order, one
+    thread, CUDA stream and pair of pinned buffers each (host tensors: plain buffers, no stream). Raises RecipeError
+    naming the tensor on a shape mismatch or a short file."""
     if chunk_bytes < 8:
         raise ValueError(f"chunk_bytes {chunk_bytes}: need at least 8")
+    devices = {t.device for t in targets.values()}
+    if len(devices) > 1:
+        raise ValueError(f"read_into fills tensors of one device, not {sorted(map(str, devices))}")
     for name, s in stored.items():
         t = targets[name]
         if not t.is_contiguous():
@@ -103,6 +106,14 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
 
 def _read_run(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
               device: torch.device, chunk_bytes: int) -> None:
+    if device.type != "cuda":
+        return _read_run_on(names, targets, stored, device, chunk_bytes)
+    with torch.cuda.device(device):  # a new thread's current GPU is 0: another rank's GPU would get a context
+        return _read_run_on(names, targets, stored, device, chunk_bytes)
+
+
+def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
+                 device: torch.device, chunk_bytes: int) -> None:
     chunk_bytes -= chunk_bytes % 8  # whole elements of any dtype in every chunk
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
