@@ -104,3 +104,15 @@ def test_gpu_load_model_reads_the_weights_of_the_cpu_build(tiny_model_dir):
     base = [k for k in want if ".lora_" not in k]
     assert "layers.1.attn.q_proj.weight" in base
     assert all(torch.equal(want[k], got[k].cpu()) for k in base)
+
+
+def test_ranks_of_one_node_share_the_cores(monkeypatch):
+    from llm_recipe.components.models import stream_load
+
+    monkeypatch.setattr(stream_load.os, "cpu_count", lambda: 64)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert stream_load.default_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert stream_load.default_threads() == 4
+    monkeypatch.setattr(stream_load.os, "cpu_count", lambda: 2)
+    assert stream_load.default_threads() == 1

@@ -26,7 +26,14 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 CHUNK_BYTES = 16 << 20  # per pinned buffer, two per thread: pinning more host memory costs more than it saves
-THREADS = min(8, os.cpu_count() or 1)  # 16 GB on one H200 host: 1 thread 3.1 s, 2: 1.6 s, 4: 1.1-1.4 s, 8: 0.6-1.0 s
+MAX_THREADS = 8  # 16 GB on one H200 host: 1 thread 3.1 s, 2: 1.6 s, 4: 1.1-1.4 s, 8: 0.6-1.0 s
+
+
+def default_threads() -> int:
+    """Up to MAX_THREADS, sharing the host's cores with the other ranks of this node (torchrun's LOCAL_WORLD_SIZE),
+    which read their copies at the same time."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 1) // ranks))
 
 
 @dataclass(frozen=True)
@@ -56,12 +63,12 @@ def stored_tensors(ckpt_dir: str | Path) -> dict[str, StoredTensor] | None:
     return out
 
 
-def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor], threads: int = THREADS,
+def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor], threads: int | None = None,
               chunk_bytes: int = CHUNK_BYTES) -> None:
     """Fill each contiguous tensor `targets[name]` (all on one device) from `stored[name]`: same shape, the dtype
-    converted on that device when it differs. The tensors are split by bytes into `threads` runs in file order, one
-    thread, CUDA stream and pair of pinned buffers each (host tensors: plain buffers, no stream). Raises RecipeError
-    naming the tensor on a shape mismatch or a short file."""
+    converted on that device when it differs. The tensors are split by bytes into `threads` (default_threads())
+    runs in file order, one thread, CUDA stream and pair of pinned buffers each (host tensors: plain buffers, no
+    stream). Raises RecipeError naming the tensor on a shape mismatch or a short file."""
     if chunk_bytes < 8:
         raise ValueError(f"chunk_bytes {chunk_bytes}: need at least 8")
     devices = {t.device for t in targets.values()}
@@ -76,6 +83,7 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
         if s.nbytes != t.numel() * s.dtype.itemsize:
             raise RecipeError(f"{s.path}: {name} holds {s.nbytes} bytes, {list(s.shape)} {s.dtype} needs "
                               f"{t.numel() * s.dtype.itemsize}")
+    threads = default_threads() if threads is None else threads
     order = sorted(stored, key=lambda n: (str(stored[n].path), stored[n].start))
     total = sum(stored[n].nbytes for n in order)
     runs: list[list[str]] = [[] for _ in range(max(1, threads))]
