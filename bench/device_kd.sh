@@ -65,8 +65,9 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tt .carry/tt/*.whl
     [[ -f .carry/g1/gguf.00 ]] && cp .carry/g1/gguf.00 /tmp/gguf.00
     copy_repo
-    python3 -m compileall -q -j 0 /tmp/site /tmp/tt "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
-        >/dev/null 2>&1 || true  # some packages hold files that do not compile (templates, tests): not ours to fix
+    # the prefix hides the stdlib's shipped bytecode too, so it is compiled into the prefix as well
+    python3 -m compileall -q -j 0 /tmp/site /tmp/tt $(python3 -c 'import sysconfig as s; print(*{s.get_path(k) for k in
+        ("stdlib", "platstdlib", "purelib", "platlib")})') >/dev/null 2>&1 || true  # some files never compile (templates)
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
@@ -160,12 +161,14 @@ startup)  # after `shipped` on the same machine (its wheels, repo and folders): 
     cd /tmp/repo
     imports() { ours python3 -X importtime -c "import llm_recipe.recipes.kd" 2>/tmp/imp.txt
                 sort -t'|' -k2 -n /tmp/imp.txt | tail -n 1; }
-    t0=$SECONDS; PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/tmp/no-pycache imports
+    t0=$SECONDS
+    env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/tmp/site python3 -X importtime \
+        -c "import llm_recipe.recipes.kd" 2>&1 | sort -t'|' -k2 -n | tail -n 1
     echo "import of recipes.kd without bytecode (the image's default): $((SECONDS - t0)) s"
     t0=$SECONDS; imports; echo "with bytecode: $((SECONDS - t0)) s"
     grep -E "\|   ?[a-z]" /tmp/imp.txt | sort -t'|' -k2 -n | tail -n 12
     ours python3 bench/weights_load_speed.py --model $B/teacher_8b ${2:+--ways "$2"} | tee /tmp/weights_load.jsonl
-    [[ -n ${OUT:-} ]] && cp /tmp/weights_load.jsonl /tmp/imp.txt "$OUT/"
+    if [[ -n ${OUT:-} ]]; then cp /tmp/weights_load.jsonl /tmp/imp.txt "$OUT/"; fi
     ;;
 kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU tests
     install_ours

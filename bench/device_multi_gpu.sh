@@ -71,8 +71,9 @@ start)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
     link_site_hf
-    python3 -m compileall -q -j 0 /tmp/site /tmp/peft "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
-        >/dev/null 2>&1 || true  # once per machine, as pip does at install; some packages hold files that do not compile
+    # once per machine, as pip does at install; the prefix hides the stdlib's shipped bytecode, so it too
+    python3 -m compileall -q -j 0 /tmp/site /tmp/peft $(python3 -c 'import sysconfig as s; print(*{s.get_path(k) for k in
+        ("stdlib", "platstdlib", "purelib", "platlib")})') >/dev/null 2>&1 || true  # some files never compile (templates)
     PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
     (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1

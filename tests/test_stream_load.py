@@ -87,12 +87,33 @@ def test_folders_without_safetensors_are_left_to_the_usual_loader(tmp_path):
     assert stored_tensors(tmp_path) is None
 
 
-@pytest.mark.gpu
-def test_gpu_load_model_reads_the_weights_of_the_cpu_build(tiny_model_dir):
-    from llm_recipe.components.models import LoRASettings
+def test_nothing_to_read_is_not_an_error():
+    read_into({}, {})
 
+
+@pytest.mark.gpu
+def test_gpu_read_into_through_small_chunks_threads_and_a_conversion(tmp_path):
+    want = sharded_folder(tmp_path / "m")
+    stored = stored_tensors(tmp_path / "m")
+    for threads, chunk_bytes in [(3, 4096), (8, 8), (1, 1 << 20)]:
+        torch.cuda.synchronize()
+        targets = {k: torch.full(v.shape, 7, dtype=v.dtype, device="cuda") for k, v in want.items()}
+        targets["f"] = torch.full((5, 7, 3), 7, dtype=torch.bfloat16, device="cuda")  # fp32 stored, bf16 model
+        read_into(targets, stored, threads=threads, chunk_bytes=chunk_bytes)
+        for k, v in want.items():  # read on the default stream, without a synchronize of our own
+            assert torch.equal(targets[k].cpu(), v.bfloat16() if k == "f" else v), (k, threads, chunk_bytes)
+
+
+@pytest.mark.gpu
+def test_gpu_load_model_reads_the_weights_of_the_cpu_build(tiny_model_dir, monkeypatch):
+    from llm_recipe.components.models import LoRASettings, loader
+
+    calls = []
+    monkeypatch.setattr(loader, "read_into", lambda *a, **k: (calls.append(1), read_into(*a, **k)))
     cpu, _ = load_model(tiny_model_dir, dtype="bf16", device="cpu")
+    assert not calls  # a host build keeps the memory map
     gpu, _ = load_model(tiny_model_dir, dtype="bf16", device="cuda")
+    assert calls  # the GPU build streamed
     want, got = cpu.state_dict(), gpu.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k].cpu()) for k in want)

@@ -107,16 +107,16 @@ def load_model(
     sd = hf_to_tune_names(stored if stored is not None else load_hf_state_dict(ckpt_dir), tied=args.tie_word_embeddings)
     if keep_layers is not None:
         sd = prune_layers(sd, keep_layers, args.num_layers)
-    if stored is not None:
+    if stored is not None:  # the keys are checked before GBs are read
         missing, unexpected = [k for k in targets if k not in sd], [k for k in sd if k not in targets]
-        if not unexpected:
-            read_into({k: targets[k] for k in sd}, sd)
     else:
         missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not _is_adapter_key(k)]
     if missing or unexpected:
         raise RecipeError(f"{ckpt_dir}: weights do not match config.json (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
+    if stored is not None:
+        read_into({k: targets[k] for k in sd}, sd)
     import_torchtune()
     from torchtune.modules.peft import DoRALinear
 

@@ -92,14 +92,19 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
         runs[min(len(runs) - 1, done * len(runs) // max(1, total))].append(name)
         done += stored[name].nbytes
     runs = [r for r in runs if r]
-    device = next(iter(targets.values())).device if targets else torch.device("cpu")
+    if not runs:
+        return
+    device = targets[order[0]].device
+    after = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the caller's: it built them
     failures: list[BaseException] = []
     lock = threading.Lock()
+    failed = threading.Event()  # the other threads stop at their next chunk
 
     def read_run(names: list[str]) -> None:
         try:
-            _read_run(names, targets, stored, device, chunk_bytes)
+            _read_run(names, targets, stored, device, chunk_bytes, after, failed)
         except BaseException as e:  # re-raised below, in the caller's thread
+            failed.set()
             with lock:
                 failures.append(e)
 
@@ -113,15 +118,17 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
 
 
 def _read_run(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
-              device: torch.device, chunk_bytes: int) -> None:
+              device: torch.device, chunk_bytes: int, after: torch.cuda.Stream | None,
+              failed: threading.Event) -> None:
     if device.type != "cuda":
-        return _read_run_on(names, targets, stored, device, chunk_bytes)
+        return _read_run_on(names, targets, stored, device, chunk_bytes, after, failed)
     with torch.cuda.device(device):  # a new thread's current GPU is 0: another rank's GPU would get a context
-        return _read_run_on(names, targets, stored, device, chunk_bytes)
+        return _read_run_on(names, targets, stored, device, chunk_bytes, after, failed)
 
 
 def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
-                 device: torch.device, chunk_bytes: int) -> None:
+                 device: torch.device, chunk_bytes: int, after: torch.cuda.Stream | None,
+                 failed: threading.Event) -> None:
     chunk_bytes -= chunk_bytes % 8  # whole elements of any dtype in every chunk
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
@@ -130,8 +137,8 @@ def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dic
     copied: list[torch.cuda.Event | None] = [None, None]
     turn = 0
     files: dict[Path, BinaryIO] = {}
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(device))  # the targets' initialisation is done before we write
+    if stream is not None and after is not None:
+        stream.wait_stream(after)  # the targets' initialisation is done before we write
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for name in names:
@@ -146,6 +153,8 @@ def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dic
                                                                    dtype=s.dtype, device=device)
                 pos = 0
                 while pos < s.nbytes:
+                    if failed.is_set():
+                        return
                     n = min(chunk_bytes, s.nbytes - pos)
                     if copied[turn] is not None:
                         copied[turn].synchronize()  # this buffer's previous copy has left it
@@ -167,8 +176,8 @@ def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dic
                         copied[turn].record(stream)
                     pos += n
                     turn ^= 1
-        if stream is not None:
-            stream.synchronize()
     finally:
+        if stream is not None:
+            stream.synchronize()  # no copy of ours is still in flight when read_into returns or raises
         for f in files.values():
             f.close()
