@@ -17,8 +17,9 @@
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
-#   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest: bench/logits_kernel_speed.py (the loss's Triton
-#                                          # kernel vs Inductor's), then the CUDA tests TESTS (default: the loss's)
+#   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
+#                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
+#                                          # then the CUDA tests TESTS (default: the loss's)
 #   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
 #                                          # bench/on_policy_speed.py (issue 22: on-policy KD's sampling speed,
 #                                          # eager vs compiled, and the batch-32 decode against transformers)
@@ -176,6 +177,8 @@ kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU 
     cp -r tests /tmp/repo/
     ours python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
         --target /tmp/site .carry/pytest/*.whl
+    # tests on the tiny model (tests/conftest.py) need SmolLM2's tokenizer: carry .carry/tok for them
+    if [[ -d .carry/tok ]]; then export RECIPE_TEST_TOKENIZER_DIR=$PWD/.carry/tok; fi
     cd /tmp/repo
     ours python3 bench/logits_kernel_speed.py ${KERNEL_ARGS:-} | tee /tmp/logits_kernel_speed.jsonl
     ours python3 -m pytest -q -p no:cacheprovider ${2:-tests/test_logits_kernel.py tests/test_fused_loss.py \
