@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,32 +33,9 @@ from safetensors.torch import load_file
 
 from llm_recipe.components.models import stream_load
 
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
-
-def shard_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [folder / "model.safetensors"]
-
-
-def header(path: Path) -> tuple[int, dict]:
-    """(data start, {name: {dtype, shape, data_offsets}}) of one safetensors file."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        meta = json.loads(f.read(n))
-    meta.pop("__metadata__", None)
-    return 8 + n, meta
-
-
-def destinations(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in files:
-        _, meta = header(path)
-        for name, m in meta.items():
-            out[name] = torch.empty(m["shape"], dtype=DTYPES[m["dtype"]], device=device)
-    return out
+def destinations(stored: dict[str, stream_load.StoredTensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(t.shape, dtype=t.dtype, device=device) for name, t in stored.items()}
 
 
 def mmap_copy(files, dst, threads: int = 1) -> None:
@@ -91,7 +67,10 @@ def main() -> None:
                                      "stream_8,stream_4_c16,stream_8_c64")
     a = p.parse_args()
     device = torch.device(a.device)
-    files = shard_files(a.model)
+    stored = stream_load.stored_tensors(a.model)
+    if stored is None:
+        raise SystemExit(f"{a.model}: no readable safetensors")
+    files = sorted({t.path for t in stored.values()})
     nbytes = sum(f.stat().st_size for f in files)
     for path in files:  # into the page cache, as on a second run
         with open(path, "rb", buffering=0) as f:
@@ -107,13 +86,12 @@ def main() -> None:
         parts = name.split("_")[1:]  # stream_T or stream_T_cMiB
         threads = int(parts[0])
         chunk = int(parts[1][1:]) << 20 if len(parts) > 1 else stream_load.CHUNK_BYTES
-        stored = stream_load.stored_tensors(a.model)
         return lambda d: stream_load.read_into(d, stored, threads=threads, chunk_bytes=chunk)
 
     reference = None
     for name in a.ways.split(","):
         for rep in range(a.repeat):
-            dst = destinations(files, device)
+            dst = destinations(stored, device)
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
