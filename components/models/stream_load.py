@@ -101,8 +101,9 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
     failed = threading.Event()  # the other threads stop at their next chunk
 
     def read_run(names: list[str]) -> None:
-        try:
-            _read_run(names, targets, stored, device, chunk_bytes, after, failed)
+        try:  # under the targets' GPU: a new thread's current GPU is 0, where another rank would open a context
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                _read_run(names, targets, stored, device, chunk_bytes, after, failed)
         except BaseException as e:  # re-raised below, in the caller's thread
             failed.set()
             with lock:
@@ -120,15 +121,6 @@ def read_into(targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
 def _read_run(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
               device: torch.device, chunk_bytes: int, after: torch.cuda.Stream | None,
               failed: threading.Event) -> None:
-    if device.type != "cuda":
-        return _read_run_on(names, targets, stored, device, chunk_bytes, after, failed)
-    with torch.cuda.device(device):  # a new thread's current GPU is 0: another rank's GPU would get a context
-        return _read_run_on(names, targets, stored, device, chunk_bytes, after, failed)
-
-
-def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
-                 device: torch.device, chunk_bytes: int, after: torch.cuda.Stream | None,
-                 failed: threading.Event) -> None:
     chunk_bytes -= chunk_bytes % 8  # whole elements of any dtype in every chunk
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
@@ -137,7 +129,7 @@ def _read_run_on(names: list[str], targets: dict[str, torch.Tensor], stored: dic
     copied: list[torch.cuda.Event | None] = [None, None]
     turn = 0
     files: dict[Path, BinaryIO] = {}
-    if stream is not None and after is not None:
+    if stream is not None:
         stream.wait_stream(after)  # the targets' initialisation is done before we write
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
