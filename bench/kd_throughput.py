@@ -88,6 +88,14 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "shipped_lora_fp8_base_mk": ("shipped", "lora", ["lora.quantize_base=fp8", "ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
     "shipped_lora_bf16_teacher_mk": ("shipped", "lora", ["teacher.quantize=null", "ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
     "shipped_full_mk": ("shipped", "full", ["ENV:TORCHINDUCTOR_MULTI_KERNEL=1"]),
+    # Diagnosis: Inductor autotunes each matmul (its Triton templates against cuBLAS, per shape, at compile time),
+    # then also with Hopper's persistent TMA matmul templates; what it would buy the two rows issue 19 still misses
+    "x_bf16_gemm_autotune": ("shipped", "lora", ["teacher.quantize=null", "ENV:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1"]),
+    "x_fp8_base_gemm_autotune": ("shipped", "lora", ["lora.quantize_base=fp8", "ENV:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1"]),
+    "x_bf16_gemm_autotune_tma": ("shipped", "lora", ["teacher.quantize=null", "ENV:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1",
+                                                     "ENV:ENABLE_PERSISTENT_TMA_MATMUL=1"]),
+    "x_fp8_base_gemm_autotune_tma": ("shipped", "lora", ["lora.quantize_base=fp8", "ENV:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1",
+                                                         "ENV:ENABLE_PERSISTENT_TMA_MATMUL=1"]),
     # teacher.max_drift=0.01 on the random-weight teacher: what the setup-time drift check costs on an 8B teacher
     # (random weights drift 0.31 nats/token under fp8, so the bound keeps this teacher in bf16)
     "shipped_lora_drift_bound": ("shipped", "lora", ["teacher.max_drift=0.01"]),
