@@ -217,8 +217,11 @@ def run_row(a, name: str) -> dict:
             cmd[i - 1:i + 1] = [str(ROOT / "bench" / "dense_mask_run.py")]
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=a.timeout).returncode
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:  # a row past --timeout is a result (e.g. minutes of autotuning), and the
+            rc = "timeout"                 # rows after it still run
     row = {"name": name, "side": side, "student": student, "rc": rc, "wall_s": round(time.time() - t0, 1),
            "cmd": " ".join(row_env + cmd[1:]), "device": a.device, **cache_info}
     for heavy in ("checkpoints", "model", "adapter"):  # a full student's checkpoints fill the disk in a few rows

@@ -271,14 +271,16 @@ def test_gpu_compiled_fp8_base_does_not_recompile_per_layer():
     assert rel(outs[1], outs[0]) < 0.1
 
 
-def test_validate_refuses_an_fp8_base_on_cpu_or_outside_bf16_before_anything_loads(tmp_path):
-    # `recipe validate` (config load) says it: no weights, no layer scoring before the refusal
+def test_validate_refuses_an_fp8_base_on_cpu_or_outside_bf16_before_anything_loads(tmp_path, tiny_model_dir):
+    # `recipe validate` (config load) says it: no weights, no layer scoring before the refusal. The model folder is
+    # given, so the test needs no embedded assets (a GPU machine without PyPI runs it too)
     from llm_recipe.components.config import load_recipe_config
     from llm_recipe.recipes.full import CONFIG as FULL
     from llm_recipe.recipes.kd import CONFIG as KD
 
     for recipe, config, cfg_type in (("lora", "lora/smollm2", FULL), ("kd", "kd/smollm2_demo", KD)):
-        lora = [] if recipe == "lora" else ["lora={rank: 8}"]
+        folder = "model" if recipe == "lora" else "teacher"
+        lora = [f"{folder}.checkpoint_dir={tiny_model_dir}"] + ([] if recipe == "lora" else ["lora={rank: 8}", "student.prune.keep=2"])
         with pytest.raises(RecipeError, match="needs a CUDA GPU .* but the model is on cpu"):
             load_recipe_config(config, [*lora, "device=cpu", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
         with pytest.raises(RecipeError, match="needs dtype: bf16, got dtype: fp32"):
