@@ -13,9 +13,15 @@ of the transfer passages under the SmolLM2 tokenizer, the one the recorded KD ro
   one SDPA backend each (full heads: nested SDPA takes no GQA);
 - `flex_causal`: flex attention with a plain causal mask (the same work as the SDPA rows);
 - `sdpa_cudnn_causal` / `sdpa_flash_causal`: plain causal attention over the whole row (documents NOT separated:
-  not a substitute, the speed a fused Hopper kernel reaches on this shape, as a bound).
+  not a substitute, the speed a fused Hopper kernel reaches on this shape, as a bound);
+- `fa4_varlen`: FlashAttention-4's CuTe DSL kernels (`flash_attn.cute`, Hopper and Blackwell; not one of our
+  dependencies: `bash bench/device_kd.sh attention` installs it on the device) over the documents, as varlen_flash.
 
-    python bench/attention_speed.py [--doc-len 128 512] [--iters 50]
+Each row prints `ms` (median of single calls, each timed alone: includes the host's launch latency when the
+kernels are short) and `ms_gpu` (the mean of `--iters` calls issued back to back between two events: GPU time,
+as in a training step where the host runs ahead).
+
+    python bench/attention_speed.py [--doc-len 128 512] [--iters 50] [--only flex,fa4_varlen]
 """
 
 from __future__ import annotations
@@ -58,12 +64,28 @@ def timed(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def timed_back_to_back(fn, iters: int) -> float:
+    """Milliseconds per call of `iters` calls issued back to back (after 5 warm-up calls): the GPU's time per call
+    once the host runs ahead of it, as in a training step."""
+    for _ in range(5):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--doc-len", type=int, nargs=2, default=[126, 381], help="document lengths, uniform in [lo, hi]")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--only", default="", help="comma-separated rows to time (default: all)")
     args = p.parse_args()
     dev = torch.device("cuda")
     positions = packed_positions(args.rows, args.length, *args.doc_len)
@@ -96,6 +118,18 @@ def varlen(q, k, v, cu_seqlens, max_len: int):
     if "enable_gqa" in params and k.shape[1] != h:
         causal["enable_gqa"] = True
     out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_len, max_len, **causal)
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
+def fa4_varlen(q, k, v, cu_seqlens, max_len: int):
+    """FlashAttention-4 (CuTe DSL) over the documents, causal within each, GQA native, on [b, h, s, d] tensors."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    b, h, s, d = q.shape
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    out = flash_attn_varlen_func(*flat, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len,
+                                 max_seqlen_k=max_len, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
@@ -148,8 +182,18 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
         "flex_causal": run(lambda: compiled["flex"](q, k, v, block_mask=causal, enable_gqa=True)),
         "sdpa_cudnn_causal": run(sdpa(SDPBackend.CUDNN_ATTENTION)),
         "sdpa_flash_causal": run(sdpa(SDPBackend.FLASH_ATTENTION)),
+        "fa4_varlen": run(lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)),
     }
+    if args.only:
+        rows = {name: fn for name, fn in rows.items() if name in args.only.split(",")}
     with torch.no_grad():  # the same attention? varlen against flex's document mask
+        if "fa4_varlen" in rows:
+            try:
+                gap = (fa4_varlen(q, k, v, cu_seqlens, args.length) - compiled["flex"](
+                    q, k, v, block_mask=mask, enable_gqa=True)).abs().max()
+                print(json.dumps({"shape": shape, "fa4_varlen_vs_flex_max_abs_diff": float(gap)}), flush=True)
+            except Exception as e:
+                print(json.dumps({"shape": shape, "fa4_varlen": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
         try:
             gap = (varlen(q, k, v, cu_seqlens, args.length) - compiled["flex"](q, k, v, block_mask=mask,
                                                                                  enable_gqa=True)).abs().max()
@@ -165,12 +209,12 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
             print(json.dumps({"shape": shape, "varlen_vs_flex": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
     for name, fn in rows.items():
         try:
-            ms = timed(fn, args.iters)
+            ms, ms_gpu = timed(fn, args.iters), timed_back_to_back(fn, args.iters)
         except Exception as e:  # a backend this build or GPU lacks: say so, go on
             print(json.dumps({"shape": shape, "row": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
             continue
-        print(json.dumps({"shape": shape, "row": name, "ms": round(ms, 3), "gpu": torch.cuda.get_device_name()}),
-              flush=True)
+        print(json.dumps({"shape": shape, "row": name, "ms": round(ms, 3), "ms_gpu": round(ms_gpu, 4),
+                          "gpu": torch.cuda.get_device_name()}), flush=True)
 
 if __name__ == "__main__":
     main()

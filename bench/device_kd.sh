@@ -20,6 +20,8 @@
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
 #                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
 #                                          # then the CUDA tests TESTS (default: the loss's)
+#   bash bench/device_kd.sh attention [ROWS] # three calls, carrying .carry/fa4a, fa4b, fa4c (bench/fa4_carry.sh):
+#                                          # bench/attention_speed.py's ROWS with FlashAttention-4 installed
 #   bash bench/device_kd.sh onpolicy [ROWS] # carry .whl .carry/tok: wheels, random HF folders, then in the background
 #                                          # bench/on_policy_speed.py (issue 22: on-policy KD's sampling speed,
 #                                          # eager vs compiled, and the batch-32 decode against transformers)
@@ -152,6 +154,26 @@ qat)  # carry .whl .carry/tok: QAT's cost for each compile setting in $2 (defaul
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
     one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt
+    ;;
+attention)  # bench/attention_speed.py with FlashAttention-4 (not our dependency: ~111 MB of wheels, 3 calls of carry):
+            # carry .carry/fa4a, then .carry/fa4b, then .carry/fa4c (bench/fa4_carry.sh), each call `attention [ROWS]`;
+            # the third assembles and installs them into /tmp/fa4site and times ROWS (default flex,fa4_varlen)
+    mkdir -p /tmp/fa4parts && for d in .carry/fa4a .carry/fa4b .carry/fa4c; do [[ -d $d ]] && cp $d/* /tmp/fa4parts/; done
+    n=$(ls /tmp/fa4parts/cu13.part.* 2>/dev/null | wc -l)
+    if [[ ! -d /tmp/fa4site/flash_attn ]]; then
+        if ((n < 3)); then echo "FlashAttention-4 wheel parts here: $n of 3; call again with the next .carry/fa4?"; exit 0; fi
+        whl=/tmp/fa4parts/$(cat /tmp/fa4parts/cu13.name)
+        cat /tmp/fa4parts/cu13.part.* >"$whl"
+        echo "$(cat /tmp/fa4parts/cu13.sha256)  $whl" | sha256sum -c - || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site /tmp/fa4parts/*.whl || exit 1
+    fi
+    # the CuTe DSL's `cutlass` package sits in nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that
+    # only a site directory runs (not a --target folder on PYTHONPATH)
+    export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+    python3 -c "import flash_attn.cute, cutlass; print('flash_attn.cute from', flash_attn.cute.__file__)"
+    python3 bench/attention_speed.py --only "${2:-flex,fa4_varlen}" 2>&1 | tee /tmp/attention_speed.jsonl
+    [[ -n ${OUT:-} ]] && cp /tmp/attention_speed.jsonl "$OUT/"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
 wait)
     cd /tmp/repo && wait_for "${2:-540}"
