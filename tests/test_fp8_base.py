@@ -279,10 +279,12 @@ def test_validate_refuses_an_fp8_base_on_cpu_or_outside_bf16_before_anything_loa
     from llm_recipe.recipes.kd import CONFIG as KD
 
     for recipe, config, cfg_type in (("lora", "lora/smollm2", FULL), ("kd", "kd/smollm2_demo", KD)):
-        folder = "model" if recipe == "lora" else "teacher"
-        lora = [f"{folder}.checkpoint_dir={tiny_model_dir}"] + ([] if recipe == "lora" else ["lora={rank: 8}", "student.prune.keep=2"])
+        if recipe == "lora":
+            given = [f"model.checkpoint_dir={tiny_model_dir}"]
+        else:
+            given = [f"teacher.checkpoint_dir={tiny_model_dir}", "student.prune.keep=2", "lora={rank: 8}"]
         with pytest.raises(RecipeError, match="needs a CUDA GPU .* but the model is on cpu"):
-            load_recipe_config(config, [*lora, "device=cpu", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+            load_recipe_config(config, [*given, "device=cpu", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
         with pytest.raises(RecipeError, match="needs dtype: bf16, got dtype: fp32"):
-            load_recipe_config(config, [*lora, "dtype=fp32", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
-        load_recipe_config(config, [*lora, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)  # auto: checked on the GPU
+            load_recipe_config(config, [*given, "dtype=fp32", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+        load_recipe_config(config, [*given, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)  # auto: checked on the GPU
