@@ -27,6 +27,7 @@ as in a training step where the host runs ahead).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 
@@ -104,6 +105,12 @@ def main() -> None:
         measure(shape, args, hq, hkv, dim, backward, mask, causal, compiled, cu_seqlens)
 
 
+def tokens(t: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] -> [b * s, h, d]: the packed rows as one sequence of tokens, as the varlen kernels take them."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d)
+
+
 def varlen(q, k, v, cu_seqlens, max_len: int):
     """torch's varlen flash attention, causal within each document, on [b, h, s, d] tensors; its keyword for
     causal masking changed between torch releases (`is_causal`, then `window_size=(-1, 0)`)."""
@@ -112,12 +119,11 @@ def varlen(q, k, v, cu_seqlens, max_len: int):
     from torch.nn.attention.varlen import varlen_attn
 
     b, h, s, d = q.shape
-    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
     params = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if "enable_gqa" in params and k.shape[1] != h:
         causal["enable_gqa"] = True
-    out = varlen_attn(*flat, cu_seqlens, cu_seqlens, max_len, max_len, **causal)
+    out = varlen_attn(tokens(q), tokens(k), tokens(v), cu_seqlens, cu_seqlens, max_len, max_len, **causal)
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
@@ -126,9 +132,8 @@ def fa4_varlen(q, k, v, cu_seqlens, max_len: int):
     from flash_attn.cute import flash_attn_varlen_func
 
     b, h, s, d = q.shape
-    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    out = flash_attn_varlen_func(*flat, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len,
-                                 max_seqlen_k=max_len, causal=True)
+    out = flash_attn_varlen_func(tokens(q), tokens(k), tokens(v), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                 max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
     out = out[0] if isinstance(out, tuple) else out
     return out.reshape(b, s, h, d).transpose(1, 2)
 
@@ -137,8 +142,7 @@ def nested(q, k, v, cu_seqlens, backend):
     """SDPA over the documents as a nested (jagged) batch, causal within each, with one SDPA backend."""
     b, h, s, d = q.shape
     offsets = cu_seqlens.to(torch.int64)
-    nts = [torch.nested.nested_tensor_from_jagged(t.transpose(1, 2).reshape(b * s, t.shape[1], d), offsets)
-           .transpose(1, 2) for t in (q, k, v)]
+    nts = [torch.nested.nested_tensor_from_jagged(tokens(t), offsets).transpose(1, 2) for t in (q, k, v)]
     with sdpa_kernel(backend):
         out = F.scaled_dot_product_attention(*nts, is_causal=True)
     return out.transpose(1, 2).values().reshape(b, s, h, d).transpose(1, 2)
@@ -186,27 +190,19 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
     }
     if args.only:
         rows = {name: fn for name, fn in rows.items() if name in args.only.split(",")}
-    with torch.no_grad():  # the same attention? varlen against flex's document mask
-        if "fa4_varlen" in rows:
+    same = {"varlen": lambda: varlen(q, k, v, cu_seqlens, args.length),  # the same attention as flex's mask?
+            **{f"nested_{b.name}": functools.partial(nested, q, kr, vr, cu_seqlens, b)
+               for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)}}
+    if "fa4_varlen" in rows:  # only when asked for: it is not installed where the others are
+        same["fa4_varlen"] = lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)
+    with torch.no_grad():
+        ref = compiled["flex"](q, k, v, block_mask=mask, enable_gqa=True)
+        for name, attend in same.items():
             try:
-                gap = (fa4_varlen(q, k, v, cu_seqlens, args.length) - compiled["flex"](
-                    q, k, v, block_mask=mask, enable_gqa=True)).abs().max()
-                print(json.dumps({"shape": shape, "fa4_varlen_vs_flex_max_abs_diff": float(gap)}), flush=True)
-            except Exception as e:
-                print(json.dumps({"shape": shape, "fa4_varlen": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
-        try:
-            gap = (varlen(q, k, v, cu_seqlens, args.length) - compiled["flex"](q, k, v, block_mask=mask,
-                                                                                 enable_gqa=True)).abs().max()
-            print(json.dumps({"shape": shape, "varlen_vs_flex_max_abs_diff": float(gap)}), flush=True)
-            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-                try:
-                    gap = (nested(q, kr, vr, cu_seqlens, backend) - compiled["flex"](
-                        q, k, v, block_mask=mask, enable_gqa=True)).abs().max()
-                    print(json.dumps({"shape": shape, f"nested_{backend.name}_vs_flex_max_abs_diff": float(gap)}))
-                except Exception as e:
-                    print(json.dumps({"shape": shape, f"nested_{backend.name}": f"{type(e).__name__}: {str(e)[:300]}"}))
-        except Exception as e:
-            print(json.dumps({"shape": shape, "varlen_vs_flex": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+                line = {f"{name}_vs_flex_max_abs_diff": float((attend() - ref).abs().max())}
+            except Exception as e:  # a backend this build or GPU lacks
+                line = {name: f"{type(e).__name__}: {str(e)[:300]}"}
+            print(json.dumps({"shape": shape, **line}), flush=True)
     for name, fn in rows.items():
         try:
             ms, ms_gpu = timed(fn, args.iters), timed_back_to_back(fn, args.iters)
