@@ -14,6 +14,7 @@
 #                                          # torch.profiler (ARGS to bench/profile_kd.py, e.g. --gaps: GPU idle time)
 #   bash bench/device_kd.sh qat [COMPILES]  # carry .whl .carry/tok: QAT's cost (plain vs fake-quantized steps of the
 #                                          # shipped qat/llama3_2_1b) per compile setting, e.g. "true false"
+#   bash bench/device_kd.sh tool SCRIPT [ARGS]  # carry .whl: one bench/SCRIPT on this tree (a kernel's diagnosis)
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
@@ -41,7 +42,10 @@ ours() { PYTHONPATH=/tmp/site "$@"; }
 install_ours() {  # our pinned wheels (carried in .whl) into /tmp/site, which `ours` puts first on PYTHONPATH; a
                   # call without .whl (64 MiB per call) uses those an earlier call on this machine installed
     [[ -d .whl || ! -d /tmp/site/torchao ]] || { echo "no .whl: the wheels already in /tmp/site"; return 0; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    local have; have=$(ls .whl | md5sum)  # the same wheels installed by an earlier stage of this call: not again
+    [[ -f /tmp/site/.whl_list && $(cat /tmp/site/.whl_list) == "$have" ]] && return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && echo "$have" >/tmp/site/.whl_list
 }
 
 copy_repo() {  # a fresh copy of this checkout in /tmp/repo, installed (no deps) into /tmp/site: llm_recipe is
@@ -143,7 +147,7 @@ onpolicy_runner)  # on_policy_speed.py's rows in order: the shipped LoRA config 
     ours python3 bench/on_policy_speed.py --out $B ${2:+--rows "$2"}
     ;;
 profile)  # one short call: where the GPU time of one of our rows goes (bench/profile_kd.py)
-    one_row_tool profile_kd.py "${2:-ours_lora_compile}" /tmp/profile.txt "${@:3}"
+    one_row_tool profile_kd.py "${2:-ours_lora_compile}" "/tmp/profile_${2:-ours_lora_compile}.txt" "${@:3}"
     ;;
 qat)  # carry .whl .carry/tok: QAT's cost for each compile setting in $2 (default "true"), in the foreground
     install_ours
@@ -151,6 +155,12 @@ qat)  # carry .whl .carry/tok: QAT's cost for each compile setting in $2 (defaul
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
     cd /tmp/repo && for c in ${2:-true}; do qat_cost "$c" | tee -a $B/qat_cost.jsonl; done
     [[ -n ${OUT:-} ]] && cp $B/qat_cost.jsonl "$OUT/"
+    ;;
+tool)  # carry .whl (+ .carry/tok): one bench script on this tree, in the foreground, e.g. `tool swiglu_fp8_speed.py`
+    install_ours
+    copy_repo
+    cd /tmp/repo && ours python3 "bench/$2" "${@:3}" 2>&1 | tee "/tmp/${2%.py}.txt"
+    [[ -n ${OUT:-} ]] && cp "/tmp/${2%.py}.txt" "$OUT/"
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
     one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt
@@ -202,11 +212,13 @@ kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU 
     # tests on the tiny model (tests/conftest.py) need SmolLM2's tokenizer: carry .carry/tok for them
     if [[ -d .carry/tok ]]; then export RECIPE_TEST_TOKENIZER_DIR=$PWD/.carry/tok; fi
     cd /tmp/repo
-    ours python3 bench/logits_kernel_speed.py ${KERNEL_ARGS:-} | tee /tmp/logits_kernel_speed.jsonl
+    if [[ ${KERNEL_SPEED:-1} == 1 ]]; then  # KERNEL_SPEED=0: the tests alone
+        ours python3 bench/logits_kernel_speed.py ${KERNEL_ARGS:-} | tee /tmp/logits_kernel_speed.jsonl
+    fi
     ours python3 -m pytest -q -p no:cacheprovider ${2:-tests/test_logits_kernel.py tests/test_fused_loss.py \
         tests/test_loss_rows.py} >/tmp/pytest.txt 2>&1
     grep -E "passed|failed|^E " /tmp/pytest.txt | tail -15
-    [[ -n ${OUT:-} ]] && cp /tmp/logits_kernel_speed.jsonl /tmp/pytest.txt "$OUT/"
+    [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/" && { [[ ! -f /tmp/logits_kernel_speed.jsonl ]] || cp /tmp/logits_kernel_speed.jsonl "$OUT/"; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
 kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .carry/a, then `part` with .carry/c):
