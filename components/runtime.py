@@ -252,11 +252,6 @@ class Runtime:
         # ru_maxrss is in KiB on Linux and in bytes on macOS.
         return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
-    def reset_peak_memory(self) -> None:
-        """Start a new CUDA peak-memory window (the CPU RSS peak cannot be reset)."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
     def teardown(self) -> None:
         """Destroy the process group if this runtime created one."""
         if self.distributed and dist.is_initialized():

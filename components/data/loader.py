@@ -111,10 +111,6 @@ class StatefulLoader:
         self.epoch += 1
         self.position = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` from its beginning."""
-        self.epoch, self.position = epoch, 0
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, int]:
         """Position to resume from (plus what must match on resume)."""

