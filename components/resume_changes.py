@@ -26,11 +26,14 @@ FREE_KEYS = frozenset({
     "max_steps", "epochs", "save_every_n_steps", "keep_last_n", "tensorboard", "wandb", "compile",
     "activation_checkpointing", "num_output_chunks", "device", "teacher.placement", "kd.on_policy.decode",
 })
+# Keys whose change makes a checkpoint not fit the model or optimizer built now (other adapter shapes or targets,
+# another optimizer's state): refused even with resume_with_changes, before anything loads.
+SHAPE_KEYS = frozenset({"lora", "lora.rank", "lora.targets", "lora.use_dora", "optimizer._component_"})
 # Keys that say how this command treats the folder, not what the run computes: never compared.
 _CONTROL_KEYS = frozenset({"output_dir", "resume", "overwrite", "resume_with_changes"})
 _NOT_SET = "<not set>"
 
-__all__ = ["FREE_KEYS", "config_changes", "describe_changes", "resolved_values"]
+__all__ = ["FREE_KEYS", "SHAPE_KEYS", "config_changes", "describe_changes", "resolved_values"]
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
-from .resume_changes import config_changes, describe_changes, resolved_values
+from .resume_changes import SHAPE_KEYS, config_changes, describe_changes, resolved_values
 from .set_aside import discard, put_back, set_aside, set_aside_folders
 
 RUN_FILE = "run.json"
@@ -44,7 +44,8 @@ RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", 
                "layer_importance.json", "layer_importance.txt")
 
 __all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "check_resume_config",
-           "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "start_run"]
+           "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "recipe_of",
+           "record_resume_changes", "start_run"]
 
 
 def _is_rank0() -> bool:
@@ -95,7 +96,8 @@ def previous_run(output_dir: str | os.PathLike) -> list[str]:
     if found:
         run = read_run(out)
         if run is not None:
-            found.insert(0, f"run {run[RUN_ID_KEY]} started {run.get('started', '?')}")
+            by = f" by `recipe run {run['recipe']}`" if isinstance(run.get("recipe"), str) else ""
+            found.insert(0, f"run {run[RUN_ID_KEY]} started {run.get('started', '?')}{by}")
     return found
 
 
@@ -157,11 +159,17 @@ def _write_run(out: Path, cfg: Any, run_id: str | None = None) -> str:
     from .config import config_source
 
     run_id = run_id or uuid.uuid4().hex
-    record = {RUN_ID_KEY: run_id, "config": config_source(cfg).display,
+    record = {RUN_ID_KEY: run_id, "recipe": recipe_of(cfg), "config": config_source(cfg).display,
               "config_sha256": _config_sha256(cfg),
               "started": _now(), "values": resolved_values(cfg)}
     _save_run(out, record)
     return run_id
+
+
+def recipe_of(cfg: Any) -> str:
+    """The recipe a typed config belongs to, from its class (KDConfig -> kd), as run.json records it."""
+    name = type(cfg).__name__
+    return (name[: -len("Config")] if name.endswith("Config") else name).lower()
 
 
 def _now() -> str:
@@ -224,23 +232,47 @@ def check_resume(cfg: Any, ckpt: Path) -> None:
 def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     """The resumed config against the values `run` (run.json) started with (llm_recipe.components.resume_changes):
     changes to keys that change what the run computes are a RecipeError naming each key and both values unless
-    `resume_with_changes` accepts them. With `at` (the checkpoint resumed from), what changed is printed and rank 0
-    records it in run.json; without, only the check (`recipe run` before it launches torchrun)."""
+    `resume_with_changes` accepts them. With `at` (the checkpoint resumed from), rank 0 prints what changed
+    (`record_resume_changes` writes it to run.json once the checkpoint has loaded); without, only the check
+    (`recipe run` before it launches torchrun). Another recipe's run, and changes of `SHAPE_KEYS`, are refused."""
     out = Path(cfg.output_dir)
+    recipe = run.get("recipe")
+    if isinstance(recipe, str) and recipe != recipe_of(cfg):
+        raise RecipeError(f"resume=true, but {out} holds a run of `recipe run {recipe}` ({out / RUN_FILE}): a run "
+                          f"resumes only with the recipe that started it; start a new {recipe_of(cfg)} run in "
+                          "another output_dir")
     recorded = run.get("values")
     if not isinstance(recorded, dict):  # run.json of a run started before per-key records: nothing to compare
         return
     changed, free = config_changes(recorded, cfg)
+    shaped = {k: v for k, v in changed.items() if k in SHAPE_KEYS}
+    if shaped:
+        raise RecipeError(f"resume=true, but {describe_changes(shaped)} differ from the run in {out} "
+                          f"({out / RUN_FILE}): its checkpoint's adapters or optimizer state would not fit, even "
+                          "with resume_with_changes=true; put them back, or start a new run (overwrite=true or "
+                          "another output_dir)")
     if changed and not getattr(cfg, "resume_with_changes", False):
         raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} started with "
                           f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
                           "values: put them back, or add resume_with_changes=true to continue with the new ones "
                           "(or start a new run: overwrite=true or another output_dir)")
-    if not (changed or free) or at is None:
+    if (changed or free) and at is not None and _is_rank0():
+        print(f"resuming with changed values: {describe_changes(dict(sorted({**changed, **free}.items())))}",
+              flush=True)
+
+
+def record_resume_changes(cfg: Any, at: str) -> None:
+    """After a resumed run restored checkpoint `at`: rank 0 records in run.json the values it changed (accepted by
+    `check_resume_config` at setup). Not before: a resume that fails to load leaves run.json as the run had it,
+    so the unchanged command still resumes it."""
+    out = Path(cfg.output_dir)
+    run = read_run(out)
+    recorded = run.get("values") if run is not None else None
+    if not isinstance(recorded, dict) or not _is_rank0():
         return
-    if _is_rank0():
+    changed, free = config_changes(recorded, cfg)
+    if changed or free:
         both = dict(sorted({**changed, **free}.items()))
-        print(f"resuming with changed values: {describe_changes(both)}", flush=True)
         run["values"] = resolved_values(cfg)
         run.setdefault("resumed_with_changes", []).append(
             {"from": at, "at": _now(), "changes": {k: list(v) for k, v in both.items()}})

@@ -36,7 +36,7 @@ from .models import ModelArgs, save_model
 from .models.hf_io import copy_tokenizer_files
 from .models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from .oom import is_out_of_memory, note_step
-from .runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, start_run
+from .runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, record_resume_changes, start_run
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -142,18 +142,15 @@ class TrainState:
         schedule = [dict(vars(f)) for f in self.scheduler.lr_lambdas]
         base_lrs = list(self.scheduler.base_lrs)
         state = load_recipe_state(ckpt)
-        if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
-            load_sharded_checkpoint(ckpt, self.model, self.optimizer, state)
-        else:
-            if self.adapters:
-                names = trainable_names(self.model)
-                missing = set(names) - set(state["adapters"])
-                if missing:
-                    raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
-                                      "(was it written with different lora settings?)")
-                # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
-                self.rt.load_full_state_dict(self.model, {n: state["adapters"][n] for n in names}, strict=False)
-            self.rt.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        try:
+            self._load_weights_and_optimizer(ckpt, state)
+        except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another shape: one line, not a traceback
+            if is_out_of_memory(e):
+                raise
+            first = str(e).strip().splitlines()
+            raise RecipeError(f"{ckpt}: the checkpoint does not fit the model or optimizer this config builds "
+                              f"({first[-1] if first else type(e).__name__}); resume with the values the run "
+                              "started with (run.json), or start a new run") from None
         self.scheduler.load_state_dict(state["scheduler"])
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(values)
@@ -170,4 +167,20 @@ class TrainState:
         self.loader.load_state_dict(state["loader"])
         restore_rng(state["rng"])
         self.last_checkpoint = ckpt
+        record_resume_changes(self.cfg, ckpt.name)  # loaded: now run.json records what this resume changed
         return int(state["step"])
+
+    def _load_weights_and_optimizer(self, ckpt: Path, state: dict) -> None:
+        # a sharded checkpoint's weights and optimizer (DCP shards), or a one-process one's adapters and optimizer
+        if is_sharded_checkpoint(ckpt):  # written by a run over several processes: weights + optimizer in DCP shards
+            load_sharded_checkpoint(ckpt, self.model, self.optimizer, state)
+            return
+        if self.adapters:
+            names = trainable_names(self.model)
+            missing = set(names) - set(state["adapters"])
+            if missing:
+                raise RecipeError(f"{ckpt}: the checkpoint has no adapter weights for {sorted(missing)[:3]} "
+                                  "(was it written with different lora settings?)")
+            # Through the runtime: under FSDP each rank keeps its own shard of the saved full tensors.
+            self.rt.load_full_state_dict(self.model, {n: state["adapters"][n] for n in names}, strict=False)
+        self.rt.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])

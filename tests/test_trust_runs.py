@@ -169,6 +169,45 @@ def test_resume_with_other_values_is_refused_unless_accepted(tmp_path, tiny_mode
     assert record["resumed_with_changes"][-1]["changes"]["optimizer.lr"] == [2e-4, 2e-5]
 
 
+def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """A resume whose checkpoint could not fit is refused in one line and leaves the run as it was, run.json
+    included, so the unchanged command still resumes it: a changed LoRA rank (even with resume_with_changes=true),
+    a run of another recipe, and a checkpoint that fails to load for any other reason (after setup accepted the
+    changed values: run.json records them only once the checkpoint has loaded)."""
+    out = tmp_path / "lora"
+    lora = ["lora.rank=8", "lora.alpha=16"]
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=2", *lora), "lora", "lora/smollm2")[0] == 0
+    assert json.loads((out / "run.json").read_text())["recipe"] == "full"  # `recipe run lora` is full.py's loop
+    before = snapshot(out)
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", "resume_with_changes=true",
+                                         "lora.rank=4", "lora.alpha=16"), "lora", "lora/smollm2")
+    assert code == 1
+    doc.expect("resume-shape-changed", one_error(err), out=out, changes="lora.rank: 8 -> 4")
+    assert snapshot(out) == before
+
+    code, _, err = run(capsys, [*rc.KD_COMMON, f"teacher.checkpoint_dir={tiny_model_dir}", "student.keep_layers=[0,1]",
+                                f"output_dir={out}", "max_steps=3", "resume=true"], "kd", "kd/smollm2_demo")
+    assert code == 1
+    doc.expect("resume-other-recipe", one_error(err), out=out, recipe="full", own="kd")
+    assert snapshot(out) == before
+
+    from llm_recipe.components.runtime import Runtime
+
+    def no_fit(*a, **k):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    monkeypatch.setattr(Runtime, "load_optimizer_state_dict", no_fit)
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", "resume_with_changes=true",
+                                         "optimizer.lr=1e-5", *lora), "lora", "lora/smollm2")
+    assert code == 1 and "resuming with changed values: max_steps: 2 -> 3, optimizer.lr:" in stdout
+    doc.expect("resume-does-not-fit", one_error(err), ckpt=out / "checkpoints" / "step_000002",
+               why="loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    assert snapshot(out) == before
+    monkeypatch.undo()
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", *lora), "lora", "lora/smollm2")
+    assert code == 0, err  # the unchanged command resumes the run
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3]
+
+
 def test_a_recipe_never_writes_into_another_recipes_output_dir(tmp_path, tiny_model_dir, capsys):
     """quantize into a training run's folder, or a training run into a kd_logits cache's folder: refused before
     anything loads, naming what the folder holds; nothing in it changes."""
