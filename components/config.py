@@ -55,18 +55,15 @@ class ConfigSource:
         return _display_path(self.file)
 
     def where(self, key: str) -> str:
-        """`file:line` of a dotted key, or `override 'k=v'` when a command-line override set it."""
+        """`file:line` of a dotted key, or `override 'k=v'` (`'~k'`) when a command-line override set (deleted) it."""
+        # a key that is not a section in the file is made one by an override below it (`a.b=1` creates `a`, or turns
+        # the file's `a: 2` into a mapping)
+        leaf = not any(k.startswith(key + ".") for k in self.lines)
         for ov in reversed(self.overrides):
-            if ov.startswith("~"):
-                continue
-            ov_key = ov.split("=", 1)[0].strip()
-            if key == ov_key or key.startswith(ov_key + "."):
+            ov_key = ov[1:] if ov.startswith("~") else ov.split("=", 1)[0].strip()
+            if key == ov_key or key.startswith(ov_key + ".") or (leaf and ov_key.startswith(key + ".")
+                                                                  and not ov.startswith("~")):
                 return f"override '{ov}'"
-        # a key the file does not have, created by an override of a key below it (`a.b=1` creates `a`)
-        if key not in self.lines:
-            for ov in reversed(self.overrides):
-                if not ov.startswith("~") and ov.split("=", 1)[0].strip().startswith(key + "."):
-                    return f"override '{ov}'"
         line = self.lines.get(key)
         if line is None:
             # a key without its own line (e.g. inside a flow mapping): use its closest parent's line

@@ -36,7 +36,7 @@ class GenerateConfig:
                                   "with this much probability mass")
     device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
     dtype: str = setting("float32", Choice(*DTYPES), "float32 (fp32) | bfloat16 (bf16) | float16 (fp16), for float folders")
-    seed: int = setting(0, Range(int, ge=0), "sampling seed")
+    seed: int = setting(0, Range(int, ge=0, le=2**32 - 1), "sampling seed")
 
 
 CONFIG = GenerateConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys generate`)

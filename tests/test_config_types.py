@@ -102,7 +102,11 @@ def test_parse_fills_defaults_and_names_a_missing_required_key(tmp_path):
     assert cfg.gradient_accumulation_steps == 1 and cfg.lr_scheduler.name == "cosine" and cfg.dataset.max_seq_len == 2048
     on = typed_config(load_config(str(path), ["kd.on_policy.fraction=1", "dataset.max_seq_len=128"]), KDConfig)
     assert on.kd.on_policy.fraction == 1 and on.kd.on_policy.max_new_tokens == 64
-    with pytest.raises(RecipeError, match=r"kd.yaml:5: key 'dataset.source' is required \(str\): set it"):
+    # a required key an override deleted: the error names that override, not the file's line that sets the key
+    with pytest.raises(RecipeError, match=r"override '~dataset.source': key 'dataset.source' is required \(str\)"):
         typed_config(load_config(str(path), ["~dataset.source"]), KDConfig)
+    made_a_mapping = load_config(str(path), ["batch_size=2", "batch_size.x=1"])  # an override below a plain key
+    with pytest.raises(RecipeError, match=r"override 'batch_size.x=1': key 'batch_size' must be an int"):
+        validate_config(made_a_mapping, schema_of(KDConfig))
     with pytest.raises(RecipeError, match=r"kd.on_policy needs a live teacher"):  # cross-key checks run at load
         typed_config(load_config(str(path), ["kd.on_policy.fraction=1", "teacher.logits_dir=c"]), KDConfig)
