@@ -23,6 +23,7 @@ from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     QATSettings,
+    check_qat_convert_config,
     fake_quant_enabled_at,
     finish_qat,
     prepare_qat_training,
@@ -66,8 +67,9 @@ class FullConfig(TrainConfig):
                                       optional=True)
 
     def check(self) -> None:
-        """Checks across keys, at load: an fp8 LoRA base's device and dtype."""
+        """Checks across keys, at load: an fp8 LoRA base's device and dtype; a QAT conversion's device."""
         check_fp8_base_config(self.lora, self.device, self.dtype)
+        check_qat_convert_config(self.qat, self.device)
 
 
 CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)

@@ -32,6 +32,7 @@ from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     KD_QAT_KEYS,
     QATSettings,
+    check_qat_convert_config,
     finish_qat,
     prepare_qat_student,
 )
@@ -87,6 +88,7 @@ class KDConfig(TrainConfig):
         if source is not None and (Path(source) / "config.json").is_file():
             check_student_layers(self.student, source, config_source(self).where)
         check_fp8_base_config(self.lora, self.device, self.dtype)
+        check_qat_convert_config(self.qat, self.device)
         check_teacher_quant_config(self.teacher.quantize, self.device)
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)

@@ -237,3 +237,22 @@ def test_bf16_qat_lora_trains_the_weight_model_folder_holds():
         trained = _merge_lora_into_linear(module).weight
         assert trained.dtype == torch.bfloat16
         assert torch.equal(trained, saved[f"{name}.weight"]), name
+
+
+def test_a_gpu_only_conversion_on_a_cpu_run_is_refused_at_load(tiny_model_dir):
+    """QAT (and KD-QAT) ending in a conversion the CPU cannot do (int4_weight_only: CUDA) is refused when the config
+    loads (`recipe validate` says it), not after training; without the conversion, or with a CPU scheme, it loads."""
+    from llm_recipe.components.config import load_recipe_config
+    from llm_recipe.recipes.full import CONFIG as FULL
+    from llm_recipe.recipes.kd import CONFIG as KD
+
+    for recipe, config, cfg_type, given in (
+            ("qat", "qat/smollm2", FULL, [f"model.checkpoint_dir={tiny_model_dir}"]),
+            ("kd", "kd/smollm2_demo", KD, [f"teacher.checkpoint_dir={tiny_model_dir}", "student.prune.keep=2",
+                                           "qat={scheme: 8da4w}"])):
+        with pytest.raises(RecipeError, match="qat.convert=true converts at the end of training: scheme "
+                                              "'int4_weight_only' needs a CUDA GPU"):
+            load_recipe_config(config, [*given, "device=cpu", "qat.scheme=int4_weight_only"], cfg_type, recipe=recipe)
+        load_recipe_config(config, [*given, "device=cpu", "qat.scheme=int4_weight_only", "qat.convert=false"],
+                           cfg_type, recipe=recipe)
+        load_recipe_config(config, [*given, "device=cpu", "qat.scheme=8da4w"], cfg_type, recipe=recipe)

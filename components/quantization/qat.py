@@ -54,6 +54,19 @@ class QATSettings:
         return {QAT_METADATA_FILE: json.dumps(meta, indent=2) + "\n"}
 
 
+def check_qat_convert_config(qat: QATSettings | None, device: str) -> None:
+    """At config load (`recipe validate` says it too): a run that ends by converting to a GPU-only scheme
+    (`qat.convert: true`) on a CPU fails now, not after training."""
+    if qat is None or not qat.convert:
+        return
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        try:
+            check_device(qat.scheme, torch.device("cpu"))
+        except RecipeError as e:
+            raise RecipeError(f"qat.convert=true converts at the end of training: {e} (or qat.convert: false, then "
+                              "`recipe run quantize` on a GPU)") from None
+
+
 def _check_qat_scheme(scheme: str) -> None:
     scheme_info(scheme, key="qat.scheme")
     if scheme not in QAT_SCHEMES:
