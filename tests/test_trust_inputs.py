@@ -257,3 +257,17 @@ def test_the_stderr_filter_drops_only_the_git_line(tmp_path, monkeypatch, capfd)
                     b"progress 100%\nafter\n")
     err = capfd.readouterr().err
     assert err == "before\nprogress 50%\rprogress 100%\nafter\n", err
+
+
+def test_a_split_name_a_local_file_does_not_have_is_an_error(tmp_path):
+    """A .jsonl file is one split, `train` (as datasets.load_dataset reads it): `split: test` used to train on the
+    whole file in silence; slices of `train` pick rows."""
+    from llm_recipe.components.data import sources
+    from llm_recipe.components.errors import RecipeError
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(10)))
+    with pytest.raises(RecipeError, match=r"dataset.split: 'test', but .*rows.jsonl is one file, whose rows are the "
+                                          r"split 'train'"):
+        sources.load_rows(str(path), split="test")
+    assert len(sources.load_rows(str(path), split="train[80%:]")) == 2

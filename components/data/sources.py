@@ -204,6 +204,9 @@ def load_rows(source: str, split: str = "train", name: str | None = None, data_f
         raise RecipeError(f"dataset.{missing[0]}: {missing[1]}")
     path = Path(resolve_source(source)).expanduser()
     if path.is_file() and data_files is None:
+        if split_name != "train":  # as datasets.load_dataset reads a file: one split, `train`
+            raise RecipeError(f"dataset.split: {split!r}, but {path} is one file, whose rows are the split 'train'; "
+                              "pick rows with a slice (e.g. train[:90%], train[90%:])")
         suffix = path.suffix.lower()
         readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
         if suffix not in readers:
