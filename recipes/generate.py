@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models.generation import generate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
@@ -54,6 +55,11 @@ def main(cfg: GenerateConfig) -> None:
         messages.append({"role": "user", "content": cfg.prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     prompt = tokenizer.encode(text, add_bos=True)
+    context = getattr(model, "max_seq_len", None)  # the positions its rotary table covers
+    if context is not None and len(prompt) + cfg.max_new_tokens > context:
+        raise RecipeError(f"max_new_tokens={cfg.max_new_tokens}: the prompt ({len(prompt)} tokens) and that many "
+                          f"new ones exceed the model's context of {context} tokens; set max_new_tokens <= "
+                          f"{max(context - len(prompt), 0)}")
 
     # Stream: decode everything so far and print only the new suffix (multi-byte characters stay whole).
     out: list[int] = []

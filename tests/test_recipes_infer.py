@@ -23,6 +23,10 @@ def test_generate_answers_the_capital_of_france(tmp_path, embedded_model_dir):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tokens/s" in r.stderr
+    # more new tokens than the model's context holds: one line naming the key and the most it can be, no allocation
+    r = _run("generate", "--config", "generate/smollm2", "prompt=Hi", "max_new_tokens=100000000", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "recipe: error: max_new_tokens=100000000: the prompt (" in r.stderr and "set max_new_tokens <=" in r.stderr
 
 
 def test_eval_recipe_writes_lm_eval_results(tmp_path, embedded_model_dir):
