@@ -114,4 +114,4 @@ def run_recipe_script(
         if args.debug:
             traceback.print_exception(e)
         print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(getattr(e, "exit_code", 130)) from None

@@ -1,10 +1,11 @@
-"""Ctrl-C during training: finish the optimizer step, write a checkpoint, exit 130.
+"""Ctrl-C (or SIGTERM) during training: finish the optimizer step, write a checkpoint, exit 130 (143).
 
-`with StopRequest.install() as stop:` replaces the SIGINT handler around the training loop (and puts the previous
-one back when the block ends). The first Ctrl-C only sets a flag
+`with StopRequest.install() as stop:` replaces the SIGINT and SIGTERM handlers around the training loop (and puts
+the previous ones back when the block ends). The first signal only sets a flag
 (and says so on stderr); the loop checks it after each optimizer step, saves a checkpoint and raises
-`TrainingInterrupted`, which `run_recipe_script` turns into `recipe: interrupted ...` and exit status 130
-(128 + SIGINT, what shells report for a Ctrl-C). A second Ctrl-C interrupts at once, without a checkpoint.
+`TrainingInterrupted`, which `run_recipe_script` turns into `recipe: interrupted ...` and exit status 128 + the
+signal (130 for Ctrl-C, what shells report; 143 for SIGTERM, what a scheduler such as SLURM sends before it kills
+a job at its time limit). A second signal interrupts at once, without a checkpoint.
 
 Only in a single process, from the main thread: under torchrun every rank would have to agree on the step to stop
 at (one more collective per step), so there Ctrl-C keeps its default behaviour and `resume=true` continues from
@@ -56,41 +57,45 @@ def interrupted_message(err: BaseException) -> str:
 class TrainingInterrupted(KeyboardInterrupt):
     """Raised at a step boundary after a Ctrl-C, once the checkpoint of that step is written."""
 
-    def __init__(self, step: int, checkpoint: Path) -> None:
+    def __init__(self, step: int, checkpoint: Path, signum: int = signal.SIGINT) -> None:
         super().__init__(f"interrupted after step {step}: checkpoint {checkpoint} written; continue with "
                          "resume=true")
         self.step = step
         self.checkpoint = checkpoint
+        self.exit_code = 128 + int(signum)  # 130 for Ctrl-C, 143 for SIGTERM
 
 
 class StopRequest:
     """A flag set by the first Ctrl-C; `restore()` (or leaving its `with` block) puts the previous SIGINT handler
     back. Entering the block also notes that training has started (`note_training`)."""
 
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
-        self._installed = False
+        self.signum: int = signal.SIGINT
+        self._previous: dict[int, Any] = {}
 
     @classmethod
     def install(cls, enabled: bool = True) -> StopRequest:
-        """Catch SIGINT for the caller's loop (a no-op when not `enabled` or not on the main thread)."""
+        """Catch SIGINT and SIGTERM for the caller's loop (a no-op when not `enabled` or not on the main thread)."""
         stop = cls()
         if enabled and threading.current_thread() is threading.main_thread():
-            stop._previous = signal.signal(signal.SIGINT, stop._handle)
-            stop._installed = True
+            stop._previous = {s: signal.signal(s, stop._handle) for s in cls._SIGNALS}
         return stop
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        # the next Ctrl-C stops at once (the default handler raises KeyboardInterrupt)
+        self.requested, self.signum = True, signum
+        # the next signal stops at once: Ctrl-C raises KeyboardInterrupt, SIGTERM terminates
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        print("\nrecipe: Ctrl-C: stopping after this step and writing a checkpoint (Ctrl-C again stops now)",
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\nrecipe: {name}: stopping after this step and writing a checkpoint ({name} again stops now)",
               file=sys.stderr, flush=True)
 
     def interrupted(self, step: int, checkpoint: Path) -> TrainingInterrupted:
         """The exception to raise once the checkpoint of `step` is written."""
-        return TrainingInterrupted(step, checkpoint)
+        return TrainingInterrupted(step, checkpoint, self.signum)
 
     def __enter__(self) -> StopRequest:
         note_training()
@@ -100,7 +105,7 @@ class StopRequest:
         self.restore()
 
     def restore(self) -> None:
-        """Put back the SIGINT handler that was there before `install`."""
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
+        """Put back the handlers that were there before `install`."""
+        for s, previous in self._previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}

@@ -140,13 +140,17 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, tiny_mo
     assert_same_as_reference(out, reference)
 
 
-def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, tiny_model_dir, reference):
+@pytest.mark.parametrize("signal_name, status", [("sigint", 130), ("sigterm", 143)])
+def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, tiny_model_dir, reference, signal_name,
+                                                                    status):
+    """Ctrl-C (SIGINT), or the SIGTERM a job scheduler sends before it kills a job: the step finishes, its checkpoint
+    is written, the exit status is 128 + the signal, and resume=true gives the uninterrupted run's weights."""
     out = tmp_path / "out"
     args = train_args(tiny_model_dir, out)
-    # SIGINT arrives inside optimizer step 3 (what Ctrl-C in the terminal does)
-    p = run_with_fault({"target": "llm_recipe.components.training.optimizer_step", "nth": 3, "action": "sigint"}, "full",
-                       CONFIG, args, tmp_path)
-    assert p.returncode == 130, p.stderr
+    # the signal arrives inside optimizer step 3
+    p = run_with_fault({"target": "llm_recipe.components.training.optimizer_step", "nth": 3, "action": signal_name},
+                       "full", CONFIG, args, tmp_path)
+    assert p.returncode == status, p.stderr
     assert "Traceback" not in p.stderr
     doc.expect("ctrl-c", p.stderr, out=out)
     assert steps_of(out) == ["step_000002", "step_000003"]  # step 3 finished and was saved (3 is off the cadence)
