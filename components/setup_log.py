@@ -45,8 +45,9 @@ class SetupLog:
     main). Silent off rank 0 (`is_main`; default: torchrun's RANK is 0 or unset, so it can exist before the
     runtime)."""
 
-    def __init__(self, is_main: bool | None = None) -> None:
+    def __init__(self, is_main: bool | None = None, prefix: str = "setup") -> None:
         global _first_in_process
+        self.prefix = prefix  # what each line starts with (`quantize:` for the quantize recipe's parts)
         self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
         self.launched = process_start_time()
         self.began = time.time()  # differs from the launch when a process runs recipes in turn (`recipe demo`)
@@ -57,7 +58,7 @@ class SetupLog:
 
     def say(self, text: str) -> None:
         if self.is_main:  # through tqdm, so a progress bar on screen is redrawn below the line
-            tqdm.write(f"setup: {text}")
+            tqdm.write(f"{self.prefix}: {text}")
 
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:

@@ -35,6 +35,7 @@ from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.schemes import GROUPED_SCHEMES
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
+from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.train_config import ModelSection, output_dir_key
 
 log = logging.getLogger("recipe.quantize")
@@ -89,25 +90,32 @@ def main(cfg: QuantizeConfig) -> None:
     check_device(scheme, device, dtype)  # before the weights load: a GPU-only scheme on a CPU fails at once
     qtype = qtype_for_scheme(scheme) if cfg.gguf_qtype == AUTO else cfg.gguf_qtype
 
-    tokenizer = Tokenizer.from_dir(src)
-    model, args = load_model(src, dtype=dtype, device=device)
+    log = SetupLog(prefix="quantize")  # one line as each part starts and ends: a CPU run takes minutes
+    with log.phase("weights"):
+        tokenizer = Tokenizer.from_dir(src)
+        model, args = load_model(src, dtype=dtype, device=device)
     texts = held_out_texts(cfg.perplexity.limit)
     ppl_len = cfg.perplexity.max_seq_len
-    report = {"source": str(src), "scheme": scheme, "group_size": group_size,
-              "size_before_bytes": size_on_disk(src), "perplexity_before": perplexity(model, tokenizer, texts, ppl_len)}
-
-    quantize_model(model, scheme, group_size, include_output)
-    report["perplexity_after"] = perplexity(model, tokenizer, texts, ppl_len)
+    with log.phase(f"perplexity before, {len(texts)} LAMBADA texts"):
+        report = {"source": str(src), "scheme": scheme, "group_size": group_size, "size_before_bytes": size_on_disk(src),
+                  "perplexity_before": perplexity(model, tokenizer, texts, ppl_len)}
+    with log.phase(f"{scheme} quantization"):
+        quantize_model(model, scheme, group_size, include_output)
+    with log.phase("perplexity after"):
+        report["perplexity_after"] = perplexity(model, tokenizer, texts, ppl_len)
     exports = {}
     if "hf" in formats:
-        exports["hf"] = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
+        with log.phase("hf export"):
+            exports["hf"] = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
     if "gguf" in formats:
         report["gguf_qtype"] = qtype
-        exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
+        with log.phase(f"gguf export ({qtype})"):
+            exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
     if "pte" in formats:
         from llm_recipe.components.quantization.export_pte import export_pte
 
-        exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
+        with log.phase("pte export (ExecuTorch's lowering: minutes on a CPU)"):
+            exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
     report["exports"] = {k: {"path": str(v), "size_bytes": size_on_disk(v)} for k, v in exports.items()}
     atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
 

@@ -92,3 +92,6 @@ def test_a_rerun_with_another_type_says_what_of_an_earlier_run_the_folder_keeps(
             "run's exports)") in stdout
     assert list(json.loads((out / "report.json").read_text())["exports"]) == ["gguf"]
     assert json.loads((out / "report.json").read_text())["gguf_qtype"] == "Q4_0"
+    # each part says when it starts and how long it took (a CPU run of the pte export takes minutes)
+    for part in ("weights", "perplexity before, 2 LAMBADA texts", "8da4w quantization", "gguf export (Q4_0)"):
+        assert f"quantize: {part} ...\n" in stdout and f"quantize: {part}: " in stdout, part
