@@ -84,6 +84,9 @@ def setup_optimizer(cfg: TrainConfig, model: nn.Module, rt: Runtime,
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), rt)
     warn_if_bf16_updates_round_away(optimizer)
     s = cfg.lr_scheduler
+    if s.warmup_steps >= steps and s.warmup_steps > 0 and rt.is_main:  # e.g. a smoke run of a shipped config
+        print(f"note: lr_scheduler.warmup_steps={s.warmup_steps} >= the run's {steps} optimizer steps: the learning "
+              "rate never reaches optimizer.lr", flush=True)
     scheduler = build_scheduler(optimizer, name=s.name, warmup_steps=s.warmup_steps, total_steps=steps,
                                 min_lr_ratio=s.min_lr_ratio)
     return optimizer, scheduler

@@ -112,9 +112,10 @@ def test_full_recipe_logs_the_window_mean_cross_entropy(full_run, tiny_model_dir
     assert logged == pytest.approx(total / n, rel=1e-5)
 
 
-def test_logged_lr_is_the_rate_each_step_used(tmp_path, tiny_model_dir):
+def test_logged_lr_is_the_rate_each_step_used(tmp_path, tiny_model_dir, capsys):
     """metrics.jsonl's lr at step N is the learning rate step N's update used: with 2 warmup steps to 1e-3 that is
-    5e-4, 1e-3, then the cosine from 1e-3 (it used to log the rate of the step after: 1e-3, 1e-3, 5e-4, 0)."""
+    5e-4, 1e-3, then the cosine from 1e-3 (it used to log the rate of the step after: 1e-3, 1e-3, 5e-4, 0). A run
+    shorter than its warmup says that its rate never reaches optimizer.lr."""
     for recipe, config, extra in (("full", "full/smollm2", [f"model.checkpoint_dir={tiny_model_dir}"]),
                                   ("kd", "kd/smollm2_demo", [f"teacher.checkpoint_dir={tiny_model_dir}",
                                                              "student.every=null", "student.prune=null"])):
@@ -125,6 +126,12 @@ def test_logged_lr_is_the_rate_each_step_used(tmp_path, tiny_model_dir):
                                                   "save_every_n_steps=null"]) == 0
         lrs = [r["lr"] for r in rc.read_metrics(out)]
         assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], abs=1e-12), (recipe, lrs)
+    assert "warmup_steps" not in capsys.readouterr().out
+    assert rc.run_in_process("full", "full/smollm2", [*rc.COMMON, f"model.checkpoint_dir={tiny_model_dir}",
+                                                      f"output_dir={tmp_path / 'short'}", "max_steps=2",
+                                                      "lr_scheduler.warmup_steps=3"]) == 0
+    assert ("note: lr_scheduler.warmup_steps=3 >= the run's 2 optimizer steps: the learning rate never reaches "
+            "optimizer.lr") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, state_type, tol", [
