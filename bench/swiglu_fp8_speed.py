@@ -51,26 +51,27 @@ def _swiglu_row_persistent(g_ptr, u_ptr, q_ptr, s_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _silu_times_up(g_ptr, u_ptr, offsets, inside, EVICT: tl.constexpr):
+    # bf16 silu(g) * u as F.silu then the product round it, in fp32
+    g = tl.load(g_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    u = tl.load(u_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return ((g * tl.sigmoid(g)).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _swiglu_row_two_pass(g_ptr, u_ptr, q_ptr, s_ptr, n, CHUNK: tl.constexpr):
     # pass 1: the row's amax, chunk by chunk; pass 2 reads the row again (from L2, just read) and writes fp8
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for start in range(0, n, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        inside = cols < n
-        g = tl.load(g_ptr + row * n + cols, mask=inside, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        u = tl.load(u_ptr + row * n + cols, mask=inside, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        h = ((g * tl.sigmoid(g)).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(h))
+        amax = tl.maximum(amax, tl.abs(_silu_times_up(g_ptr, u_ptr, row * n + cols, cols < n, "evict_last")))
     scale = (tl.max(amax, axis=0) / 448.0).to(tl.bfloat16).to(tl.float32)
     for start in range(0, n, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        inside = cols < n
-        g = tl.load(g_ptr + row * n + cols, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        u = tl.load(u_ptr + row * n + cols, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        h = ((g * tl.sigmoid(g)).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
+        h = _silu_times_up(g_ptr, u_ptr, row * n + cols, cols < n, "evict_first")
         q = tl.clamp(h / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * n + cols, q.to(tl.float8e4nv), mask=inside)
+        tl.store(q_ptr + row * n + cols, q.to(tl.float8e4nv), mask=cols < n)
     tl.store(s_ptr + row, scale)
 
 
