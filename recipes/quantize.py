@@ -88,6 +88,10 @@ def main(cfg: QuantizeConfig) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = torch.bfloat16 if scheme == "int4_weight_only" else torch.float32  # int4's CUDA kernel is bf16 only
     check_device(scheme, device, dtype)  # before the weights load: a GPU-only scheme on a CPU fails at once
+    if "pte" in formats:  # and a .pte without ExecuTorch, not after minutes of perplexity and the other exports
+        from llm_recipe.components.quantization.export_pte import require_executorch
+
+        require_executorch()
     qtype = qtype_for_scheme(scheme) if cfg.gguf_qtype == AUTO else cfg.gguf_qtype
 
     log = SetupLog(prefix="quantize")  # one line as each part starts and ends: a CPU run takes minutes

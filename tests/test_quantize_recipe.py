@@ -4,6 +4,7 @@ run fails before any weights load, report.json is written atomically."""
 import json
 import logging
 import os
+import sys
 import time
 
 import pytest
@@ -95,3 +96,16 @@ def test_a_rerun_with_another_type_says_what_of_an_earlier_run_the_folder_keeps(
     # each part says when it starts and how long it took (a CPU run of the pte export takes minutes)
     for part in ("weights", "perplexity before, 2 LAMBADA texts", "8da4w quantization", "gguf export (Q4_0)"):
         assert f"quantize: {part} ...\n" in stdout and f"quantize: {part}: " in stdout, part
+
+
+def test_a_pte_export_without_executorch_fails_before_any_work(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """formats=[hf, pte] without ExecuTorch: one line naming the extra before the weights load; nothing is written
+    (it used to fail after the perplexities and the hf export, leaving a folder of mixed runs)."""
+    monkeypatch.setitem(sys.modules, "executorch", None)
+    monkeypatch.setitem(sys.modules, "executorch.exir", None)
+    out = tmp_path / "q"
+    capsys.readouterr()
+    assert rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, out, "formats=[hf,pte]")) == 1
+    captured = capsys.readouterr()
+    assert "recipe: error: exporting a .pte needs ExecuTorch" in captured.err
+    assert "quantize: weights" not in captured.out and not (out / "hf").exists()

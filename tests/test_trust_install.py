@@ -54,7 +54,7 @@ def test_install_hints_name_our_distribution(monkeypatch):
     monkeypatch.setitem(sys.modules, "executorch", None)
     monkeypatch.setitem(sys.modules, "executorch.exir", None)
     with pytest.raises(RecipeError) as e:
-        export_pte._require_executorch()
+        export_pte.require_executorch()
     doc.expect("pte-extra", f"recipe: error: {e.value}")
 
 

@@ -49,11 +49,13 @@ def _quiet_export() -> Iterator[None]:
         yield
 
 
-def _require_executorch() -> None:
+def require_executorch() -> None:
+    """A RecipeError naming the extra to install when ExecuTorch is missing (`quantize` asks before any work)."""
     try:
         import executorch.exir  # noqa: F401
     except ImportError as e:
-        raise RecipeError("exporting a .pte needs ExecuTorch: pip install 'llm-recipe[executorch]' "
+        raise RecipeError("exporting a .pte needs ExecuTorch: pip install -c .venv/constraints.txt "
+                          "'llm-recipe[executorch]' "
                           f"(executorch==1.5.1; import failed: {e})") from None
 
 
@@ -141,7 +143,7 @@ def export_pte(
     """Write an XNNPACK `.pte` of the 8da4w-quantized `model` (quantized here on a copy if it is not yet).
 
     The caller's model is not modified. Only batch size 1 is exported (on-device generation)."""
-    _require_executorch()
+    require_executorch()
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -180,7 +182,7 @@ class PteRunner:
     """Load a `.pte` with `executorch.runtime` and call it like the eager wrapper (prefill, then decode)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        _require_executorch()
+        require_executorch()
         from executorch.runtime import Runtime
 
         if not Path(path).is_file():
