@@ -426,8 +426,20 @@ def _free_memory(rt: Runtime) -> tuple[float, str]:
     if rt.device.type == "cuda":
         return float(torch.cuda.mem_get_info(rt.device)[0]), f"on {rt.device}"
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return float(avail) / procs, f"RAM per process ({procs} on this host)"
+    return float(available_ram()) / procs, f"RAM per process ({procs} on this host)"
+
+
+def available_ram() -> int:
+    """Bytes of RAM a new allocation can take: /proc/meminfo's MemAvailable (free pages plus the page cache the
+    kernel can drop), else free pages alone. Free pages alone read 1.2 GiB on a machine with 18.7 GiB available."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _is_sharded(model: nn.Module) -> bool:
