@@ -113,12 +113,15 @@ def compare(before: Row, after: Row) -> dict:
 
 def _compare_text(c: dict) -> str:
     acc, nll = c["acc"], c["nll"]
-    verdict = "more than" if c["beats_by_2se"] else "NOT more than"
+    past = {name: m["z_unpaired"] > 2 for name, m in (("accuracy", acc), ("target NLL", nll))}
+    yes, no = [n for n, ok in past.items() if ok], [n for n, ok in past.items() if not ok]
+    verdict = ("by more than 2 standard errors on both" if not no else
+               f"by more than 2 standard errors on {yes[0]}, NOT on {no[0]}" if yes else
+               "by NOT more than 2 standard errors on either")
     return (f"KD vs pruned student on the same {c['items']} LAMBADA items: accuracy {acc['before']:.3f} -> "
             f"{acc['after']:.3f} ({acc['improvement']:+.3f}, {acc['z_unpaired']:.1f} SE; paired {acc['z_paired']:.1f}), "
             f"target NLL {nll['before']:.2f} -> {nll['after']:.2f} nats (perplexity x{math.exp(-nll['improvement']):.3g}, "
-            f"{nll['z_unpaired']:.1f} SE; paired {nll['z_paired']:.1f}): distillation helps by {verdict} 2 standard "
-            f"errors on both")
+            f"{nll['z_unpaired']:.1f} SE; paired {nll['z_paired']:.1f}): distillation helps {verdict}")
 
 
 def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: int = 50, steps: int | None = None,

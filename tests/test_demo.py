@@ -50,3 +50,20 @@ def test_demo_shipped_settings_beat_the_pruned_student_by_two_standard_errors(tm
     for metric in ("acc", "nll"):
         assert c[metric]["improvement"] > 2 * c[metric]["se_unpaired"], (metric, c[metric])
     assert c["beats_by_2se"]
+
+
+def test_the_verdict_names_the_metrics_past_two_standard_errors():
+    """The closing line says on which metrics the KD gain passes 2 standard errors (it said "NOT ... on both" when
+    only accuracy fell short)."""
+    from llm_recipe.cli.demo import _compare_text
+
+    def metric(z):
+        return {"before": 0.3, "after": 0.4, "improvement": 0.1, "z_unpaired": z, "z_paired": z}
+
+    def verdict(z_acc, z_nll):
+        return _compare_text({"items": 100, "acc": metric(z_acc), "nll": metric(z_nll)}).rsplit(": ", 1)[1]
+
+    assert verdict(3.1, 5.0) == "distillation helps by more than 2 standard errors on both"
+    assert verdict(1.9, 2.8) == "distillation helps by more than 2 standard errors on target NLL, NOT on accuracy"
+    assert verdict(2.5, 0.4) == "distillation helps by more than 2 standard errors on accuracy, NOT on target NLL"
+    assert verdict(1.0, 1.5) == "distillation helps by NOT more than 2 standard errors on either"
