@@ -171,7 +171,10 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     lap("teacher eval", t0)
 
     t0 = time.perf_counter()
-    print(f"\n== 2/5 pruned student: {config_values(cfg)['student']}", flush=True)
+    chosen = [f"student.{k}.{sub}={w}" if isinstance(v, dict) else f"student.{k}={v}"  # the keys that pick layers
+              for k, v in config_values(cfg)["student"].items() if v is not None
+              for sub, w in (v.items() if isinstance(v, dict) else [(None, v)])]
+    print(f"\n== 2/5 pruned student: {', '.join(chosen)}", flush=True)
     keep = student_layers(cfg.student, teacher_dir, cfg.dataset.kwargs(), cfg.batch_size, "cpu", torch.float32, out)
     if keep is None:
         raise RecipeError("demo: kd/smollm2_demo keeps every teacher layer; set student.prune, every or keep_layers")

@@ -302,7 +302,7 @@ def setup_runtime(
         raise RecipeError("dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
     if dev.type == "cpu" and torch_dtype is torch.bfloat16:
         if rank == 0:
-            log.warning("dtype=bf16 on CPU: training in fp32 instead (bf16 is emulated and slower on CPU)")
+            log.warning("dtype=bf16 on CPU: running in fp32 instead (bf16 is emulated and slower on CPU)")
         torch_dtype = torch.float32
 
     distributed = False
