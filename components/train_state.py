@@ -147,9 +147,9 @@ class TrainState:
         except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another shape: one line, not a traceback
             if is_out_of_memory(e):
                 raise
-            first = str(e).strip().splitlines()
+            lines = str(e).strip().splitlines()  # torch's size mismatches: a heading, then one line per tensor
             raise RecipeError(f"{ckpt}: the checkpoint does not fit the model or optimizer this config builds "
-                              f"({first[-1] if first else type(e).__name__}); resume with the values the run "
+                              f"({lines[-1].strip() if lines else type(e).__name__}); resume with the values the run "
                               "started with (run.json), or start a new run") from None
         self.scheduler.load_state_dict(state["scheduler"])
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
