@@ -30,9 +30,12 @@ def output_dir_key(doc: str = "checkpoints/, model/, metrics.jsonl, loss.png go 
     return setting(REQUIRED, OutputDir(), doc)
 
 
+SEED = Range(int, ge=0, le=2**32 - 1)  # every recipe's seed: numpy's seeds stop at 2^32 - 1
+
+
 def seed_key() -> Any:
     """`seed:` (0): seeds python, numpy and torch on every rank."""
-    return setting(0, Range(int, ge=0, le=2**32 - 1), "seeds python, numpy and torch on every rank (numpy takes 0 .. 2^32 - 1)")
+    return setting(0, SEED, "seeds python, numpy and torch on every rank (numpy takes 0 .. 2^32 - 1)")
 
 
 def device_key() -> Any:

@@ -14,7 +14,7 @@ from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
-from llm_recipe.components.train_config import ModelSection
+from llm_recipe.components.train_config import SEED, ModelSection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +35,7 @@ class EvalConfig:
     device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
     dtype: str = setting("float32", Choice(*DTYPES), "float32 (fp32) | bfloat16 (bf16) | float16 (fp16) (float "
                          "models; quantized folders keep their types)")
-    seed: int = setting(1234, Range(int, ge=0, le=2**32 - 1), "lm-eval's python/numpy/torch/few-shot seeds")
+    seed: int = setting(1234, SEED, "lm-eval's python/numpy/torch/few-shot seeds")
     output_dir: str | None = setting(None, OutputDir(optional=True), "results.json goes here (null: "
                                     "printed only)")
 

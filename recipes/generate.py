@@ -18,7 +18,7 @@ from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
 from llm_recipe.components.schema import DEVICE, Choice, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
-from llm_recipe.components.train_config import ModelSection
+from llm_recipe.components.train_config import SEED, ModelSection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +37,7 @@ class GenerateConfig:
                                   "with this much probability mass")
     device: str = setting("auto", DEVICE, "auto | cpu | cuda | cuda:N")
     dtype: str = setting("float32", Choice(*DTYPES), "float32 (fp32) | bfloat16 (bf16) | float16 (fp16), for float folders")
-    seed: int = setting(0, Range(int, ge=0, le=2**32 - 1), "sampling seed")
+    seed: int = setting(0, SEED, "sampling seed")
 
 
 CONFIG = GenerateConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys generate`)
