@@ -1,7 +1,8 @@
 """Which recipe's outputs a folder holds, so that one recipe never writes into another recipe's `output_dir`.
 
-A training run, a `kd_logits` cache, `quantize` exports and a `transfer` set each have their own rules for a
-folder that already holds their outputs (resume or overwrite, resume shard by shard, write again), but none of
+A training run, a `kd_logits` cache, `quantize` exports, a `transfer` set and `eval` results each have their own
+rules for a folder that already holds their outputs (resume or overwrite, resume shard by shard, write again for
+the same run: components/result_runs.py), but none of
 them knows the others' files: a KD run into a cache folder, or `quantize` into a training run's folder, would
 leave two recipes' outputs mixed, and `overwrite=true` would delete only its own half. So a recipe is refused
 an `output_dir` that holds another recipe's outputs, recognised by the names each one writes at the top level.
@@ -20,11 +21,12 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kd_logits": ("a kd_logits cache", ("manifest.json", "shard_*.safetensors")),
     "quantize": ("quantize exports", ("report.json", "hf", "model-*.gguf", "model.pte")),
     "transfer": ("a transfer set", ("transfer.json", "passages.jsonl", "chat.jsonl")),
+    "eval": ("eval results", ("results.json",)),
 }
 RECIPE_KINDS = {"full": "training", "lora": "training", "qat": "training", "kd": "training",
-                "kd_logits": "kd_logits", "quantize": "quantize", "transfer": "transfer"}
+                "kd_logits": "kd_logits", "quantize": "quantize", "transfer": "transfer", "eval": "eval"}
 
-__all__ = ["KINDS", "RECIPE_KINDS", "check_output_kind", "earlier_outputs", "kinds_in"]
+__all__ = ["KINDS", "RECIPE_KINDS", "check_output_kind", "free_folder", "kinds_in"]
 
 
 def kinds_in(folder: str | os.PathLike) -> dict[str, list[str]]:
@@ -54,8 +56,12 @@ def check_output_kind(recipe: str, output_dir: str | os.PathLike | None) -> None
                               "output_dir (e.g. a subfolder)")
 
 
-def earlier_outputs(folder: str | os.PathLike, kind: str, written: list[str | os.PathLike]) -> list[str]:
-    """The names of `kind`'s outputs in `folder` that this run did not write (`written`): an earlier run's, e.g. a
-    GGUF of another type beside a quantize rerun's. Kept (never ours to delete), but worth a note."""
-    mine = {Path(p).name for p in written}
-    return [name for name in kinds_in(folder).get(kind, []) if name not in mine]
+def free_folder(path: str, suffix: str) -> str:
+    """`path` when it holds no recipe's outputs, else the first of `path + suffix`, `path + suffix + "_2"`, ... that
+    holds none: where a printed command can start a new run without being refused."""
+    if not kinds_in(path):
+        return path
+    base, n = path.rstrip("/") + suffix, 1
+    while kinds_in(candidate := base if n == 1 else f"{base}_{n}"):
+        n += 1
+    return candidate

@@ -12,6 +12,7 @@ from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, replacing_earlier, run_identity
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
 from llm_recipe.components.train_config import SEED, ModelSection
@@ -38,6 +39,8 @@ class EvalConfig:
     seed: int = setting(1234, SEED, "lm-eval's python/numpy/torch/few-shot seeds")
     output_dir: str | None = setting(None, OutputDir(optional=True), "results.json goes here (null: "
                                     "printed only)")
+    overwrite: bool = setting(False, bool, "replace results.json of an earlier eval of another model, weights or "
+                              "settings in output_dir (a rerun of the same one writes again without it)")
 
     def check(self) -> None:
         """A limit of 1 or more counts items, so it must be whole (lm-eval would cut 2.5 to 2 without a word)."""
@@ -50,13 +53,19 @@ CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges
 
 
 def main(cfg: EvalConfig) -> None:
-    evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
-             batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
-             seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
-             max_length=cfg.max_length, log_samples=cfg.log_samples)
+    # one evaluation per folder: the same one again rewrites results.json, another is refused (or overwrite=true)
+    identity = run_identity(cfg.model.checkpoint_dir, tasks=cfg.tasks, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                            max_length=cfg.max_length, apply_chat_template=cfg.apply_chat_template, dtype=cfg.dtype,
+                            seed=cfg.seed)
+    if cfg.output_dir is not None:
+        check_rerun("eval", cfg.output_dir, "eval", "results.json", identity, cfg.overwrite)
+    with replacing_earlier(cfg.output_dir, "eval", cfg.overwrite):
+        evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
+                 batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
+                 seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
+                 max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity})
     if cfg.output_dir is not None:
         print(f"results: {cfg.output_dir}/results.json")
-
 
 if __name__ == "__main__":
     run_recipe_script(EvalConfig, main)

@@ -21,7 +21,6 @@ from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
 from llm_recipe.components.models import load_model
 from llm_recipe.components.models.tokenizer import Tokenizer
-from llm_recipe.components.output_kinds import earlier_outputs
 from llm_recipe.components.quantization import (
     QAT_METADATA_FILE,
     SCHEMES,
@@ -33,6 +32,7 @@ from llm_recipe.components.quantization import (
 from llm_recipe.components.quantization.export_gguf import AUTO, QTYPES, export_gguf, qtype_for_scheme
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.schemes import GROUPED_SCHEMES
+from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, replacing_earlier, run_identity
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
 from llm_recipe.components.setup_log import SetupLog
@@ -68,6 +68,8 @@ class QuantizeConfig:
     pte_max_seq_len: int = setting(256, Range(int, ge=2), "KV-cache length baked into the .pte")
     perplexity: Perplexity = section(Perplexity, "the before/after perplexity")
     device: str = setting("cpu", DEVICE, "cpu | cuda | auto (int4_weight_only and float8_dynamic need cuda)")
+    overwrite: bool = setting(False, bool, "replace the exports of an earlier run of another source, weights or "
+                              "scheme in output_dir (a rerun of the same one writes again without it)")
 
 
 CONFIG = QuantizeConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys quantize`)
@@ -93,7 +95,33 @@ def main(cfg: QuantizeConfig) -> None:
 
         require_executorch()
     qtype = qtype_for_scheme(scheme) if cfg.gguf_qtype == AUTO else cfg.gguf_qtype
+    # one quantization per folder: a rerun of it writes again (and keeps its other formats), another one is refused
+    identity = run_identity(src, scheme=scheme, group_size=group_size, include_output=include_output)
+    earlier = check_rerun("quantize", out, "quantize", "report.json", identity, cfg.overwrite)
+    with replacing_earlier(out, "quantize", cfg.overwrite):
+        report = _quantize_and_export(cfg, src, out, formats, identity, device, dtype, qtype)
+        kept = _kept_exports(earlier, report["exports"])
+        if kept:
+            report["earlier_exports"] = kept
+        atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
 
+    mb = 1024**2
+    grouped = f" (group {group_size})" if scheme in GROUPED_SCHEMES else ""
+    print(f"{scheme}{grouped} of {src}")
+    print(f"  perplexity (LAMBADA passages, {report['perplexity_limit']} texts): {report['perplexity_before']:.2f} "
+          f"-> {report['perplexity_after']:.2f}")
+    print(f"  size on disk: {report['size_before_bytes'] / mb:.1f} MiB (source)")
+    for k, v in report["exports"].items():
+        print(f"  {k:5s} {v['size_bytes'] / mb:8.1f} MiB  {v['path']}")
+    for v in kept.values():
+        print(f"  {'kept':5s} {v['size_bytes'] / mb:8.1f} MiB  {v['path']} (an earlier run of this quantization)")
+    print(f"report: {out / 'report.json'}")
+
+
+def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: list[str], identity: dict,
+                         device: str, dtype: torch.dtype, qtype: str) -> dict:
+    """Load, measure, quantize, measure, export: the report without its earlier exports."""
+    scheme, group_size, include_output = identity["scheme"], identity["group_size"], identity["include_output"]
     log = SetupLog(prefix="quantize")  # one line as each part starts and ends: a CPU run takes minutes
     with log.phase("weights"):
         tokenizer = Tokenizer.from_dir(src)
@@ -102,41 +130,45 @@ def main(cfg: QuantizeConfig) -> None:
     ppl_len = cfg.perplexity.max_seq_len
     with log.phase(f"perplexity before, {len(texts)} LAMBADA texts"):
         report = {"source": str(src), "scheme": scheme, "group_size": group_size, "size_before_bytes": size_on_disk(src),
-                  "perplexity_before": perplexity(model, tokenizer, texts, ppl_len)}
+                  "perplexity_limit": len(texts), "perplexity_before": perplexity(model, tokenizer, texts, ppl_len)}
     with log.phase(f"{scheme} quantization"):
         quantize_model(model, scheme, group_size, include_output)
     with log.phase("perplexity after"):
         report["perplexity_after"] = perplexity(model, tokenizer, texts, ppl_len)
-    exports = {}
+    exports: dict[str, dict] = {}
     if "hf" in formats:
         with log.phase("hf export"):
-            exports["hf"] = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
+            path = export_hf_torchao(model, args, src, out / "hf", scheme, group_size, include_output)
+        exports["hf"] = {"path": str(path), "size_bytes": size_on_disk(path)}
     if "gguf" in formats:
         report["gguf_qtype"] = qtype
         with log.phase(f"gguf export ({qtype})"):
-            exports["gguf"] = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
+            path = export_gguf(model, args, src, out / f"model-{qtype}.gguf", qtype=qtype)
+        exports["gguf"] = {"path": str(path), "size_bytes": size_on_disk(path), "qtype": qtype}
     if "pte" in formats:
         from llm_recipe.components.quantization.export_pte import export_pte
 
         with log.phase("pte export (ExecuTorch's lowering: minutes on a CPU)"):
-            exports["pte"] = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
-    report["exports"] = {k: {"path": str(v), "size_bytes": size_on_disk(v)} for k, v in exports.items()}
-    atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
+            path = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
+        exports["pte"] = {"path": str(path), "size_bytes": size_on_disk(path), "max_seq_len": cfg.pte_max_seq_len}
+    report["exports"] = exports
+    report[RECORD_KEY] = identity
+    return report
 
-    mb = 1024**2
-    grouped = f" (group {group_size})" if scheme in GROUPED_SCHEMES else ""
-    print(f"{scheme}{grouped} of {src}")
-    print(f"  perplexity (LAMBADA passages, {len(texts)} texts): {report['perplexity_before']:.2f} -> "
-          f"{report['perplexity_after']:.2f}")
-    print(f"  size on disk: {report['size_before_bytes'] / mb:.1f} MiB (source)")
-    for k, v in report["exports"].items():
-        print(f"  {k:5s} {v['size_bytes'] / mb:8.1f} MiB  {v['path']}")
-    print(f"report: {out / 'report.json'}")
-    earlier = earlier_outputs(out, "quantize", [*exports.values(), out / "report.json"])
-    if earlier:  # a rerun with other formats or types: the folder keeps files report.json does not describe
-        print(f"note: {out} also holds {', '.join(earlier)} from an earlier quantize run (kept; report.json lists "
-              "this run's exports)")
 
+def _kept_exports(earlier: dict | None, exports: dict[str, dict]) -> dict[str, dict]:
+    """The exports an earlier run of the same quantization left that this run did not write again (another format,
+    another GGUF type): name -> its entry, still on disk."""
+    if earlier is None:
+        return {}
+    written = {e["path"] for e in exports.values()}
+    entries = [*(earlier.get("exports") or {}).items(), *(earlier.get("earlier_exports") or {}).items()]
+    kept = {}
+    for name, entry in entries:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        if path and path not in written and Path(path).exists():
+            kept[f"{name}:{Path(path).name}" if name in kept or name in exports else name] = entry
+    return kept
 
 if __name__ == "__main__":
     run_recipe_script(QuantizeConfig, main)

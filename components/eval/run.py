@@ -87,10 +87,12 @@ def evaluate(
     max_length: int | None = None,
     log_samples: bool = False,
     bootstrap_iters: int = 100000,
+    record: dict | None = None,
 ) -> dict:
     """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
     `output_dir/results.json`. Returns lm-eval's results dict. `bootstrap_iters=0` skips lm-eval's standard
-    errors (its perplexity SE bootstraps 100000 resamples; `llm_recipe.components.eval.stats` computes them from samples)."""
+    errors (its perplexity SE bootstraps 100000 resamples; `llm_recipe.components.eval.stats` computes them from samples).
+    `record`: keys added to results.json (the eval recipe's run identity, components/result_runs.py)."""
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t]
     quiet.offline_if_hub_unreachable(tasks)  # before lm-eval imports datasets (no 30 s of retries offline)
@@ -117,7 +119,7 @@ def evaluate(
         print(make_table(results, "groups"))
     if output_dir is not None:
         out = Path(output_dir)
-        atomic_write_bytes(out / "results.json", json.dumps(results, indent=2, default=handle_non_serializable,
-                                                            ensure_ascii=False).encode("utf-8"))
+        text = json.dumps({**results, **(record or {})}, indent=2, default=handle_non_serializable, ensure_ascii=False)
+        atomic_write_bytes(out / "results.json", text.encode("utf-8"))
         log.info("wrote %s", out / "results.json")
     return results

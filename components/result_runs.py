@@ -1,0 +1,117 @@
+"""One run per output folder for the recipes that write their results again (`quantize`, `eval`).
+
+A rerun into a folder used to replace what it wrote there and keep the rest: after `quantize` with another scheme
+the folder held the new `hf/` beside the earlier run's GGUF and one report describing only one of them, and a
+second `eval` replaced the first one's results without a word. Now the record each run writes (quantize's
+report.json, eval's results.json) keeps what its outputs were computed from (`run_identity`: the source folder,
+its weight files' sizes and times, and the keys that change the result), and a rerun into a folder holding such
+outputs (`check_rerun`, before anything loads):
+- of the same identity writes its outputs again; the earlier run's other outputs are of the same result (another
+  export format, another GGUF type of the same quantized weights) and are kept;
+- of another identity, or without a record of one (a run stopped before it finished, files of an older version),
+  is refused with one line naming what differs, unless `overwrite: true`: the earlier outputs are then set aside
+  (components/set_aside.py), deleted once the new run has written its record, put back if it stops first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import RecipeError
+from .output_kinds import KINDS, kinds_in
+from .set_aside import discard, put_back, set_aside, set_aside_folders
+
+RECORD_KEY = "recipe_run"  # where a record file keeps its run's identity
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf", "config.json", "quantization.json")
+_SET_ASIDE = ".replaced.del-"
+
+__all__ = ["RECORD_KEY", "check_rerun", "replacing_earlier", "run_identity"]
+
+
+def _weight_files(folder: Path) -> dict[str, list[int]]:
+    """name -> [bytes, mtime in ns] of the files that hold a model folder's weights and shape: a retrained model in
+    the same folder shows as another identity without hashing gigabytes."""
+    if not folder.is_dir():
+        return {}
+    files = sorted({p for pattern in _WEIGHT_FILES for p in folder.glob(pattern) if p.is_file()})
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def run_identity(source: str | os.PathLike, **keys: Any) -> dict[str, Any]:
+    """What a run's outputs are computed from: the source model folder, its weight files, and `keys` (the settings
+    that change the result), as JSON values."""
+    src = Path(source)
+    return {"source": str(src.resolve()), "source_files": _weight_files(src),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in keys.items()}}
+
+
+def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    diffs = []
+    for key in [*now, *(k for k in earlier if k not in now)]:
+        old, new = earlier.get(key), now.get(key)
+        if old == new:
+            continue
+        if key == "source_files":
+            if earlier.get("source") == now.get("source"):  # else the source's own line says it all
+                changed = sorted(n for n in {*(old or {}), *(new or {})} if (old or {}).get(n) != (new or {}).get(n))
+                diffs.append(f"the weights in {now['source']} changed since ({', '.join(changed[:3])})")
+        else:
+            diffs.append(f"{key}: {json.dumps(old)} then, {json.dumps(new)} now")
+    return diffs
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_rerun(recipe: str, output_dir: str | os.PathLike, kind: str, record_name: str, identity: dict[str, Any],
+                overwrite: bool) -> dict[str, Any] | None:
+    """RecipeError when `output_dir` holds `kind`'s outputs of another run than `identity` describes (or of one that
+    recorded none) and not `overwrite`. Returns the earlier record when it is of the same identity, else None.
+    Reads only: `replacing_earlier` moves files."""
+    out = Path(output_dir)
+    held = kinds_in(out).get(kind, [])
+    if not held or overwrite:
+        return None
+    shown = ", ".join(f"{n}/" if (out / n).is_dir() else n for n in held[:4]) + (", ..." if len(held) > 4 else "")
+    ways = "overwrite=true replaces them, or choose another output_dir"
+    record = _read_record(out / record_name)
+    earlier = record.get(RECORD_KEY) if record else None
+    if not isinstance(earlier, dict):
+        raise RecipeError(f"{out} holds {KINDS[kind][0]} ({shown}) without a record of what they were computed "
+                          f"from ({record_name} {'has none' if record else 'is missing'}: a run that stopped before "
+                          f"it finished, or an older version's): recipe run {recipe} would mix its outputs with "
+                          f"them; {ways}")
+    diffs = _differences(earlier, identity)
+    if diffs:
+        raise RecipeError(f"{out} holds {KINDS[kind][0]} of another run ({shown}): {'; '.join(diffs)}; {ways}")
+    return record
+
+
+@contextmanager
+def replacing_earlier(output_dir: str | os.PathLike | None, kind: str, overwrite: bool) -> Iterator[None]:
+    """With `overwrite`, set `kind`'s outputs in `output_dir` aside for the run inside the block: deleted when it
+    ends, put back (and what it wrote under their names removed) when it raises. Rank 0 only moves files."""
+    if output_dir is None or not overwrite or os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    out = Path(output_dir)
+    aside = set_aside(out, [out / n for n in kinds_in(out).get(kind, [])], _SET_ASIDE)
+    try:
+        yield
+    except BaseException:
+        if aside is not None:
+            put_back(out, aside, [out / n for n in kinds_in(out).get(kind, [])])
+            print(f"note: {out}: the outputs overwrite=true set aside are back as they were", flush=True)
+        raise
+    for leftover in set_aside_folders(out, _SET_ASIDE):  # this run's, and any a killed earlier attempt left
+        discard(leftover)

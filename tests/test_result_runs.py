@@ -1,0 +1,145 @@
+"""One run per output folder for `quantize` and `eval`: a rerun of the same result writes again (quantize keeps
+the same quantization's other exports and lists them); another source, retrained weights, another scheme or other
+eval settings are refused in one line before anything loads, folder untouched; `overwrite=true` replaces the
+earlier outputs, and puts them back when the new run fails. Messages come from docs/reliability.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import recipes_common as rc
+import reliability_doc as doc
+
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.folders import LOCK_NAME
+
+
+def run(capsys, recipe: str, config: str, overrides: list[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = rc.run_in_process(recipe, config, overrides)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
+    return line
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}
+
+
+def quantize(capsys, model: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+    return run(capsys, "quantize", "quantize/smollm2_8da4w",
+               [f"model.checkpoint_dir={model}", f"output_dir={out}", "perplexity.limit=2",
+                "perplexity.max_seq_len=32", "device=cpu", *extra])
+
+
+def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys, monkeypatch):
+    out = tmp_path / "q"
+    code, _, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]")
+    assert code == 0, err
+    # the same quantization again, another format and GGUF type: written, and the earlier export kept and listed
+    code, stdout, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[hf,gguf]", "gguf_qtype=Q8_0")
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(report["exports"]) == ["gguf", "hf"] and report["exports"]["gguf"]["qtype"] == "Q8_0"
+    assert list(report["earlier_exports"]) == ["gguf:model-Q4_0.gguf"]
+    assert report["earlier_exports"]["gguf:model-Q4_0.gguf"]["path"] == str(out / "model-Q4_0.gguf")
+    assert f"{out / 'model-Q4_0.gguf'} (an earlier run of this quantization)" in stdout
+    assert report["recipe_run"]["scheme"] == "8da4w" and report["recipe_run"]["source"] == str(tiny_copy.resolve())
+
+    # another scheme into that folder: one line naming the difference, nothing changed
+    before = snapshot(out)
+    code, stdout, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]")
+    assert code == 1 and "quantize: weights" not in stdout
+    line = one_error(err)
+    doc.expect("rerun-other-result", line, out=out)
+    assert 'scheme: "8da4w" then, "int8_weight_only" now' in line and "hf/" in line
+    assert snapshot(out) == before
+
+    # the same config after the source was retrained in place (a weight file rewritten): refused too
+    weights = next(tiny_copy.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    code, _, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]")
+    assert code == 1
+    assert f"the weights in {tiny_copy.resolve()} changed since ({weights.name})" in one_error(err)
+    assert snapshot(out) == before
+
+    # overwrite=true that fails during its run (an export error): the earlier outputs come back as they were
+    from llm_recipe.recipes import quantize as recipe
+
+    def broken_export(*a, **k):
+        (out / "model-Q8_0.gguf").write_bytes(b"half a file")  # what the failed run wrote under an earlier name
+        raise RecipeError("gguf export failed")
+
+    monkeypatch.setattr(recipe, "export_gguf", broken_export)
+    code, stdout, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]",
+                                 "overwrite=true")
+    assert code == 1 and "the outputs overwrite=true set aside are back as they were" in stdout
+    assert snapshot(out) == before and not [p for p in out.iterdir() if ".del-" in p.name]
+    monkeypatch.undo()
+
+    # overwrite=true: only the new run's exports are left, and its report lists nothing earlier
+    code, _, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]", "overwrite=true")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == ["model-Q8_0.gguf", "report.json"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["scheme"] == "int8_weight_only" and "earlier_exports" not in report
+
+
+def test_quantize_refuses_exports_without_a_record(tmp_path, tiny_model_dir, capsys):
+    """Exports with no report.json (a run killed before it wrote one, or an older version's folder) are of an
+    unknown run: refused, and overwrite=true replaces them."""
+    out = tmp_path / "q"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "config.json").write_text("{}")
+    code, _, err = quantize(capsys, tiny_model_dir, out, "formats=[gguf]")
+    assert code == 1
+    assert one_error(err) == (f"recipe: error: {out} holds quantize exports (hf/) without a record of what they were "
+                              "computed from (report.json is missing: a run that stopped before it finished, or an "
+                              "older version's): recipe run quantize would mix its outputs with them; overwrite=true "
+                              "replaces them, or choose another output_dir")
+    code, _, err = quantize(capsys, tiny_model_dir, out, "formats=[gguf]", "overwrite=true")
+    assert code == 0, err
+    assert not (out / "hf").exists() and (out / "model-Q4_0.gguf").is_file()
+
+
+def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    out = tmp_path / "e"
+    base = [f"model.checkpoint_dir={tiny_model_dir}", "tasks=[recipe_piqa]", "device=cpu", "batch_size=4",
+            f"output_dir={out}"]
+    code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert "recipe_piqa" in results["results"] and results["recipe_run"]["limit"] == 2
+    before = snapshot(out)
+
+    from llm_recipe.recipes import eval as recipe
+
+    evaluated = []
+    monkeypatch.setattr(recipe, "evaluate", lambda *a, **k: evaluated.append(k) or {})
+    code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=3"])  # other settings: refused, untouched
+    assert code == 1 and evaluated == []
+    line = one_error(err)
+    doc.expect("rerun-other-result", line, out=out)
+    assert "holds eval results of another run (results.json): limit: 2 then, 3 now;" in line
+    assert snapshot(out) == before
+    code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])  # the same eval again: allowed
+    assert code == 0 and len(evaluated) == 1, err
+
+    def failing(*a, **k):
+        raise RuntimeError("lm-eval failed")
+
+    monkeypatch.setattr(recipe, "evaluate", failing)
+    with pytest.raises(RuntimeError):  # overwrite=true whose eval fails: the earlier results come back
+        recipe.main(recipe.CONFIG(model=recipe.ModelSection(checkpoint_dir=str(tiny_model_dir)),
+                                  tasks=("recipe_piqa",), limit=3, output_dir=str(out), overwrite=True))
+    assert snapshot(out) == before and not [p for p in out.iterdir() if ".del-" in p.name]
