@@ -183,6 +183,23 @@ def test_the_closing_command_of_the_shipped_config_trains_from_the_cache(capsys,
     assert rc.read_metrics(out)[0]["kd_loss"] > 0
 
 
+def test_the_closing_command_names_a_free_output_dir_when_the_kd_configs_own_holds_a_run(capsys, tmp_path,
+                                                                                        monkeypatch, built):
+    """The kd run the cache was built for often already ran in the kd config's output_dir, and a new run there is
+    refused: the command then names a free folder beside it."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert build(built) == 0
+    assert not [w for w in closing_command(capsys.readouterr().out) if w.startswith("output_dir=")]
+    for taken in ("outputs/kd_smollm2_demo", "outputs/kd_smollm2_demo_from_cache"):
+        (tmp_path / taken).mkdir(parents=True)
+        (tmp_path / taken / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert build(built) == 0
+    words = closing_command(capsys.readouterr().out)
+    assert [w for w in words if w.startswith("output_dir=")] == ["output_dir=outputs/kd_smollm2_demo_from_cache_2"]
+    check_kd_accepts(words[0], words[1:])
+
+
 def test_the_closing_command_covers_teacher_temperature_and_loss(capsys, tmp_path, tmp_path_factory,
                                                                   embedded_model_dir):
     """A top-k cache of another teacher at T = 2 names the teacher and kd.temperature (and says so when the kd

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import RecipeError
 from ..on_policy import KD_OPTIONS
+from ..output_kinds import free_folder
 from .manifest import DATASET_FIELDS, first_difference, override, tokenizer_fingerprint
 
 __all__ = ["kd_command"]
@@ -63,4 +64,9 @@ def kd_command(out_dir: str, run: Mapping[str, Any], *, mode: str, teacher_dir: 
         words += [override(f"kd.{o}", None) for o in KD_OPTIONS if getattr(kd.kd, o, None) is not None]
     if kd.kd.on_policy is not None:
         words.append(override("kd.on_policy", None))
+    # A new kd run is refused a folder holding an earlier run: when the config's own output_dir holds one (the kd
+    # run this cache was built for, say), a free folder beside it.
+    out = free_folder(kd.output_dir, "_from_cache")
+    if out != kd.output_dir:
+        words.append(override("output_dir", out))
     return " ".join(words)
