@@ -81,6 +81,10 @@ def main(argv: list[str]) -> int:
         from ..components.quantization.load import check_checkpoint_dir
 
         check_checkpoint_dir(model_args["checkpoint"])  # a wrong folder fails now, before lm-eval builds its tasks
+    if hasattr(args, "device") and args.device is None:  # lm-eval would ask for cuda:0, warn and fall back on a CPU
+        import torch
+
+        args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if hasattr(args, "include_path"):  # run, ls and validate: our pack first, then the user's folder if any
         args.include_path = [str(tasks_dir()), *([args.include_path] if args.include_path else [])]
     try:

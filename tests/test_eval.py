@@ -228,14 +228,16 @@ def test_errors_name_the_culprit(model_dir):
 
 
 def test_recipe_lm_eval_runs_lm_eval_cli_with_our_model_and_pack(model_dir, tmp_path):
-    """`recipe lm_eval --model recipe ... --tasks recipe_arc_easy`: lm-eval's own CLI, in a fresh process."""
+    """`recipe lm_eval --model recipe ... --tasks recipe_arc_easy`: lm-eval's own CLI, in a fresh process. Without
+    --device it runs where recipe does (lm-eval alone asks for cuda:0, and on a CPU machine said it fell back)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4", "--device", "cpu",
+    args = ["--model", "recipe", "--model_args", f"checkpoint={model_dir}", "--batch_size", "4",
             "--tasks", "recipe_arc_easy", "--limit", "5", "--output_path", str(tmp_path / "out")]
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "lm_eval", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe_arc_easy" in proc.stdout and "acc_norm" in proc.stdout
+    assert "requested but CUDA is not available" not in proc.stdout + proc.stderr
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert results, list((tmp_path / "out").rglob("*"))
     data = json.loads(results[0].read_text())
