@@ -31,7 +31,7 @@ from llm_recipe.components.quantization import (
 )
 from llm_recipe.components.quantization.export_gguf import AUTO, QTYPES, export_gguf, qtype_for_scheme
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
-from llm_recipe.components.quantization.schemes import GROUPED_SCHEMES
+from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, replacing_earlier, run_identity
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
@@ -88,7 +88,7 @@ def main(cfg: QuantizeConfig) -> None:
                               f"override scheme={meta['scheme']} group_size={meta.get('group_size')}")
         include_output = bool(meta.get("include_output", include_output))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    dtype = torch.bfloat16 if scheme == "int4_weight_only" else torch.float32  # int4's CUDA kernel is bf16 only
+    dtype = torch.bfloat16 if scheme in BF16_ONLY else torch.float32  # int4's kernel, float8's rows: bf16 only
     check_device(scheme, device, dtype)  # before the weights load: a GPU-only scheme on a CPU fails at once
     if "pte" in formats:  # and a .pte without ExecuTorch, not after minutes of perplexity and the other exports
         from llm_recipe.components.quantization.export_pte import require_executorch

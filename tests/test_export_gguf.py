@@ -212,3 +212,22 @@ def test_requantized_weights_warn_once_with_a_count(embedded, tmp_path, caplog, 
     assert line == (f"x.gguf: 14 torchao {kind} weights (blk.0.ffn_down.weight, ...) requantized to {qtype} from "
                     f"dequantized values, not packed code for code: {why}")
     assert set(gguf_tensor_types(path).values()) == {"F32", qtype, "Q8_0"}  # norms, block matrices, embedding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_int4_tinygemm_weights_read_back_as_their_kernel_computes():
+    """torchao 0.18's Int4TilePackedTo4dTensor has no dequantize: the GGUF reads it back through its own kernel,
+    and a matmul with the values read back gives the kernel's output."""
+    from llm_recipe.components.quantization.export_gguf import _dequantized
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=False).to("cuda", torch.bfloat16)
+    w = linear.weight.detach().clone()
+    quantize_model(torch.nn.ModuleDict({"layers": torch.nn.ModuleList([linear])}), "int4_weight_only", group_size=32)
+    q = linear.weight
+    assert type(q).__name__ == "Int4TilePackedTo4dTensor"
+    values = _dequantized(q.cpu())  # as the GGUF export holds it: moved to the host first
+    assert values.shape == w.shape and ((values.float() - w.float()).norm() / w.float().norm()).item() < 0.15
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(x @ values.t(), linear(x), rtol=2e-2, atol=2e-2)

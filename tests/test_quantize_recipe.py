@@ -101,3 +101,30 @@ def test_a_pte_export_without_executorch_fails_before_any_work(tmp_path, tiny_mo
     captured = capsys.readouterr()
     assert "recipe: error: exporting a .pte needs ExecuTorch" in captured.err
     assert "quantize: weights" not in captured.out and not (out / "hf").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and compute capability >= 8.9 for float8)")
+@pytest.mark.parametrize("scheme, blocks", [("int4_weight_only", "Q4_0"), ("float8_dynamic", "Q8_0")])
+def test_gpu_only_schemes_export_hf_and_gguf(tmp_path, tiny_model_dir, scheme, blocks):
+    """The GPU-only schemes through the recipe as a user runs them (`device=cuda`, hf + GGUF). Both failed with a
+    traceback: float8_dynamic's per-row weights need a bf16 model, and the int4 tinygemm weight has no dequantize
+    for the GGUF. The GGUF's matrices are the float weights to within the 4/8-bit grids (a transposed read-back of
+    the int4 weight would be off by its whole norm)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    out = tmp_path / "q"
+    assert rc.run_in_process("quantize", CONFIG, quick(tiny_model_dir, out, f"scheme={scheme}", "device=cuda",
+                                                       "formats=[hf,gguf]")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(report["exports"]) == ["gguf", "hf"]
+    assert report["perplexity_after"] != report["perplexity_before"]  # measured on the quantized weights
+    (path,) = out.glob("*.gguf")
+    types = gguf_tensor_types(path)
+    assert {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")} == {blocks}
+    want = load_file(next(tiny_model_dir.glob("*.safetensors")))["model.layers.1.mlp.down_proj.weight"].float()
+    got = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_down.weight"]
+    got = torch.from_numpy(np.array(gguf.quants.dequantize(got.data, got.tensor_type))).reshape(want.shape)
+    assert ((got - want).norm() / want.norm()).item() < (0.2 if blocks == "Q4_0" else 0.05)

@@ -164,6 +164,21 @@ def _why_requantized(t: torch.Tensor, ttype: str) -> str:
     return "exact packing needs symmetric int4/int8 codes in groups of a multiple of 32"
 
 
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    """A torchao weight's values. torchao 0.18's int4 tinygemm weight (Int4TilePackedTo4dTensor, int4_weight_only)
+    has no dequantize and its layout is the CUDA kernel's own: its values are what that kernel gives for the
+    identity, `linear(I, W) = W^T`, each a single product summed in fp32 and rounded once to bf16."""
+    try:
+        return t.dequantize()
+    except NotImplementedError:
+        if t.dim() != 2 or not torch.cuda.is_available():
+            raise RecipeError(f"a {type(t).__name__} weight of shape {tuple(t.shape)} can be read back only through "
+                              "its CUDA kernel, and this machine has no CUDA GPU") from None
+        w = t.to("cuda")
+        eye = torch.eye(w.shape[1], dtype=torch.bfloat16, device="cuda")
+        return torch.nn.functional.linear(eye, w).t()
+
+
 def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None,
             requantized: dict[tuple[str, str, str], list[str]] | None = None) -> tuple[np.ndarray, object]:
     """Return (array, raw_dtype or None) ready for GGUFWriter.add_tensor. A torchao weight that cannot be
@@ -178,8 +193,8 @@ def _encode(name: str, t: torch.Tensor, ttype: str, permute_heads: int | None,
         return _pack_blocks(codes, scale, ttype), gguf.GGMLQuantizationType[ttype]
     if _is_torchao_tensor(t) and ttype in ("Q4_0", "Q8_0") and requantized is not None:
         requantized.setdefault((type(t).__name__, ttype, _why_requantized(t, ttype)), []).append(name)
-    w = t.dequantize() if _is_torchao_tensor(t) else t
-    w = w.float()
+    w = _dequantized(t) if _is_torchao_tensor(t) else t
+    w = w.float().cpu()
     if permute_heads:
         w = llama_cpp_permute(w, permute_heads)
     arr = w.contiguous().numpy()

@@ -81,8 +81,13 @@ def base_config(scheme: str, group_size: int = 32, for_qat_prepare: bool = False
     return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), **keep_inductor)
 
 
+# Schemes whose torchao path takes bfloat16 weights only, and why.
+BF16_ONLY = {"int4_weight_only": "its CUDA kernel is bf16 only",
+             "float8_dynamic": "torchao quantizes float8 rows from bf16 weights only"}
+
+
 def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
-    """Raise a RecipeError when `scheme` cannot run on `device` (and dtype, for int4's bf16-only kernel)."""
+    """Raise a RecipeError when `scheme` cannot run on `device` (and dtype, for the `BF16_ONLY` schemes)."""
     info = scheme_info(scheme)
     device = torch.device(device)
     if info.needs == "any":
@@ -97,9 +102,9 @@ def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | N
         if cc < (8, 9):
             raise RecipeError(f"scheme {scheme!r} needs compute capability >= 8.9, this GPU has {cc[0]}.{cc[1]}; "
                               "use float8_weight_only, 8da4w or int8_weight_only")
-    if scheme == "int4_weight_only" and dtype is not None and dtype != torch.bfloat16:
-        raise RecipeError(f"scheme 'int4_weight_only' needs a bfloat16 model (its CUDA kernel is bf16 only), "
-                          f"got {dtype}; set dtype: bf16")
+    if scheme in BF16_ONLY and dtype is not None and dtype != torch.bfloat16:
+        raise RecipeError(f"scheme {scheme!r} needs a bfloat16 model ({BF16_ONLY[scheme]}), got {dtype}; set dtype: "
+                          "bf16")
 
 
 def linear_filter(include_output: bool = False) -> Callable[[nn.Module, str], bool]:
