@@ -42,11 +42,14 @@ def _weight_files(folder: Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
+SOURCE_KEY = "model.checkpoint_dir"  # the config key both recipes name their source model with
+
+
 def run_identity(source: str | os.PathLike, **keys: Any) -> dict[str, Any]:
-    """What a run's outputs are computed from: the source model folder, its weight files, and `keys` (the settings
-    that change the result), as JSON values."""
+    """What a run's outputs are computed from: the source model folder (`model.checkpoint_dir`, resolved), its
+    weight files, and `keys` (the settings that change the result), as JSON values."""
     src = Path(source)
-    return {"source": str(src.resolve()), "source_files": _weight_files(src),
+    return {SOURCE_KEY: str(src.resolve()), "source_files": _weight_files(src),
             **{k: list(v) if isinstance(v, tuple) else v for k, v in keys.items()}}
 
 
@@ -57,9 +60,9 @@ def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if old == new:
             continue
         if key == "source_files":
-            if earlier.get("source") == now.get("source"):  # else the source's own line says it all
+            if earlier.get(SOURCE_KEY) == now.get(SOURCE_KEY):  # else the source's own line says it all
                 changed = sorted(n for n in {*(old or {}), *(new or {})} if (old or {}).get(n) != (new or {}).get(n))
-                diffs.append(f"the weights in {now['source']} changed since ({', '.join(changed[:3])})")
+                diffs.append(f"the weights in {now[SOURCE_KEY]} changed since ({', '.join(changed[:3])})")
         else:
             diffs.append(f"{key}: {json.dumps(old)} then, {json.dumps(new)} now")
     return diffs

@@ -53,7 +53,7 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     assert list(report["earlier_exports"]) == ["gguf:model-Q4_0.gguf"]
     assert report["earlier_exports"]["gguf:model-Q4_0.gguf"]["path"] == str(out / "model-Q4_0.gguf")
     assert f"{out / 'model-Q4_0.gguf'} (an earlier run of this quantization)" in stdout
-    assert report["recipe_run"]["scheme"] == "8da4w" and report["recipe_run"]["source"] == str(tiny_copy.resolve())
+    assert report["recipe_run"]["scheme"] == "8da4w" and report["recipe_run"]["model.checkpoint_dir"] == str(tiny_copy.resolve())
 
     # another scheme into that folder: one line naming the difference, nothing changed
     before = snapshot(out)
@@ -112,7 +112,7 @@ def test_quantize_refuses_exports_without_a_record(tmp_path, tiny_model_dir, cap
     assert not (out / "hf").exists() and (out / "model-Q4_0.gguf").is_file()
 
 
-def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, capsys, monkeypatch):
+def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, tiny_copy, capsys, monkeypatch):
     out = tmp_path / "e"
     base = [f"model.checkpoint_dir={tiny_model_dir}", "tasks=[recipe_piqa]", "device=cpu", "batch_size=4",
             f"output_dir={out}"]
@@ -132,6 +132,11 @@ def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, capsys, 
     doc.expect("rerun-other-result", line, out=out)
     assert "holds eval results of another run (results.json): limit: 2 then, 3 now;" in line
     assert snapshot(out) == before
+    other = [*base[1:], f"model.checkpoint_dir={tiny_copy}", "limit=2"]  # another model: named by its key
+    code, _, err = run(capsys, "eval", "eval/smollm2", other)
+    assert code == 1 and evaluated == []
+    assert (f'model.checkpoint_dir: "{tiny_model_dir.resolve()}" then, "{tiny_copy.resolve()}" now; '
+            "overwrite=true replaces them") in one_error(err)
     code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])  # the same eval again: allowed
     assert code == 0 and len(evaluated) == 1, err
 
