@@ -26,6 +26,7 @@ from .schemes import (
     base_config,
     check_device,
     check_group_size,
+    cpu_only,
     linear_filter,
     model_device_dtype,
     scheme_info,
@@ -59,7 +60,7 @@ def check_qat_convert_config(qat: QATSettings | None, device: str) -> None:
     (`qat.convert: true`) on a CPU fails now, not after training."""
     if qat is None or not qat.convert:
         return
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+    if cpu_only(device) is not None:
         try:
             check_device(qat.scheme, torch.device("cpu"))
         except RecipeError as e:

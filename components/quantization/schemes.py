@@ -86,6 +86,16 @@ BF16_ONLY = {"int4_weight_only": "its CUDA kernel is bf16 only",
              "float8_dynamic": "torchao quantizes float8 rows from bf16 weights only"}
 
 
+def cpu_only(device: str) -> str | None:
+    """How a config's `device` key makes its run CPU-only ("device: cpu", "device: auto found no GPU"), or None: for
+    the config-load checks of choices that need a GPU later in the run (an fp8 teacher, a QAT conversion)."""
+    if device == "cpu":
+        return "device: cpu"
+    if device == "auto" and not torch.cuda.is_available():
+        return "device: auto found no GPU"
+    return None
+
+
 def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Raise a RecipeError when `scheme` cannot run on `device` (and dtype, for the `BF16_ONLY` schemes)."""
     info = scheme_info(scheme)

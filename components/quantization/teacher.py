@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import RecipeError
 from ..schema import Choice, Range
 from ..settings import setting
-from .schemes import base_config, check_device, linear_filter
+from .schemes import base_config, check_device, cpu_only, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
@@ -38,10 +38,9 @@ def max_drift_setting():
 
 def check_teacher_quant_config(mode: str | None, device: str) -> None:
     """At config load (`recipe validate` says it too): an fp8 teacher on a CPU run, before minutes of setup."""
-    if mode == "fp8" and device == "cpu":
-        raise RecipeError(_NEEDS_FP8_GPU.format(where="device: cpu"))
-    if mode == "fp8" and device == "auto" and not torch.cuda.is_available():
-        raise RecipeError(_NEEDS_FP8_GPU.format(where="device: auto found no GPU"))
+    where = cpu_only(device) if mode == "fp8" else None
+    if where is not None:
+        raise RecipeError(_NEEDS_FP8_GPU.format(where=where))
 
 
 _NEEDS_FP8_GPU = ("teacher.quantize=fp8 needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls), but "
