@@ -6,13 +6,14 @@ and writes output_dir/results.json.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.run import evaluate
 from llm_recipe.components.models.loader import DTYPES
-from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, replacing_earlier, run_identity
+from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
 from llm_recipe.components.train_config import SEED, ModelSection
@@ -53,18 +54,21 @@ CONFIG = EvalConfig  # the keys this recipe reads: their types, defaults, ranges
 
 
 def main(cfg: EvalConfig) -> None:
-    # one evaluation per folder: the same one again rewrites results.json, another is refused (or overwrite=true)
-    identity = run_identity(cfg.model.checkpoint_dir, tasks=cfg.tasks, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
-                            max_length=cfg.max_length, apply_chat_template=cfg.apply_chat_template, dtype=cfg.dtype,
-                            seed=cfg.seed)
-    if cfg.output_dir is not None:
+    # one evaluation per folder: the same one again rewrites results.json, another is refused (or overwrite=true);
+    # the same scores whatever the tasks' order or the dtype's spelling
+    identity = run_identity(cfg.model.checkpoint_dir, tasks=sorted(cfg.tasks), limit=cfg.limit,
+                            num_fewshot=cfg.num_fewshot, max_length=cfg.max_length,
+                            apply_chat_template=cfg.apply_chat_template, seed=cfg.seed,
+                            dtype=str(DTYPES[cfg.dtype]).removeprefix("torch."))
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 writes results.json
+    if cfg.output_dir is not None and rank0:
         check_rerun("eval", cfg.output_dir, "eval", "results.json", identity, cfg.overwrite)
-    with replacing_earlier(cfg.output_dir, "eval", cfg.overwrite):
+    with writing_run(cfg.output_dir, "eval", identity, cfg.overwrite):
         evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
                  batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
                  seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
                  max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity})
-    if cfg.output_dir is not None:
+    if cfg.output_dir is not None and rank0:
         print(f"results: {cfg.output_dir}/results.json")
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from llm_recipe.components.quantization import (
 from llm_recipe.components.quantization.export_gguf import AUTO, QTYPES, export_gguf, qtype_for_scheme
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES
-from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, replacing_earlier, run_identity
+from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
 from llm_recipe.components.setup_log import SetupLog
@@ -98,9 +98,9 @@ def main(cfg: QuantizeConfig) -> None:
     # one quantization per folder: a rerun of it writes again (and keeps its other formats), another one is refused
     identity = run_identity(src, scheme=scheme, group_size=group_size, include_output=include_output)
     earlier = check_rerun("quantize", out, "quantize", "report.json", identity, cfg.overwrite)
-    with replacing_earlier(out, "quantize", cfg.overwrite):
+    with writing_run(out, "quantize", identity, cfg.overwrite):
         report = _quantize_and_export(cfg, src, out, formats, identity, device, dtype, qtype)
-        kept = _kept_exports(earlier, report["exports"])
+        kept = _kept_exports(earlier, report["exports"], out)
         if kept:
             report["earlier_exports"] = kept
         atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2) + "\n").encode())
@@ -156,19 +156,24 @@ def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: lis
     return report
 
 
-def _kept_exports(earlier: dict | None, exports: dict[str, dict]) -> dict[str, dict]:
-    """The exports an earlier run of the same quantization left that this run did not write again (another format,
-    another GGUF type): name -> its entry, still on disk."""
+def _kept_exports(earlier: dict | None, exports: dict[str, dict], out: Path) -> dict[str, dict]:
+    """The exports an earlier run of the same quantization left in `out` that this run did not write again
+    (another format, another GGUF type): name -> its entry, its path as this run names `out`. Exports sit at the
+    top of `out`, so they are matched by name (a rerun from another working directory spells the paths otherwise)."""
     if earlier is None:
         return {}
-    written = {e["path"] for e in exports.values()}
+    written = {Path(e["path"]).name for e in exports.values()}
     entries = [*(earlier.get("exports") or {}).items(), *(earlier.get("earlier_exports") or {}).items()]
-    kept = {}
+    kept: dict[str, dict] = {}
     for name, entry in entries:
-        path = entry.get("path") if isinstance(entry, dict) else None
-        if path and path not in written and Path(path).exists():
-            kept[f"{name}:{Path(path).name}" if name in kept or name in exports else name] = entry
+        file = Path(entry["path"]).name if isinstance(entry, dict) and entry.get("path") else None
+        if file is None or file in written or not (out / file).exists():
+            continue
+        kept[f"{name.split(':')[0]}:{file}" if name in kept or name in exports else name] = {**entry,
+                                                                                             "path": str(out / file)}
+        written.add(file)
     return kept
+
 
 if __name__ == "__main__":
     run_recipe_script(QuantizeConfig, main)

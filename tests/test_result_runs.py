@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,15 +48,24 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     out = tmp_path / "q"
     code, _, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]")
     assert code == 0, err
-    # the same quantization again, another format and GGUF type: written, and the earlier export kept and listed
-    code, stdout, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[hf,gguf]", "gguf_qtype=Q8_0")
+    # the same quantization again, another format and GGUF type, from another working directory (paths spelled
+    # relative to it): written, and the earlier export kept and listed
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = quantize(capsys, tiny_copy, Path("q"), "scheme=8da4w", "formats=[hf,gguf]", "gguf_qtype=Q8_0")
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert sorted(report["exports"]) == ["gguf", "hf"] and report["exports"]["gguf"]["qtype"] == "Q8_0"
     assert list(report["earlier_exports"]) == ["gguf:model-Q4_0.gguf"]
-    assert report["earlier_exports"]["gguf:model-Q4_0.gguf"]["path"] == str(out / "model-Q4_0.gguf")
-    assert f"{out / 'model-Q4_0.gguf'} (an earlier run of this quantization)" in stdout
-    assert report["recipe_run"]["scheme"] == "8da4w" and report["recipe_run"]["model.checkpoint_dir"] == str(tiny_copy.resolve())
+    assert report["earlier_exports"]["gguf:model-Q4_0.gguf"]["path"] == "q/model-Q4_0.gguf"
+    assert "q/model-Q4_0.gguf (an earlier run of this quantization)" in stdout
+    assert report["recipe_run"]["scheme"] == "8da4w"
+    assert report["recipe_run"]["model.checkpoint_dir"] == str(tiny_copy.resolve())
+    # and once more with absolute paths, one format: what it wrote is not also listed as earlier
+    code, stdout, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]", "gguf_qtype=Q8_0")
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(report["earlier_exports"]) == ["gguf:model-Q4_0.gguf", "hf"] and list(report["exports"]) == ["gguf"]
+    assert stdout.count("model-Q8_0.gguf") == 1  # its export line, not also a "kept" one
 
     # another scheme into that folder: one line naming the difference, nothing changed
     before = snapshot(out)
@@ -90,7 +102,8 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     # overwrite=true: only the new run's exports are left, and its report lists nothing earlier
     code, _, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]", "overwrite=true")
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == ["model-Q8_0.gguf", "report.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == [".quantize_run.json", "model-Q8_0.gguf",
+                                                                             "report.json"]
     report = json.loads((out / "report.json").read_text())
     assert report["scheme"] == "int8_weight_only" and "earlier_exports" not in report
 
@@ -103,10 +116,8 @@ def test_quantize_refuses_exports_without_a_record(tmp_path, tiny_model_dir, cap
     (out / "hf" / "config.json").write_text("{}")
     code, _, err = quantize(capsys, tiny_model_dir, out, "formats=[gguf]")
     assert code == 1
-    assert one_error(err) == (f"recipe: error: {out} holds quantize exports (hf/) without a record of what they were "
-                              "computed from (report.json is missing: a run that stopped before it finished, or an "
-                              "older version's): recipe run quantize would mix its outputs with them; overwrite=true "
-                              "replaces them, or choose another output_dir")
+    doc.expect("rerun-unknown-outputs", one_error(err), out=out, held="quantize exports", names="hf/",
+               recipe="quantize")
     code, _, err = quantize(capsys, tiny_model_dir, out, "formats=[gguf]", "overwrite=true")
     assert code == 0, err
     assert not (out / "hf").exists() and (out / "model-Q4_0.gguf").is_file()
@@ -139,6 +150,8 @@ def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, tiny_cop
             "overwrite=true replaces them") in one_error(err)
     code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])  # the same eval again: allowed
     assert code == 0 and len(evaluated) == 1, err
+    code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2", "dtype=fp32"])  # fp32 is float32
+    assert code == 0 and len(evaluated) == 2, err
 
     def failing(*a, **k):
         raise RuntimeError("lm-eval failed")
@@ -147,4 +160,27 @@ def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, tiny_cop
     with pytest.raises(RuntimeError):  # overwrite=true whose eval fails: the earlier results come back
         recipe.main(recipe.CONFIG(model=recipe.ModelSection(checkpoint_dir=str(tiny_model_dir)),
                                   tasks=("recipe_piqa",), limit=3, output_dir=str(out), overwrite=True))
+    assert snapshot(out) == before and not [p for p in out.iterdir() if ".del-" in p.name]
+
+
+KILL_AT = Path(__file__).parent / "fixtures" / "kill_at.py"
+
+
+def test_a_killed_overwrite_is_put_back_by_the_next_run(tmp_path, tiny_model_dir, capsys):
+    """kill -9 during an overwrite=true quantize (here at its GGUF export, after it set the earlier exports aside and
+    wrote its hf/): the next run in the folder puts the earlier exports back, says so, and then checks against them."""
+    out = tmp_path / "q"
+    assert quantize(capsys, tiny_model_dir, out, "formats=[hf,gguf]")[0] == 0
+    before = snapshot(out)
+    args = [f"model.checkpoint_dir={tiny_model_dir}", f"output_dir={out}", "perplexity.limit=2",
+            "perplexity.max_seq_len=32", "device=cpu", "scheme=int8_weight_only", "formats=[hf,gguf]"]
+    fault = {"target": "llm_recipe.recipes.quantize.export_gguf", "action": "kill"}
+    p = subprocess.run([sys.executable, str(KILL_AT), json.dumps(fault),
+                        *rc.run_args("quantize", "quantize/smollm2_8da4w", [*args, "overwrite=true"])],
+                       cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".replaced.del-")]  # the earlier run, set aside
+    code, stdout, err = quantize(capsys, tiny_model_dir, out, "scheme=int8_weight_only", "formats=[hf,gguf]")
+    assert code == 1 and 'scheme: "8da4w" then, "int8_weight_only" now' in one_error(err)
+    assert "a run with overwrite=true was stopped before it finished: the outputs it was replacing are back" in stdout
     assert snapshot(out) == before and not [p for p in out.iterdir() if ".del-" in p.name]
