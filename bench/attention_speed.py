@@ -14,6 +14,10 @@ of the transfer passages under the SmolLM2 tokenizer, the one the recorded KD ro
 - `flex_causal`: flex attention with a plain causal mask (the same work as the SDPA rows);
 - `sdpa_cudnn_causal` / `sdpa_flash_causal`: plain causal attention over the whole row (documents NOT separated:
   not a substitute, the speed a fused Hopper kernel reaches on this shape, as a bound);
+- `bucketed_cudnn` / `bucketed_flash` (`_full`: K and V repeated to the query heads instead of `enable_gqa`): the
+  documents gathered into one right-padded batch [documents, heads, L, dim] (L: the longest document, rounded up
+  to 64), plain causal SDPA with one backend, the rows scattered back; exact (under the causal mask no real token
+  attends to the padding after it), and the gather and scatter are timed with it;
 - `fa4_varlen`: FlashAttention-4's CuTe DSL kernels (`flash_attn.cute`, Hopper and Blackwell; not one of our
   dependencies: `bash bench/device_kd.sh attention` installs it on the device) over the documents, as varlen_flash.
 
@@ -138,6 +142,38 @@ def fa4_varlen(q, k, v, cu_seqlens, max_len: int):
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
+def bucket_index(cu_seqlens, tokens_total: int, pad_to: int = 64) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For `bucketed`, computed once per micro-batch (on the host in a recipe): the flat token index of each padded
+    slot [documents * width] (`tokens_total`: a zero row, for the padding), the padded slot of each token, width."""
+    lens = cu_seqlens.diff()
+    width = -(-int(lens.max()) // pad_to) * pad_to
+    slot = torch.arange(width, device=cu_seqlens.device)
+    valid = slot[None, :] < lens[:, None]
+    gather = torch.where(valid, cu_seqlens[:-1, None] + slot[None, :], tokens_total).flatten()
+    scatter = torch.nonzero(valid.flatten()).flatten()
+    return gather, scatter, width
+
+
+def bucketed(q, k, v, index, backend, sdpa_only: bool = False):
+    """The documents as one right-padded batch, causal SDPA with `backend`, scattered back to [b, h, s, d].
+    `sdpa_only`: the padded inputs are made once outside (the kernel alone: the gather and scatter's floor)."""
+    b, h, s, d = q.shape
+    gather, scatter, width = index
+
+    def padded(t):
+        flat = tokens(t)
+        flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])]).index_select(0, gather)
+        return flat.reshape(-1, width, *flat.shape[1:]).transpose(1, 2)
+
+    pq, pk, pv = (q, k, v) if sdpa_only else (padded(q), padded(k), padded(v))
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(pq, pk, pv, is_causal=True, enable_gqa=pk.shape[1] != pq.shape[1])
+    if sdpa_only:
+        return out
+    out = out.transpose(1, 2).reshape(-1, h, d).index_select(0, scatter)
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
 def nested(q, k, v, cu_seqlens, backend):
     """SDPA over the documents as a nested (jagged) batch, causal within each, with one SDPA backend."""
     b, h, s, d = q.shape
@@ -157,13 +193,19 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
         return torch.randn(args.rows, heads, args.length, dim, device=dev, dtype=torch.bfloat16, requires_grad=backward)
 
     q, k, v = make(hq), make(hkv), make(hkv)
+    index = bucket_index(cu_seqlens, args.rows * args.length)
+    n_docs = (cu_seqlens.numel() - 1)
+    padded_inputs = [torch.randn(n_docs, heads, index[2], dim, device=dev, dtype=torch.bfloat16,
+                                 requires_grad=backward) for heads in (hq, hkv, hkv)]
+    grad_padded = torch.randn(n_docs, hq, index[2], dim, device=dev, dtype=torch.bfloat16)
     kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)  # SDPA kernels: full heads
     grad = torch.randn(args.rows, hq, args.length, dim, device=dev, dtype=torch.bfloat16)
 
     def run(attend):
         def step():
             if backward:
-                attend().backward(grad)
+                out = attend()
+                out.backward(grad if out.shape == grad.shape else grad_padded)
             else:
                 with torch.no_grad():
                     attend()
@@ -187,11 +229,18 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
         "sdpa_cudnn_causal": run(sdpa(SDPBackend.CUDNN_ATTENTION)),
         "sdpa_flash_causal": run(sdpa(SDPBackend.FLASH_ATTENTION)),
         "fa4_varlen": run(lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)),
+        "bucketed_cudnn": run(lambda: bucketed(q, k, v, index, SDPBackend.CUDNN_ATTENTION)),
+        "bucketed_cudnn_full": run(lambda: bucketed(q, kr, vr, index, SDPBackend.CUDNN_ATTENTION)),
+        "bucketed_flash": run(lambda: bucketed(q, k, v, index, SDPBackend.FLASH_ATTENTION)),
+        "bucketed_flash_full": run(lambda: bucketed(q, kr, vr, index, SDPBackend.FLASH_ATTENTION)),
+        "bucketed_cudnn_sdpa_only": run(lambda: bucketed(*padded_inputs, index, SDPBackend.CUDNN_ATTENTION, True)),
     }
     if args.only:
         rows = {name: fn for name, fn in rows.items() if name in args.only.split(",")}
     same = {"varlen": lambda: varlen(q, k, v, cu_seqlens, args.length),  # the same attention as flex's mask?
             **{f"nested_{b.name}": functools.partial(nested, q, kr, vr, cu_seqlens, b)
+               for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)},
+            **{f"bucketed_{b.name}": functools.partial(bucketed, q, kr, vr, index, b)
                for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)}}
     if "fa4_varlen" in rows:  # only when asked for: it is not installed where the others are
         same["fa4_varlen"] = lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)
