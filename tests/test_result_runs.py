@@ -19,18 +19,7 @@ import reliability_doc as doc
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.folders import LOCK_NAME
 
-
-def run(capsys, recipe: str, config: str, overrides: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = rc.run_in_process(recipe, config, overrides)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_error(err: str) -> str:
-    assert "Traceback" not in err, err
-    (line,) = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
-    return line
+run, one_error = rc.run_captured, rc.one_error
 
 
 def snapshot(out: Path) -> dict[str, bytes]:

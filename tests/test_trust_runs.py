@@ -31,16 +31,10 @@ def args(model: Path, out: Path, *extra: str) -> list[str]:
 
 
 def run(capsys, overrides: list[str], recipe: str = "full", config: str = CONFIG) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = rc.run_in_process(recipe, config, overrides)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return rc.run_captured(capsys, recipe, config, overrides)
 
 
-def one_error(err: str) -> str:
-    assert "Traceback" not in err, err
-    (line,) = [ln for ln in err.splitlines() if ln.startswith("recipe: error:")]
-    return line
+one_error = rc.one_error
 
 
 def run_id(out: Path) -> str:
