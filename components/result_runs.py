@@ -29,6 +29,7 @@ from .output_kinds import KINDS, kinds_in
 from .set_aside import discard, put_back, set_aside, set_aside_folders
 
 RECORD_KEY = "recipe_run"  # where a record file keeps its run's identity
+SOURCE_KEY = "model.checkpoint_dir"  # the config key both recipes name their source model with
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf", "config.json", "quantization.json")
 _SET_ASIDE = ".replaced.del-"
 
@@ -42,9 +43,6 @@ def _weight_files(folder: Path) -> dict[str, list[int]]:
         return {}
     files = sorted({p for pattern in _WEIGHT_FILES for p in folder.glob(pattern) if p.is_file()})
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
-
-
-SOURCE_KEY = "model.checkpoint_dir"  # the config key both recipes name their source model with
 
 
 def run_identity(source: str | os.PathLike, **keys: Any) -> dict[str, Any]:
