@@ -96,7 +96,8 @@ def main(cfg: QuantizeConfig) -> None:
         require_executorch()
     qtype = qtype_for_scheme(scheme) if cfg.gguf_qtype == AUTO else cfg.gguf_qtype
     # one quantization per folder: a rerun of it writes again (and keeps its other formats), another one is refused
-    identity = run_identity(src, scheme=scheme, group_size=group_size, include_output=include_output)
+    identity = run_identity(src, scheme=scheme, include_output=include_output,  # group_size: only where it is used
+                            group_size=group_size if scheme in GROUPED_SCHEMES else None)
     earlier = check_rerun("quantize", out, "quantize", "report.json", identity, cfg.overwrite)
     with writing_run(out, "quantize", identity, cfg.overwrite):
         report = _quantize_and_export(cfg, src, out, formats, identity, device, dtype, qtype)
@@ -121,7 +122,8 @@ def main(cfg: QuantizeConfig) -> None:
 def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: list[str], identity: dict,
                          device: str, dtype: torch.dtype, qtype: str) -> dict:
     """Load, measure, quantize, measure, export: the report without its earlier exports."""
-    scheme, group_size, include_output = identity["scheme"], identity["group_size"], identity["include_output"]
+    scheme, include_output = identity["scheme"], identity["include_output"]
+    group_size = cfg.group_size  # a QAT source's metadata has the same (checked in main)
     log = SetupLog(prefix="quantize")  # one line as each part starts and ends: a CPU run takes minutes
     with log.phase("weights"):
         tokenizer = Tokenizer.from_dir(src)

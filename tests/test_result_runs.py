@@ -91,6 +91,9 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     # overwrite=true: only the new run's exports are left, and its report lists nothing earlier
     code, _, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]", "overwrite=true")
     assert code == 0, err
+    # group_size means nothing to int8_weight_only (one scale per row): the same quantization
+    code, _, err = quantize(capsys, tiny_copy, out, "scheme=int8_weight_only", "formats=[gguf]", "group_size=64")
+    assert code == 0, err
     assert sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) == [".quantize_run.json", "model-Q8_0.gguf",
                                                                              "report.json"]
     report = json.loads((out / "report.json").read_text())
