@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.run import evaluate
-from llm_recipe.components.models.loader import DTYPES
+from llm_recipe.components.models.loader import DTYPES, dtype_name
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
@@ -59,7 +59,7 @@ def main(cfg: EvalConfig) -> None:
     identity = run_identity(cfg.model.checkpoint_dir, tasks=sorted(cfg.tasks), limit=cfg.limit,
                             num_fewshot=cfg.num_fewshot, max_length=cfg.max_length,
                             apply_chat_template=cfg.apply_chat_template, seed=cfg.seed,
-                            dtype=str(DTYPES[cfg.dtype]).removeprefix("torch."))
+                            dtype=dtype_name(DTYPES[cfg.dtype]))
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 writes results.json
     if cfg.output_dir is not None and rank0:
         check_rerun("eval", cfg.output_dir, "eval", "results.json", identity, cfg.overwrite)
@@ -70,6 +70,7 @@ def main(cfg: EvalConfig) -> None:
                  max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity})
     if cfg.output_dir is not None and rank0:
         print(f"results: {cfg.output_dir}/results.json")
+
 
 if __name__ == "__main__":
     run_recipe_script(EvalConfig, main)

@@ -100,7 +100,9 @@ def main(cfg: QuantizeConfig) -> None:
                             group_size=group_size if scheme in GROUPED_SCHEMES else None)
     earlier = check_rerun("quantize", out, "quantize", "report.json", identity, cfg.overwrite)
     with writing_run(out, "quantize", identity, cfg.overwrite):
-        report = _quantize_and_export(cfg, src, out, formats, identity, device, dtype, qtype)
+        report = _quantize_and_export(cfg, src, out, formats, device, dtype, qtype, scheme=scheme,
+                                      group_size=group_size, include_output=include_output)
+        report[RECORD_KEY] = identity
         kept = _kept_exports(earlier, report["exports"], out)
         if kept:
             report["earlier_exports"] = kept
@@ -119,11 +121,9 @@ def main(cfg: QuantizeConfig) -> None:
     print(f"report: {out / 'report.json'}")
 
 
-def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: list[str], identity: dict,
-                         device: str, dtype: torch.dtype, qtype: str) -> dict:
-    """Load, measure, quantize, measure, export: the report without its earlier exports."""
-    scheme, include_output = identity["scheme"], identity["include_output"]
-    group_size = cfg.group_size  # a QAT source's metadata has the same (checked in main)
+def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: list[str], device: str,
+                         dtype: torch.dtype, qtype: str, *, scheme: str, group_size: int, include_output: bool) -> dict:
+    """Load, measure, quantize, measure, export: the report without its run identity and earlier exports."""
     log = SetupLog(prefix="quantize")  # one line as each part starts and ends: a CPU run takes minutes
     with log.phase("weights"):
         tokenizer = Tokenizer.from_dir(src)
@@ -154,7 +154,6 @@ def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: lis
             path = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
         exports["pte"] = {"path": str(path), "size_bytes": size_on_disk(path), "max_seq_len": cfg.pte_max_seq_len}
     report["exports"] = exports
-    report[RECORD_KEY] = identity
     return report
 
 
