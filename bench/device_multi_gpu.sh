@@ -67,7 +67,7 @@ start)
         --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/pytest/*.whl
     [[ ! -d .carry/a ]] || cp .carry/a/gguf.* /tmp/  # the GGUF's first part (for `assets`; scaling and pytest need none)
     rm -rf /tmp/tok && cp -r .carry/tok /tmp/tok  # SmolLM2's tokenizer: the `pytest` phase's tiny model (tests/conftest.py)
-    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests pyproject.toml README.md /tmp/repo/
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests docs pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
     link_site_hf

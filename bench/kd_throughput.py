@@ -96,6 +96,19 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
                                                      "ENV:ENABLE_PERSISTENT_TMA_MATMUL=1"]),
     "x_fp8_base_gemm_autotune_tma": ("shipped", "lora", ["lora.quantize_base=fp8", "ENV:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1",
                                                          "ENV:ENABLE_PERSISTENT_TMA_MATMUL=1"]),
+    # Diagnosis: the micro-batch's shape and the loss's chunks (never swept for the shipped rows; the same 32,768
+    # tokens per optimizer step): 4 x 2048 x 4 micro-batches, 1 x 4096 x 8 (longer packed rows), 8 loss chunks of 512
+    # rows; and the bf16 teacher with the fp8 student base (the lever issue 19 names for both rows)
+    "x_bf16_b4": ("shipped", "lora", ["teacher.quantize=null", "batch_size=4", "gradient_accumulation_steps=4"]),
+    "x_bf16_s4096": ("shipped", "lora", ["teacher.quantize=null", "batch_size=1", "dataset.max_seq_len=4096"]),
+    "x_bf16_chunks8": ("shipped", "lora", ["teacher.quantize=null", "num_output_chunks=8"]),
+    "x_bf16_fp8_base": ("shipped", "lora", ["teacher.quantize=null", "lora.quantize_base=fp8"]),
+    "x_fp8_base_s4096": ("shipped", "lora", ["lora.quantize_base=fp8", "batch_size=1", "dataset.max_seq_len=4096"]),
+    "x_fp8_base_chunks8": ("shipped", "lora", ["lora.quantize_base=fp8", "num_output_chunks=8"]),
+    "x_bf16_b4_fp8_base": ("shipped", "lora", ["teacher.quantize=null", "batch_size=4", "gradient_accumulation_steps=4",
+                                               "lora.quantize_base=fp8"]),
+    "x_fp8_base_s4096_chunks8": ("shipped", "lora", ["lora.quantize_base=fp8", "batch_size=1", "dataset.max_seq_len=4096",
+                                                     "num_output_chunks=8"]),
     # teacher.max_drift=0.01 on the random-weight teacher: what the setup-time drift check costs on an 8B teacher
     # (random weights drift 0.31 nats/token under fp8, so the bound keeps this teacher in bf16)
     "shipped_lora_drift_bound": ("shipped", "lora", ["teacher.max_drift=0.01"]),
