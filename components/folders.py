@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from .config import ConfigSource, config_source
 from .errors import RecipeError
+from .launch import is_rank0
 from .schema import ModelDir, OutputDir, walk_specs
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def prepared_run(cfg: Any, schema: Mapping[str, Any], lock: bool = True) -> Iter
     src = config_source(cfg)
     values = cfg if isinstance(cfg, DictConfig) else asdict(cfg)
     folders = [(k, spec, v) for k, spec, v in walk_specs(values, dict(schema), (ModelDir, OutputDir)) if v is not None]
-    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks neither lock nor see rank 0's lock
+    rank0 = is_rank0()  # under torchrun the other ranks neither lock nor see rank 0's lock
     _check_logger_packages(values, schema, src)
     with contextlib.ExitStack() as stack:
         for locking in (False, True):  # every check first, so a bad folder creates nothing

@@ -25,6 +25,7 @@ from typing import Any
 
 from .checkpoint.atomic import atomic_write_bytes
 from .errors import RecipeError
+from .launch import is_rank0
 from .output_kinds import KINDS, kinds_in
 from .set_aside import discard, put_back, set_aside, set_aside_folders
 
@@ -132,7 +133,7 @@ def writing_run(output_dir: str | os.PathLike | None, kind: str, identity: dict[
     """The block writes `kind`'s outputs of the run `identity` describes into `output_dir`, which `check_rerun`
     accepted: its identity is recorded first; with `overwrite`, the earlier outputs are set aside, deleted when the
     block ends, put back (and what it wrote under their names removed) when it raises. Rank 0 only writes."""
-    if output_dir is None or os.environ.get("RANK", "0") != "0":
+    if output_dir is None or not is_rank0():
         yield
         return
     out = Path(output_dir)

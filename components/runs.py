@@ -33,6 +33,7 @@ from typing import Any
 from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
+from .launch import is_rank0
 from .resume_changes import SHAPE_KEYS, config_changes, describe_changes, resolved_values
 from .set_aside import discard, put_back, set_aside, set_aside_folders
 
@@ -46,10 +47,6 @@ RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", 
 __all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "check_resume_config",
            "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "recipe_of",
            "record_resume_changes", "start_run"]
-
-
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 def read_run(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -125,7 +122,7 @@ def discard_overwritten(output_dir: str | os.PathLike) -> None:
     """Delete the outputs `overwrite=true` set aside (and any left by a killed earlier attempt): the recipes call
     it when setup is done, so a typo found during setup (a layer that does not exist, a missing dataset) never
     costs the earlier run. Rank 0 only."""
-    if not _is_rank0():
+    if not is_rank0():
         return
     out = Path(output_dir)
     _set_aside_here.pop(out.resolve(), None)
@@ -204,7 +201,7 @@ def check_new_run(cfg: Any) -> None:
 
 def start_run(cfg: Any) -> None:
     """Apply the output-folder rule before anything loads (see the module docstring); rank 0 writes run.json."""
-    if cfg.resume or not _is_rank0():
+    if cfg.resume or not is_rank0():
         return
     check_new_run(cfg)
     out = Path(cfg.output_dir)
@@ -222,7 +219,7 @@ def check_resume(cfg: Any, ckpt: Path) -> None:
         raise RecipeError(f"{ckpt} belongs to run {ckpt_id}, but {out / RUN_FILE} names run {run_id}: resume=true "
                           "only continues the run of its output_dir; move that checkpoint away, or start a new run "
                           "with overwrite=true")
-    if run_id is None and _is_rank0():
+    if run_id is None and is_rank0():
         _write_run(out, cfg, ckpt_id)  # adopt the checkpoint's run (a new id for a checkpoint without one)
     run = read_run(out)
     if run is not None:
@@ -256,7 +253,7 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
                           "values: put them back, or add resume_with_changes=true to continue with the new ones "
                           "(or start a new run: overwrite=true or another output_dir)")
-    if (changed or free) and at is not None and _is_rank0():
+    if (changed or free) and at is not None and is_rank0():
         print(f"resuming with changed values: {describe_changes(dict(sorted({**changed, **free}.items())))}",
               flush=True)
 
@@ -268,7 +265,7 @@ def record_resume_changes(cfg: Any, at: str) -> None:
     out = Path(cfg.output_dir)
     run = read_run(out)
     recorded = run.get("values") if run is not None else None
-    if not isinstance(recorded, dict) or not _is_rank0():
+    if not isinstance(recorded, dict) or not is_rank0():
         return
     changed, free = config_changes(recorded, cfg)
     if changed or free:

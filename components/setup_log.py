@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
+from .launch import is_rank0
+
 
 def process_start_time() -> float:
     """Wall-clock time (time.time()) this process started, from /proc on Linux; now where /proc is missing."""
@@ -48,7 +50,7 @@ class SetupLog:
     def __init__(self, is_main: bool | None = None, prefix: str = "setup") -> None:
         global _first_in_process
         self.prefix = prefix  # what each line starts with (`quantize:` for the quantize recipe's parts)
-        self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
+        self.is_main = is_rank0() if is_main is None else is_main
         self.launched = process_start_time()
         self.began = time.time()  # differs from the launch when a process runs recipes in turn (`recipe demo`)
         self.parts: list[tuple[str, float]] = []

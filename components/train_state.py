@@ -10,7 +10,6 @@ processes writes DCP shards instead (components/checkpoint/sharded.py): no full 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from .checkpoint.state import (
     save_checkpoint,
 )
 from .errors import RecipeError
+from .launch import is_rank0
 from .models import ModelArgs, save_model
 from .models.hf_io import copy_tokenizer_files
 from .models.loader import dtype_name, lora_rank_alpha, merged_state_dict
@@ -58,7 +58,7 @@ def start_or_resume_run(cfg: TrainConfig) -> Path | None:
                           f"run {fresh} to start fresh")
     verify_manifest(ckpt)
     check_resume(cfg, ckpt)
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank0():
         print(f"resuming from {ckpt} (file checksums verified)", flush=True)
     return ckpt
 

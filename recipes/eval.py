@@ -6,12 +6,12 @@ and writes output_dir/results.json.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.run import evaluate
+from llm_recipe.components.launch import is_rank0
 from llm_recipe.components.models.loader import DTYPES, dtype_name
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, OutputDir, Range
@@ -60,15 +60,14 @@ def main(cfg: EvalConfig) -> None:
                             num_fewshot=cfg.num_fewshot, max_length=cfg.max_length,
                             apply_chat_template=cfg.apply_chat_template, seed=cfg.seed,
                             dtype=dtype_name(DTYPES[cfg.dtype]))
-    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 writes results.json
-    if cfg.output_dir is not None and rank0:
+    if cfg.output_dir is not None and is_rank0():  # under torchrun only rank 0 writes results.json
         check_rerun("eval", cfg.output_dir, "eval", "results.json", identity, cfg.overwrite)
     with writing_run(cfg.output_dir, "eval", identity, cfg.overwrite):
         evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
                  batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
                  seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
                  max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity})
-    if cfg.output_dir is not None and rank0:
+    if cfg.output_dir is not None and is_rank0():
         print(f"results: {cfg.output_dir}/results.json")
 
 
