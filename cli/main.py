@@ -359,7 +359,8 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     torchrun_ns, recipe, script_args = split_run_args(run_argv)
     if debug and "--debug" not in script_args:
         script_args.append("--debug")
-    if "--config" not in script_args and not any(a.startswith("--config=") for a in script_args):
+    asks_help = any(a in ("-h", "--help") for a in script_args)  # the parser prints the verb's help, no config needed
+    if not asks_help and "--config" not in script_args and not any(a.startswith("--config=") for a in script_args):
         raise RecipeError(
             f"`recipe run {recipe}` needs --config CONFIG (see `recipe ls` for shipped configs)"
         )

@@ -325,6 +325,11 @@ def test_usage_errors_exit_2_and_help_has_examples(tree):
     for verb in ("ls", "cp", "cat", "validate", "run", "download", "assets"):
         proc = recipe(tree, verb, "--help")
         assert proc.returncode == 0 and "example" in proc.stdout, verb
+    # a recipe's own help needs no config yet: it names the recipe's shipped configs and where its keys are
+    for flag in ("--help", "-h"):
+        proc = recipe(tree, "run", "echo", flag)
+        assert proc.returncode == 0, proc.stderr
+        assert "shipped configs: echo/another, echo/basic" in proc.stdout and "recipe keys echo" in proc.stdout
 
 
 def _help_examples() -> list[list[str]]:
