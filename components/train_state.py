@@ -93,10 +93,13 @@ class TrainState:
     loader: Any
     adapters: bool = False
     last_checkpoint: Path | None = None
+    restored_step: int | None = None  # the step `restore` loaded; a save at it again would rewrite the same state
 
     def save(self, step: int) -> Path:
         """Checkpoint the state after `step` optimizer steps into output_dir/checkpoints/step_N (atomically,
         keeping `keep_last_n`); every rank calls it. An out-of-memory error names the checkpoint it was writing."""
+        if step == self.restored_step and self.last_checkpoint is not None:  # nothing trained since the resume
+            return self.last_checkpoint
         try:
             self.last_checkpoint = self._write(step)
         except (RuntimeError, MemoryError) as e:
@@ -129,10 +132,11 @@ class TrainState:
             recipe_state=state, keep_last_n=cfg.keep_last_n, runtime=rt,
         )
 
-    def restore(self, ckpt: Path) -> int:
+    def restore(self, ckpt: Path, steps: int) -> int:
         """Load optimizer, schedule, data position and RNG (and the adapters of a LoRA run) from `ckpt`; returns
         its step. A one-process checkpoint's full weights were loaded when the model was built (`resume_weights`);
-        a sharded one's are loaded here, into the already sharded model.
+        a sharded one's are loaded here, into the already sharded model. A checkpoint at the run's last step
+        (`steps`) is said: nothing is left to train, only the final model is written again.
 
         The optimizer's moments and the schedule's position come from the checkpoint; its hyperparameters (lr,
         weight decay, betas, ...) and the schedule's shape stay the config's, which the resume check compared
@@ -168,7 +172,11 @@ class TrainState:
         restore_rng(state["rng"])
         self.last_checkpoint = ckpt
         record_resume_changes(self.cfg, ckpt.name)  # loaded: now run.json records what this resume changed
-        return int(state["step"])
+        self.restored_step = int(state["step"])
+        if self.restored_step >= steps and is_rank0():
+            print(f"resume: {ckpt.name} is step {self.restored_step} of {steps}, the run's last: nothing left to "
+                  "train; the final model is written again (a larger max_steps trains on)", flush=True)
+        return self.restored_step
 
     def _load_weights_and_optimizer(self, ckpt: Path, state: dict) -> None:
         # a sharded checkpoint's weights and optimizer (DCP shards), or a one-process one's adapters and optimizer

@@ -175,7 +175,7 @@ def main(cfg: KDConfig) -> None:
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
         state = TrainState(cfg, rt, student, sargs, student_dir, optimizer, scheduler, loader,
                            adapters=lora is not None)
-        start = state.restore(resume_from) if resume_from is not None else 0
+        start = state.restore(resume_from, steps) if resume_from is not None else 0
         discard_overwritten(cfg.output_dir)  # setup passed: the outputs overwrite=true set aside go now
 
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's losses (CE on labels,

@@ -71,16 +71,26 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_model_dir, recipe,
     assert [r["lr"] for r in resumed] == [r["lr"] for r in uninterrupted]
 
 
-def test_extending_a_finished_run_continues_with_the_next_batches(tmp_path, tiny_model_dir):
+def test_extending_a_finished_run_continues_with_the_next_batches(tmp_path, tiny_model_dir, capsys):
     """A finished 3-step run resumed with max_steps=6 trains steps 4-6 on the micro-batches an uninterrupted 6-step
     run saw there (constant lr, so the schedule does not depend on max_steps): the same losses and weights. The
-    loop used to take one more window from the loader after the last step, so the extension skipped it."""
+    loop used to take one more window from the loader after the last step, so the extension skipped it. Resumed
+    with the same max_steps first, the finished run says that nothing is left and leaves its checkpoint as it was."""
     config, overrides = recipe_case("full", tiny_model_dir)
     overrides = [o for o in overrides if not o.startswith(("max_steps=", "lr_scheduler."))]
     overrides += ["lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0"]
     ref, extended = tmp_path / "six", tmp_path / "three_then_six"
     assert rc.run_in_process("full", config, [*overrides, "max_steps=6", f"output_dir={ref}"]) == 0
     assert rc.run_in_process("full", config, [*overrides, "max_steps=3", f"output_dir={extended}"]) == 0
+    (last,) = rc.complete_checkpoints(extended)
+    written = {p: p.stat().st_mtime_ns for p in last.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert rc.run_in_process("full", config, [*overrides, "max_steps=3", f"output_dir={extended}",
+                                              "resume=true"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: {last.name} is step 3 of 3, the run's last: nothing left to train" in out
+    assert {p: p.stat().st_mtime_ns for p in last.rglob("*") if p.is_file()} == written
+    assert [r["step"] for r in rc.read_metrics(extended)] == [1, 2, 3]
     assert rc.run_in_process("full", config, [*overrides, "max_steps=6", f"output_dir={extended}",
                                               "resume=true"]) == 0
     assert [r["loss"] for r in rc.read_metrics(extended)] == [r["loss"] for r in rc.read_metrics(ref)]
