@@ -35,15 +35,25 @@ def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
         else:
             p.unlink()
     for item in aside.iterdir():
-        number, _, name = item.name.partition("_")
-        os.rename(item, out / (name if number.isdigit() and name else item.name))  # unnumbered: an older version's
+        os.rename(item, out / _original_name(item))
     aside.rmdir()
 
 
-def discard(aside: Path | None) -> None:
-    """Delete what was set aside (the new run has shown it works)."""
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+def discard(aside: Path | None, say_in: Path | None = None) -> None:
+    """Delete what was set aside (the new run has shown it works); with `say_in` (the output folder), one line
+    names what went, so that `overwrite=true` never deletes silently."""
+    if aside is None:
+        return
+    if say_in is not None and aside.is_dir():
+        names = sorted(_original_name(p) for p in aside.iterdir())
+        if names:
+            print(f"overwrite=true: deleted the earlier run's {', '.join(names)} in {say_in}", flush=True)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _original_name(item: Path) -> str:
+    number, _, name = item.name.partition("_")
+    return name if number.isdigit() and name else item.name  # unnumbered: an older version's
 
 
 def set_aside_folders(out: Path, prefix: str) -> list[Path]:

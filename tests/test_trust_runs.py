@@ -72,6 +72,8 @@ def test_a_new_run_never_mixes_with_an_earlier_run(tmp_path, tiny_model_dir, cap
     # overwrite=true deletes the earlier run's outputs first: nothing of it can be resumed into or mixed
     code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true"))
     assert code == 0, err
+    (said,) = [ln for ln in stdout.splitlines() if ln.startswith("overwrite=true: deleted the earlier run's ")]
+    assert all(name in said for name in ("checkpoints", "model", "metrics.jsonl", "run.json")) and str(out) in said
     second = run_id(out)
     assert second != first
     assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000001", "step_000002"]
