@@ -46,7 +46,7 @@ def recipe_argparser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
         "~ deletes a key so the recipe's default applies).",
-        epilog=f"example:\n  {example}\n" + (f"shipped configs: {', '.join(sorted(shipped))}\n" if shipped else "")
+        epilog=f"example:\n  {example}\n\n" + (f"shipped configs: {', '.join(sorted(shipped))}\n" if shipped else "")
         + f"every key, its range and default: recipe keys {name}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
