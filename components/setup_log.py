@@ -58,9 +58,10 @@ class SetupLog:
             self.parts.append(("start-up (Python, imports, config)", max(0.0, self.began - self.launched)))
         _first_in_process = False
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, prefix: str | None = None) -> None:
+        """One line from rank 0, after `prefix` (default this log's, e.g. `setup:`)."""
         if self.is_main:  # through tqdm, so a progress bar on screen is redrawn below the line
-            tqdm.write(f"{self.prefix}: {text}")
+            tqdm.write(f"{prefix or self.prefix}: {text}")
 
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:

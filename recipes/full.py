@@ -124,6 +124,8 @@ def main(cfg: FullConfig) -> None:
             where.at(f"at step {step + 1}")
             if qat is not None:  # off for steps 1..fake_quant_after_n_steps
                 set_fake_quant_enabled(model, fake_quant_enabled_at(step, qat.fake_quant_after_n_steps))
+                if step == qat.fake_quant_after_n_steps and step > 0:  # said: the step's time and memory change here
+                    setup.say(f"fake quantization on from step {step + 1} (the first {step} trained without it)", "qat")
             clock.begin()
             n, loss_sum = count_targets(window, rt), 0.0
             for i, batch in enumerate(window):

@@ -403,6 +403,8 @@ def test_qat_recipe_delays_fake_quant_and_converts(tmp_path, full_run, tiny_mode
     proc = rc.run_cli("qat", "qat/smollm2", qat_overrides(tiny_model_dir, out, "gradient_accumulation_steps=2",
                                                           "qat.fake_quant_after_n_steps=1"), cwd=tmp_path)
     rc.assert_ok(proc)
+    # said where the step's time and memory change
+    assert "qat: fake quantization on from step 2 (the first 1 trained without it)" in proc.stdout + proc.stderr
     rows = rc.assert_metrics(out, 2, STEP_KEYS)
     rc.assert_png(out / "loss.png")
     assert rows[0]["loss"] == pytest.approx(rc.read_metrics(full_run[0])[0]["loss"], rel=1e-6)
