@@ -55,8 +55,16 @@ def run_identity(source: str | os.PathLike, **keys: Any) -> dict[str, Any]:
 
 
 def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys whose values differ, as `key: old then, new now`. A key that one side leaves unset (null) often
+    follows from another (quantize's group_size is set for the grouped schemes only): named only when nothing set
+    on both sides differs."""
+    both = [k for k in now if earlier.get(k) is not None and now[k] is not None]
+    return _differing(earlier, now, both) or _differing(earlier, now, [*now, *(k for k in earlier if k not in now)])
+
+
+def _differing(earlier: dict[str, Any], now: dict[str, Any], keys: list[str]) -> list[str]:
     diffs = []
-    for key in [*now, *(k for k in earlier if k not in now)]:
+    for key in keys:
         old, new = earlier.get(key), now.get(key)
         if old == new:
             continue

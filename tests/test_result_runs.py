@@ -63,6 +63,7 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     line = one_error(err)
     doc.expect("rerun-other-result", line, out=out)
     assert 'scheme: "8da4w" then, "int8_weight_only" now' in line and "hf/" in line
+    assert "group_size" not in line  # 8da4w's groups follow from its scheme: not a second change to name
     assert snapshot(out) == before
 
     # the same config after the source was retrained in place (a weight file rewritten): refused too
