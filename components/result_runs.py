@@ -156,4 +156,4 @@ def writing_run(output_dir: str | os.PathLike | None, kind: str, identity: dict[
             print(f"note: {out}: the outputs overwrite=true set aside are back as they were", flush=True)
         raise
     for leftover in set_aside_folders(out, _SET_ASIDE):  # this run's
-        discard(leftover, say_in=out)
+        discard(leftover)

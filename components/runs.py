@@ -127,7 +127,7 @@ def discard_overwritten(output_dir: str | os.PathLike) -> None:
     out = Path(output_dir)
     _set_aside_here.pop(out.resolve(), None)
     for aside in set_aside_folders(out, _SET_ASIDE):
-        discard(aside, say_in=out)
+        discard(aside)
 
 
 def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:

@@ -39,15 +39,14 @@ def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
     aside.rmdir()
 
 
-def discard(aside: Path | None, say_in: Path | None = None) -> None:
-    """Delete what was set aside (the new run has shown it works); with `say_in` (the output folder), one line
-    names what went, so that `overwrite=true` never deletes silently."""
+def discard(aside: Path | None) -> None:
+    """Delete what was set aside (the new run has shown it works), and name what went in one line, so that
+    `overwrite=true` never deletes silently (the hidden folder sits in the output folder it was taken from)."""
     if aside is None:
         return
-    if say_in is not None and aside.is_dir():
-        names = sorted(_original_name(p) for p in aside.iterdir())
-        if names:
-            print(f"overwrite=true: deleted the earlier run's {', '.join(names)} in {say_in}", flush=True)
+    names = sorted(_original_name(p) for p in aside.iterdir()) if aside.is_dir() else []
+    if names:
+        print(f"overwrite=true: deleted the earlier run's {', '.join(names)} in {aside.parent}", flush=True)
     shutil.rmtree(aside, ignore_errors=True)
 
 

@@ -172,7 +172,7 @@ class CacheWriter:
     def _discard_set_aside(self) -> None:
         """Delete the cache `overwrite` set aside: this build has written a shard (rank 0)."""
         aside, self.set_aside = self.set_aside, None
-        discard(aside, say_in=self.out)
+        discard(aside)
 
     def finish(self) -> dict:
         """Merge every rank's records into manifest.json (rank 0) and mark it complete; returns the manifest."""
@@ -218,7 +218,7 @@ def _settle_set_aside(out: Path) -> None:
     shard, and is deleted when it did (the new cache then holds shards that a rerun continues)."""
     for aside in set_aside_folders(out, SET_ASIDE):
         if _has_shards(out):
-            discard(aside, say_in=out)
+            discard(aside)
         else:
             put_back(out, aside, _cache_files(out))
             print(f"note: {out}: a build with overwrite=true was stopped before it wrote a shard: the cache it was "
