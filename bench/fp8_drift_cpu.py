@@ -7,7 +7,8 @@ float8 weight with per-row scales) in fp32: each activation row and each weight 
 to e4m3's range (448), rounded to float8_e4m3fn and scaled back; the product accumulates in fp32, as the fp8
 kernels do. Prints one JSON line per variant: mean KL(fp32 teacher || emulated fp8 teacher) in nats per token and
 top-1 agreement, over the shipped transfer passages packed to 512 tokens (the data KD trains on). Variants keep a
-set of projections in full precision, or round only the weights or only the activations.
+set of projections in full precision, or round only the weights or only the activations; the `head` variants
+round the output projection too (the teacher's fp8 leaves it in the run dtype: these say what that is worth).
 """
 
 from __future__ import annotations
@@ -73,13 +74,26 @@ VARIANTS = {
     "int8 weights only": ((), True, False, "int8"),
     "int8 activations only": ((), False, True, "int8"),
 }
+# the output head (the logits KD reads) rounded as an fp8 linear: alone, and with every decoder linear
+HEAD_VARIANTS = {"head only fp8": ("",), "all linears + head fp8": ()}
+
+
+class EmulatedFp8Head(nn.Module):
+    """The output projection (a plain or tied head's weight) computed from e4m3 rows of its input and weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = e4m3_rowwise(weight.detach().float(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(e4m3_rowwise(x.float(), -1), self.weight).to(x.dtype)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--batches", type=int, default=4, help="batches of 4 x 512 tokens")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join([*VARIANTS, *HEAD_VARIANTS]))
     a = p.parse_args()
     model_dir = a.model or str(embedded_model_dir())
     data = build_dataset(Tokenizer.from_dir(model_dir), source="transfer:passages", format="text", max_seq_len=512,
@@ -98,8 +112,11 @@ def main() -> None:
     reference, _ = load_model(model_dir, dtype=torch.float32)
     ref = logprobs(reference.eval())
     for name in a.variants.split(","):
-        keep, weights, activations, *fmt = VARIANTS[name]
+        keep, weights, activations, *fmt = VARIANTS[name] if name in VARIANTS else (HEAD_VARIANTS[name], True, True)
         model, _ = load_model(model_dir, dtype=torch.float32)
+        if name in HEAD_VARIANTS:  # a tied head (SmolLM2) reads the embedding's weight
+            head = getattr(model.output, "tied_module", model.output)
+            model.output = EmulatedFp8Head(head.weight)
         for layer in model.eval().layers:
             for fqn, mod in list(layer.named_modules()):
                 if isinstance(mod, nn.Linear) and not fqn.startswith(keep or ("\0",)):
