@@ -16,7 +16,14 @@ from .errors import RecipeError
 from .logits_cache import LogitsCache
 from .losses import check_sampled_loss, same_tokenizer, shared_vocab
 from .models import ModelArgs, load_model
-from .quantization.teacher import max_drift_setting, quantize_setting, quantize_teacher
+from .models.builder import is_sharded
+from .quantization.teacher import (
+    check_teacher_quant_device,
+    max_drift_setting,
+    quantize_setting,
+    quantize_teacher,
+    resolve_teacher_quant,
+)
 from .runtime import TEACHER_PLACEMENTS, Runtime, prepare_teacher
 from .schema import Choice, ModelDir
 from .settings import setting
@@ -81,13 +88,15 @@ def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, stude
         cache = LogitsCache.for_run(t.logits_dir, dataset, student_dir, t.checkpoint_dir, temperature)
         return None, cache.teacher_args, cache
     # Frozen, under inference mode; replicated or sharded under torchrun (teacher.placement); optionally
-    # quantized (fp8 / int8) and compiled.
+    # quantized (fp8 / int8; `auto`: fp8 where it can run) and compiled.
+    check_teacher_quant_device(t.quantize, rt.device)  # an fp8 teacher on a GPU without fp8: refused before loading
     with phase("teacher weights"):
         teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device(t.checkpoint_dir),
                                     max_seq_len=max_seq_len)
         prepare_teacher(rt, teacher, t.placement, compile)
-    with phase(f"teacher {t.quantize}") if t.quantize is not None else nullcontext():
-        quantize_teacher(teacher, t.quantize, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
+    mode = resolve_teacher_quant(t.quantize, rt.device, sharded=is_sharded(teacher), say=rt.is_main)
+    with phase(f"teacher {mode}") if mode is not None else nullcontext():
+        quantize_teacher(teacher, mode, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
                          max_seq_len=max_seq_len, rt=rt)
     return teacher, targs, None
 

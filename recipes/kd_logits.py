@@ -47,9 +47,11 @@ from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
 from llm_recipe.components.quantization.teacher import (
     check_teacher_quant_config,
+    check_teacher_quant_device,
     max_drift_setting,
     quantize_setting,
     quantize_teacher,
+    resolve_teacher_quant,
 )
 from llm_recipe.components.runtime import Runtime, prepare_teacher, setup_runtime
 from llm_recipe.components.schema import Choice, ModelDir, Range
@@ -178,11 +180,15 @@ def main(cfg: KDLogitsConfig) -> None:
     data_cfg = cfg.dataset.kwargs()
     dataset = build_dataset(load_tokenizer(tokenizer_dir), cfg.dataset)
 
-    # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run.
+    # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run. The
+    # teacher's precision is the one this machine applies (teacher.quantize=auto resolved), so a cache resumed on a
+    # GPU that would compute other targets is refused rather than mixed.
+    check_teacher_quant_device(cfg.teacher.quantize, rt.device)
+    quantize = resolve_teacher_quant(cfg.teacher.quantize, rt.device, say=rt.is_main)  # replicated: never sharded
     header = {
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
-        "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": cfg.teacher.quantize,
-                    **({"max_drift": cfg.teacher.max_drift} if cfg.teacher.quantize == "fp8" else {}),
+        "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": quantize,
+                    **({"max_drift": cfg.teacher.max_drift} if quantize == "fp8" else {}),
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
         "mode": mode, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
         "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
@@ -233,7 +239,7 @@ def _build(cfg: KDLogitsConfig, rt: Runtime, writer: CacheWriter, dataset: Token
         prepare_teacher(rt, teacher, "replicate", cfg.compile)
         # the fp8 drift decision is broadcast from rank 0 when every rank gets here; else each rank with work
         # decides for itself (a collective among some ranks would hang)
-        quantize_teacher(teacher, cfg.teacher.quantize, rt.device, max_drift=cfg.teacher.max_drift,
+        quantize_teacher(teacher, header["teacher"]["quantize"], rt.device, max_drift=cfg.teacher.max_drift,
                          model_dir=teacher_dir, max_seq_len=dataset.max_seq_len,
                          rt=rt if writer.every_rank_has_work() else None)
 

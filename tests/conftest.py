@@ -84,6 +84,7 @@ def cpu_fp8(monkeypatch):
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
     monkeypatch.setattr(fp8_base, "check_fp8_base", lambda device, sharded: None)
     monkeypatch.setattr(teacher, "check_device", lambda scheme, device: None)
+    monkeypatch.setattr(teacher, "has_fp8_matmuls", lambda device: True)
 
 
 def _cpu_rowwise_scaled_mm() -> bool:

@@ -85,6 +85,16 @@ def test_a_cache_of_the_same_settings_is_kept_and_overwrite_builds_it_again(caps
     assert files(cache) == files(built)  # the same bytes again
 
 
+def test_auto_on_a_cpu_is_the_null_teacher_the_cache_was_built_with(capsys, cache, built):
+    # the manifest records the precision this machine applies, never `auto`: the same targets, the same cache
+    assert json.loads((built / "manifest.json").read_text())["teacher"]["quantize"] is None
+    capsys.readouterr()
+    assert build(cache, "teacher.quantize=auto") == 0
+    out = capsys.readouterr().out
+    assert "teacher.quantize=auto: null, the teacher runs in the run dtype: the teacher is on the CPU" in out
+    assert "nothing to write" in out and files(cache) == files(built)
+
+
 def _fail_teacher_load(*args, **kwargs):
     raise RecipeError("teacher.checkpoint_dir: model.safetensors is unreadable")
 

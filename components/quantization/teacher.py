@@ -3,8 +3,10 @@
 `fp8` is torchao's float8 dynamic-activation / float8 weight with per-row scales (sm89+ GPUs): the teacher's
 matmuls run on the fp8 tensor cores. With a drift bound (`teacher.max_drift`) the fp8 error is measured first
 (fp8_drift.py) and the projections that would push it past the bound stay in the run dtype. `int8_weight_only`
-halves the teacher's weight memory (CPU and GPU). The head is left in the run dtype because the KD target is read
-from its logits; docs/benchmarks.md reports the KL between the bf16 and quantized teacher on real weights.
+halves the teacher's weight memory (CPU and GPU). `auto` is fp8 where fp8 can run (a GPU with fp8 matmuls, an
+unsharded teacher) and the run dtype elsewhere, so one shipped config runs on an H100 and on an A100 alike. The head
+is left in the run dtype because the KD target is read from its logits (an fp8 head alone drifts as much as every
+decoder linear together: docs/benchmarks.md, session 41, which also reports the KL on real weights).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from .schemes import base_config, check_device, cpu_only, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
+AUTO = "auto"  # fp8 where it can run, else the run dtype (resolve_teacher_quant)
 DEFAULT_MAX_DRIFT = 0.01  # nats/token: issue 19's bound for the fp8 teacher
 
 
 def quantize_setting():
     """The `teacher.quantize` key (kd and kd_logits each have a teacher section; one definition)."""
-    return setting(None, Choice(*TEACHER_QUANT, optional=True),
-                   "null (the run dtype) | fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only")
+    return setting(None, Choice(AUTO, *TEACHER_QUANT, optional=True),
+                   "null (the run dtype) | fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only | auto (fp8 where it can "
+                   "run: a GPU with fp8 matmuls and an unsharded teacher; else null; the log says which)")
 
 
 def max_drift_setting():
@@ -41,6 +45,45 @@ def check_teacher_quant_config(mode: str | None, device: str) -> None:
     where = cpu_only(device) if mode == "fp8" else None
     if where is not None:
         raise RecipeError(_NEEDS_FP8_GPU.format(where=where))
+
+
+def has_fp8_matmuls(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_teacher_quant_device(mode: str | None, device: torch.device) -> None:
+    """Before the teacher's weights load: an explicit fp8 teacher on a device without fp8 matmuls is refused now,
+    not after seconds to minutes of loading."""
+    if mode == "fp8" and not has_fp8_matmuls(device):
+        raise RecipeError(_NEEDS_FP8_GPU.format(where=_no_fp8_here(device)))
+
+
+def resolve_teacher_quant(mode: str | None, device: torch.device, *, sharded: bool = False,
+                          say: bool = True) -> str | None:
+    """`teacher.quantize` as this run applies it: `auto` becomes fp8 on a GPU with fp8 matmuls when the teacher is
+    not sharded (FSDP2 does not shard fp8 weights), else None (the run dtype), said in one line when `say`; any
+    other value is returned as it is."""
+    if mode != AUTO:
+        return mode
+    if not has_fp8_matmuls(device):
+        chosen, why = None, f"{_no_fp8_here(device)} (fp8 matmuls need compute capability >= 8.9)"
+    elif sharded:
+        chosen, why = None, "the teacher is sharded (teacher.placement), and fp8 needs one full copy per GPU"
+    else:
+        chosen, why = "fp8", f"{torch.cuda.get_device_name(device)} has fp8 matmuls"
+    if say:
+        what = "fp8" if chosen else "null, the teacher runs in the run dtype"
+        print(f"teacher.quantize=auto: {what}: {why}", flush=True)
+    return chosen
+
+
+def _no_fp8_here(device: torch.device) -> str:
+    # where fp8 matmuls are missing, for the one-line messages
+    if device.type != "cuda":
+        return f"the teacher is on the {device.type.upper()}"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"this GPU ({torch.cuda.get_device_name(device)}) is sm{major}{minor}"
 
 
 _NEEDS_FP8_GPU = ("teacher.quantize=fp8 needs a CUDA GPU with compute capability >= 8.9 (fp8 matmuls), but "
@@ -65,12 +108,10 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device,
     if is_sharded(teacher):
         raise RecipeError(f"teacher.quantize={mode} needs an unsharded teacher (one full copy per GPU); "
                           "set teacher.placement: replicate, or teacher.quantize: null to shard it")
+    check_teacher_quant_device(mode, device)
     try:
         check_device(scheme, device)
     except RecipeError as e:
-        if mode == "fp8":
-            where = "the teacher is on the CPU" if device.type != "cuda" else "this GPU is older (sm < 8.9)"
-            raise RecipeError(_NEEDS_FP8_GPU.format(where=where)) from None
         raise RecipeError(f"teacher.quantize={mode}: {e}") from None
     from torchao.quantization import quantize_
 

@@ -1,0 +1,100 @@
+"""`teacher.quantize: auto` (the shipped 8B -> 1B KD config's value): fp8 where fp8 can run (an sm89+ GPU, an
+unsharded teacher), else the run dtype, said in one line, so the same file runs on an H100 and on an A100 or an
+RTX 30; an explicit `fp8` on a GPU without fp8 matmuls is refused before the teacher's weights load
+(components/quantization/teacher.py, components/teacher.py). GPUs are stood in for by patching torch.cuda's
+capability and name: what is checked is the decision and the words, not a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import recipes_common as rc
+import torch
+
+from llm_recipe.components import teacher as teacher_mod
+from llm_recipe.components.config import load_recipe_config
+from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.quantization.teacher import check_teacher_quant_device, resolve_teacher_quant
+from llm_recipe.recipes.kd import CONFIG as KD
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Make torch.cuda report a GPU of the given name and compute capability."""
+
+    def as_gpu(name: str, capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    return as_gpu
+
+
+def test_auto_is_fp8_on_an_sm89_gpu_and_bf16_on_an_a100_or_a_cpu(gpu, capsys):
+    gpu("NVIDIA H200", (9, 0))
+    assert resolve_teacher_quant("auto", CUDA) == "fp8"
+    assert capsys.readouterr().out == "teacher.quantize=auto: fp8: NVIDIA H200 has fp8 matmuls\n"
+    gpu("NVIDIA GeForce RTX 4090", (8, 9))
+    assert resolve_teacher_quant("auto", CUDA, say=False) == "fp8" and capsys.readouterr().out == ""
+    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert resolve_teacher_quant("auto", CUDA) is None
+    assert capsys.readouterr().out == ("teacher.quantize=auto: null, the teacher runs in the run dtype: this GPU "
+                                       "(NVIDIA A100-SXM4-80GB) is sm80 (fp8 matmuls need compute capability >= 8.9)\n")
+    assert resolve_teacher_quant("auto", torch.device("cpu")) is None
+    assert "the teacher is on the CPU (fp8 matmuls need" in capsys.readouterr().out
+
+
+def test_auto_keeps_a_sharded_teacher_in_the_run_dtype(gpu, capsys):
+    gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert resolve_teacher_quant("auto", CUDA, sharded=True) is None
+    assert "the teacher is sharded (teacher.placement), and fp8 needs one full copy per GPU" in capsys.readouterr().out
+
+
+def test_other_values_pass_through_unchanged(gpu, capsys):
+    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    for mode in (None, "fp8", "int8_weight_only"):
+        assert resolve_teacher_quant(mode, CUDA) == mode
+    assert capsys.readouterr().out == ""
+
+
+def test_explicit_fp8_on_an_a100_is_refused_before_the_teacher_loads(gpu, monkeypatch, tmp_path):
+    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    with pytest.raises(RecipeError, match=r"^teacher.quantize=fp8 needs a CUDA GPU with compute capability >= 8.9 "
+                                          r"\(fp8 matmuls\), but this GPU \(NVIDIA A100-SXM4-80GB\) is sm80; use "
+                                          r"teacher.quantize: int8_weight_only or null$"):
+        check_teacher_quant_device("fp8", CUDA)
+    for mode in (None, "auto", "int8_weight_only"):
+        check_teacher_quant_device(mode, CUDA)
+
+    # load_teacher says it before reading a byte of the teacher's weights
+    loaded = []
+    monkeypatch.setattr(teacher_mod, "load_model", lambda *a, **k: loaded.append(a) or (_ for _ in ()).throw(
+        AssertionError("the teacher was loaded")))
+    cfg = load_recipe_config("kd/llama3_1_8b_to_llama3_2_1b", ["teacher.quantize=fp8"], KD, recipe="kd")
+
+    class Rt:
+        device, is_main = CUDA, True
+
+    with pytest.raises(RecipeError, match=r"^teacher.quantize=fp8 needs a CUDA GPU .* is sm80"):
+        teacher_mod.load_teacher(cfg.teacher, {}, Rt(), cfg.student.checkpoint_dir, 1.0, 2048, compile=False)
+    assert loaded == []
+
+
+def test_the_shipped_8b_config_is_auto_and_the_key_names_it():
+    cfg = load_recipe_config("kd/llama3_1_8b_to_llama3_2_1b", [], KD, recipe="kd")
+    assert cfg.teacher.quantize == "auto"
+    with pytest.raises(RecipeError, match=r"key 'teacher.quantize' must be one of auto, fp8, int8_weight_only "
+                                          r"\(or null\), got 'fp16'"):
+        load_recipe_config("kd/llama3_1_8b_to_llama3_2_1b", ["teacher.quantize=fp16"], KD, recipe="kd")
+
+
+def test_kd_with_auto_on_a_cpu_trains_with_the_teacher_in_the_run_dtype(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "out"
+    code = rc.run_in_process("kd", "kd/smollm2_demo", [*rc.KD_COMMON, f"teacher.checkpoint_dir={tiny_model_dir}",
+                                                       "student.checkpoint_dir=null", f"output_dir={out}",
+                                                       "max_steps=1", "dataset.packed=false", "teacher.quantize=auto"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert ("teacher.quantize=auto: null, the teacher runs in the run dtype: the teacher is on the CPU (fp8 matmuls "
+            "need compute capability >= 8.9)\n") in printed
+    assert "setup: teacher auto" not in printed and (out / "model").is_dir()
