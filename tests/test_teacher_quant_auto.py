@@ -98,3 +98,11 @@ def test_kd_with_auto_on_a_cpu_trains_with_the_teacher_in_the_run_dtype(tmp_path
     assert ("teacher.quantize=auto: null, the teacher runs in the run dtype: the teacher is on the CPU (fp8 matmuls "
             "need compute capability >= 8.9)\n") in printed
     assert "setup: teacher auto" not in printed and (out / "model").is_dir()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_this_gpu_follows_its_capability(capsys):
+    expected = "fp8" if torch.cuda.get_device_capability(CUDA) >= (8, 9) else None
+    assert resolve_teacher_quant("auto", CUDA) == expected
+    assert torch.cuda.get_device_name(CUDA) in capsys.readouterr().out
