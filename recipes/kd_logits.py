@@ -47,7 +47,6 @@ from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
 from llm_recipe.components.quantization.teacher import (
     check_teacher_quant_config,
-    check_teacher_quant_device,
     max_drift_setting,
     quantize_setting,
     quantize_teacher,
@@ -183,7 +182,6 @@ def main(cfg: KDLogitsConfig) -> None:
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run. The
     # teacher's precision is the one this machine applies (teacher.quantize=auto resolved), so a cache resumed on a
     # GPU that would compute other targets is refused rather than mixed.
-    check_teacher_quant_device(cfg.teacher.quantize, rt.device)
     quantize = resolve_teacher_quant(cfg.teacher.quantize, rt.device, say=rt.is_main)  # replicated: never sharded
     header = {
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),

@@ -83,7 +83,6 @@ def cpu_fp8(monkeypatch):
         pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (rowwise came with torch 2.13)")
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
     monkeypatch.setattr(fp8_base, "check_fp8_base", lambda device, sharded: None)
-    monkeypatch.setattr(teacher, "check_device", lambda scheme, device: None)
     monkeypatch.setattr(teacher, "has_fp8_matmuls", lambda device: True)
 
 

@@ -50,11 +50,16 @@ def test_auto_keeps_a_sharded_teacher_in_the_run_dtype(gpu, capsys):
     assert "the teacher is sharded (teacher.placement), and fp8 needs one full copy per GPU" in capsys.readouterr().out
 
 
-def test_other_values_pass_through_unchanged(gpu, capsys):
-    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+def test_other_values_pass_through_unchanged_and_fp8_needs_fp8_matmuls(gpu, capsys):
+    gpu("NVIDIA H100 80GB HBM3", (9, 0))
     for mode in (None, "fp8", "int8_weight_only"):
         assert resolve_teacher_quant(mode, CUDA) == mode
+    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    for mode in (None, "int8_weight_only"):
+        assert resolve_teacher_quant(mode, CUDA) == mode
     assert capsys.readouterr().out == ""
+    with pytest.raises(RecipeError, match=r"^teacher.quantize=fp8 needs a CUDA GPU .* is sm80"):
+        resolve_teacher_quant("fp8", CUDA)
 
 
 def test_explicit_fp8_on_an_a100_is_refused_before_the_teacher_loads(gpu, monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import RecipeError
 from ..schema import Choice, Range
 from ..settings import setting
-from .schemes import base_config, check_device, cpu_only, linear_filter
+from .schemes import base_config, cpu_only, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
@@ -62,9 +62,10 @@ def check_teacher_quant_device(mode: str | None, device: torch.device) -> None:
 def resolve_teacher_quant(mode: str | None, device: torch.device, *, sharded: bool = False,
                           say: bool = True) -> str | None:
     """`teacher.quantize` as this run applies it: `auto` becomes fp8 on a GPU with fp8 matmuls when the teacher is
-    not sharded (FSDP2 does not shard fp8 weights), else None (the run dtype), said in one line when `say`; any
-    other value is returned as it is."""
+    not sharded (FSDP2 does not shard fp8 weights), else None (the run dtype), said in one line when `say`; an
+    explicit fp8 this device cannot run is a RecipeError; any other value is returned as it is."""
     if mode != AUTO:
+        check_teacher_quant_device(mode, device)
         return mode
     if not has_fp8_matmuls(device):
         chosen, why = None, f"{_no_fp8_here(device)} (fp8 matmuls need compute capability >= 8.9)"
@@ -108,11 +109,7 @@ def quantize_teacher(teacher: nn.Module, mode: str | None, device: torch.device,
     if is_sharded(teacher):
         raise RecipeError(f"teacher.quantize={mode} needs an unsharded teacher (one full copy per GPU); "
                           "set teacher.placement: replicate, or teacher.quantize: null to shard it")
-    check_teacher_quant_device(mode, device)
-    try:
-        check_device(scheme, device)
-    except RecipeError as e:
-        raise RecipeError(f"teacher.quantize={mode}: {e}") from None
+    check_teacher_quant_device(mode, device)  # int8_weight_only runs anywhere
     from torchao.quantization import quantize_
 
     use = linear_filter(include_output=False)
