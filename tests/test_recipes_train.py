@@ -180,17 +180,21 @@ def kd_overrides(out: Path, teacher: Path, student: Path | None, *extra: str) ->
 
 @pytest.fixture(scope="module")
 def kd_forward(tmp_path_factory, tiny_model_dir, kd_teacher):
-    """KD (forward KL) of the tiny model (full student) from kd_teacher, in a subprocess."""
+    """KD (forward KL) of the tiny model (full student) from kd_teacher, in a subprocess, with the 8B config's
+    `teacher.quantize: auto` (on a CPU: the exact teacher). Returns (output_dir, overrides, what it printed)."""
     work = tmp_path_factory.mktemp("kd")
     out = work / "out"
-    overrides = kd_overrides(out, kd_teacher, tiny_model_dir, "kd.loss=forward_kl")
+    overrides = kd_overrides(out, kd_teacher, tiny_model_dir, "kd.loss=forward_kl", "teacher.quantize=auto")
     proc = rc.run_cli("kd", "kd/smollm2_demo", overrides, cwd=work)
     rc.assert_ok(proc)
-    return out, overrides
+    return out, overrides, proc.stdout
 
 
 def test_kd_recipe_logs_ce_and_kd_against_references(kd_forward, tiny_model_dir, kd_teacher):
-    out, overrides = kd_forward
+    out, overrides, printed = kd_forward
+    # teacher.quantize=auto on a CPU is the run-dtype teacher, said in one line; the references below check it is
+    assert ("teacher.quantize=auto: null, the teacher runs in the run dtype: the teacher is on the CPU (fp8 matmuls "
+            "need compute capability >= 8.9)\n") in printed
     rows = rc.assert_metrics(out, 2, KD_KEYS)
     rc.assert_png(out / "loss.png")
     assert_loads_like_hf(out / "model")

@@ -2,12 +2,12 @@
 unsharded teacher), else the run dtype, said in one line, so the same file runs on an H100 and on an A100 or an
 RTX 30; an explicit `fp8` on a GPU without fp8 matmuls is refused before the teacher's weights load
 (components/quantization/teacher.py, components/teacher.py). GPUs are stood in for by patching torch.cuda's
-capability and name: what is checked is the decision and the words, not a kernel."""
+capability and name: what is checked is the decision and the words, not a kernel. A `kd` run with `auto` on the
+CPU is tests/test_recipes_train.py's reference run (kd_forward)."""
 
 from __future__ import annotations
 
 import pytest
-import recipes_common as rc
 import torch
 
 from llm_recipe.components import teacher as teacher_mod
@@ -91,18 +91,6 @@ def test_the_shipped_8b_config_is_auto_and_the_key_names_it():
     with pytest.raises(RecipeError, match=r"key 'teacher.quantize' must be one of auto, fp8, int8_weight_only "
                                           r"\(or null\), got 'fp16'"):
         load_recipe_config("kd/llama3_1_8b_to_llama3_2_1b", ["teacher.quantize=fp16"], KD, recipe="kd")
-
-
-def test_kd_with_auto_on_a_cpu_trains_with_the_teacher_in_the_run_dtype(tmp_path, tiny_model_dir, capsys):
-    out = tmp_path / "out"
-    code = rc.run_in_process("kd", "kd/smollm2_demo", [*rc.KD_COMMON, f"teacher.checkpoint_dir={tiny_model_dir}",
-                                                       "student.checkpoint_dir=null", f"output_dir={out}",
-                                                       "max_steps=1", "dataset.packed=false", "teacher.quantize=auto"])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert ("teacher.quantize=auto: null, the teacher runs in the run dtype: the teacher is on the CPU (fp8 matmuls "
-            "need compute capability >= 8.9)\n") in printed
-    assert "setup: teacher auto" not in printed and (out / "model").is_dir()
 
 
 @pytest.mark.gpu
