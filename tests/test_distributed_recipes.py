@@ -201,6 +201,7 @@ def test_kd_full_student_two_processes_match_one(pair, tmp_path):
     assert_same_metrics(one, two)
 
 
+@pytest.mark.slow  # ~30 s on 2 shared cores; the default suite keeps LoRA and DoRA in 2 processes, QAT in 1
 def test_qat_two_processes_match_one(pair, tiny_model_dir, tmp_path):
     from llm_recipe.components.quantization.export_hf import load_hf_torchao
 
@@ -354,6 +355,7 @@ def test_eval_two_processes_split_requests_and_match_one(tiny_model_dir, tmp_pat
     assert sorted(s["doc_id"] for s in two["samples"]["recipe_copa"]) == list(range(8))
 
 
+@pytest.mark.slow  # ~35 s: a 2-process QLoRA run; the default suite converts sharded LoRA checkpoints (test_lora_two_processes_match_one)
 def test_a_sharded_qlora_checkpoint_converts_to_the_runs_model(tmp_path, tiny_model_dir):
     """QLoRA on 2 processes: its checkpoints leave the frozen NF4 base out, and converting one with `--base` gives
     the weights the run's own `model/` holds at that step (the NF4-rounded base in the run's dtype plus the merged

@@ -232,7 +232,9 @@ def test_training_on_a_prompt_only_dataset_is_refused_in_one_line(tmp_path, mode
     assert line == f"recipe: error: {path}:1: column 'messages' has no assistant turn to train on", line
 
 
-@pytest.mark.parametrize("data", ["one_prompt_per_row", "short_docs", "prompt_set"])
+# ~25 s each: the default suite kills and resumes the short_docs case; the other two are slow-marked
+@pytest.mark.parametrize("data", [pytest.param("one_prompt_per_row", marks=pytest.mark.slow), "short_docs",
+                                  pytest.param("prompt_set", marks=pytest.mark.slow)])
 def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, data):
     """Killed after a checkpoint and resumed: the same samples (nothing saved for them: seed, step and micro-batch
     fix them), so the same weights, metrics and held-out score as the uninterrupted run, bit for bit; with one
