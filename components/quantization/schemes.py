@@ -96,6 +96,11 @@ def cpu_only(device: str) -> str | None:
     return None
 
 
+def has_fp8_matmuls(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Raise a RecipeError when `scheme` cannot run on `device` (and dtype, for the `BF16_ONLY` schemes)."""
     info = scheme_info(scheme)
@@ -107,11 +112,10 @@ def check_device(scheme: str, device: torch.device | str, dtype: torch.dtype | N
         alt = "8da4w or int8_weight_only" if info.needs == "cuda" else "float8_weight_only, 8da4w or int8_weight_only"
         raise RecipeError(f"scheme {scheme!r} needs {need}, but the model is on {device.type}; "
                           f"run on a GPU or use {alt} on CPU")
-    if info.needs == "cuda_sm89":
+    if info.needs == "cuda_sm89" and not has_fp8_matmuls(device):
         cc = torch.cuda.get_device_capability(device)
-        if cc < (8, 9):
-            raise RecipeError(f"scheme {scheme!r} needs compute capability >= 8.9, this GPU has {cc[0]}.{cc[1]}; "
-                              "use float8_weight_only, 8da4w or int8_weight_only")
+        raise RecipeError(f"scheme {scheme!r} needs compute capability >= 8.9, this GPU has {cc[0]}.{cc[1]}; "
+                          "use float8_weight_only, 8da4w or int8_weight_only")
     if scheme in BF16_ONLY and dtype is not None and dtype != torch.bfloat16:
         raise RecipeError(f"scheme {scheme!r} needs a bfloat16 model ({BF16_ONLY[scheme]}), got {dtype}; set dtype: "
                           "bf16")

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import RecipeError
 from ..schema import Choice, Range
 from ..settings import setting
-from .schemes import base_config, cpu_only, linear_filter
+from .schemes import base_config, cpu_only, has_fp8_matmuls, linear_filter
 
 # config value -> scheme name in llm_recipe.components.quantization.schemes
 TEACHER_QUANT = {"fp8": "float8_dynamic", "int8_weight_only": "int8_weight_only"}
@@ -45,11 +45,6 @@ def check_teacher_quant_config(mode: str | None, device: str) -> None:
     where = cpu_only(device) if mode == "fp8" else None
     if where is not None:
         raise RecipeError(_NEEDS_FP8_GPU.format(where=where))
-
-
-def has_fp8_matmuls(device: torch.device) -> bool:
-    """Whether `device` is a CUDA GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def check_teacher_quant_device(mode: str | None, device: torch.device) -> None:
