@@ -8,7 +8,8 @@ to e4m3's range (448), rounded to float8_e4m3fn and scaled back; the product acc
 kernels do. Prints one JSON line per variant: mean KL(fp32 teacher || emulated fp8 teacher) in nats per token and
 top-1 agreement, over the shipped transfer passages packed to 512 tokens (the data KD trains on). Variants keep a
 set of projections in full precision, or round only the weights or only the activations; the `head` variants
-round the output projection too (the teacher's fp8 leaves it in the run dtype: these say what that is worth).
+round the output projection too (the teacher's fp8 leaves it in the run dtype: these say what that is worth); the
+`tensorwise` variants use one scale per tensor instead of per row (bench/fp8_granularity_speed.py times them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def e4m3_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
     return values.float() * scale
 
 
+def e4m3_tensorwise(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x rounded to e4m3 with one amax scale for the whole tensor (torchao's PerTensor granularity), in fp32."""
+    scale = (x.abs().amax() / 448.0).float().clamp_min(1e-12)
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
 def int8_rowwise(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x rounded to symmetric int8 with one amax scale per row along `dim`, back in fp32."""
     scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127.0
@@ -46,7 +53,7 @@ class EmulatedFp8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, weights: bool, activations: bool, fmt: str = "e4m3") -> None:
         super().__init__()
-        self.round = e4m3_rowwise if fmt == "e4m3" else int8_rowwise
+        self.round = {"e4m3": e4m3_rowwise, "e4m3_tensor": e4m3_tensorwise, "int8": int8_rowwise}[fmt]
         w = linear.weight.detach().float()
         self.weight = self.round(w, 1) if weights else w
         self.bias = linear.bias
@@ -70,6 +77,8 @@ VARIANTS = {
     "keep down (w2)": (("mlp.w2",), True, True),
     "keep gate+up": (("mlp.w1", "mlp.w3"), True, True),
     "keep the MLP": (("mlp.",), True, True),
+    "tensorwise all linears": ((), True, True, "e4m3_tensor"),
+    "tensorwise but down (w2)": (("mlp.w2",), True, True, "e4m3_tensor"),
     "int8 all linears": ((), True, True, "int8"),
     "int8 weights only": ((), True, False, "int8"),
     "int8 activations only": ((), False, True, "int8"),
