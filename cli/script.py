@@ -22,7 +22,6 @@ from ..components.folders import prepared_run
 from ..components.interrupt import interrupted_message, reset
 from ..components.oom import is_out_of_memory, out_of_memory_message
 from ..components.output_kinds import check_output_kind
-from ..components.runs import put_back_overwritten
 
 __all__ = ["configure_logging", "print_error", "recipe_argparser", "run_recipe_script"]
 
@@ -97,6 +96,8 @@ def run_recipe_script(
             try:
                 main(cfg)
             except BaseException:  # stopped during setup: the run overwrite=true was replacing stays as it was
+                from ..components.runs import put_back_overwritten  # (imports torch: not at `recipe --help`)
+
                 if put_back_overwritten(getattr(cfg, "output_dir", None)):
                     print(f"recipe: overwrite=true: the earlier run in {cfg.output_dir} was put back as it was",
                           file=sys.stderr)

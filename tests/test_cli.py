@@ -74,6 +74,22 @@ def test_ls_lists_recipes_with_their_configs_only(tree):
     ]
 
 
+def test_browsing_commands_answer_without_importing_torch(tmp_path):
+    """`recipe --help`, `--version`, `ls`, `cat` and `cp` on the shipped tree never import torch (its ~3 s of
+    imports made each of them take seconds; they answer in a fraction of one)."""
+    code = ("import contextlib, io, sys\n"
+            "from llm_recipe.cli.main import main\n"
+            "for argv in (['--help'], ['--version'], ['ls'], ['cat', 'kd/smollm2_demo'], ['cp', 'kd', 'x.py'],\n"
+            "             ['cp', 'kd/smollm2_demo', 'x.yaml']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        assert not main(argv), argv\n"
+            "    assert 'torch' not in sys.modules, argv\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-3000:]
+    assert (tmp_path / "x.py").is_file() and (tmp_path / "x.yaml").is_file()
+
+
 def test_ls_on_the_real_tree_lists_each_shipped_recipe():
     proc = subprocess.run(
         [sys.executable, "-m", "llm_recipe.cli.main", "ls"],
