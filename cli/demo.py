@@ -96,7 +96,7 @@ def compare(before: Row, after: Row) -> dict:
     independent samples (sqrt(se_a^2 + se_b^2), the stricter test); `se_paired` uses the per-item differences.
     `beats_by_2se` holds when the improvement exceeds 2 unpaired standard errors on both metrics.
     """
-    from ..components.eval.stats import paired_difference
+    from ..components.eval.stats import paired_difference, z_score
 
     out = {"items": None}
     for metric, key, sign in (("acc", "lambada_acc", 1.0), ("nll", "lambada_nll", -1.0)):
@@ -105,7 +105,7 @@ def compare(before: Row, after: Row) -> dict:
         se = math.hypot(after.metrics[f"{key}_se"], before.metrics[f"{key}_se"])
         out["items"] = paired["items"]
         out[metric] = {"before": before.metrics[key], "after": after.metrics[key], "improvement": gain,
-                       "se_unpaired": se, "z_unpaired": gain / se if se > 0 else math.inf,
+                       "se_unpaired": se, "z_unpaired": z_score(gain, se),
                        "se_paired": paired["se"], "z_paired": sign * paired["z"]}
     out["beats_by_2se"] = all(out[m]["z_unpaired"] > 2 for m in ("acc", "nll"))
     return out

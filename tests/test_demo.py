@@ -28,7 +28,7 @@ def _check_outputs(out, rows):
 
 def test_demo_distilled_student_beats_pruned_student(tmp_path):
     out = tmp_path / "demo"
-    rows = run_demo(str(out), limit=12, teacher_limit=4, steps=12,
+    rows = run_demo(str(out), limit=12, teacher_limit=4, steps=6,
                     kd_overrides=("dataset.max_seq_len=64", "student.prune.calibration_tokens=128"))
     summary = _check_outputs(out, rows)
     teacher, pruned, distilled, _ = rows
@@ -67,3 +67,21 @@ def test_the_verdict_names_the_metrics_past_two_standard_errors():
     assert verdict(1.9, 2.8) == "distillation helps by more than 2 standard errors on target NLL, NOT on accuracy"
     assert verdict(2.5, 0.4) == "distillation helps by more than 2 standard errors on accuracy, NOT on target NLL"
     assert verdict(1.0, 1.5) == "distillation helps by NOT more than 2 standard errors on either"
+
+
+def test_no_change_with_no_spread_is_not_a_gain():
+    """Both students wrong on every item (accuracy 0 -> 0, SE 0): z is 0, not inf, so the verdict does not say
+    distillation helped on accuracy (it did, in a 6-step demo)."""
+    from llm_recipe.cli.demo import Row, _compare_text, compare
+
+    def row(acc: float, nll: float) -> Row:
+        items = {i: acc for i in range(12)}
+        nlls = {i: nll + 0.1 * i for i in range(12)}
+        return Row("s", 12, {"lambada_acc": acc, "lambada_acc_se": 0.0, "lambada_nll": nll + 0.55,
+                             "lambada_nll_se": 0.3}, 1, 1, 1.0, per_item={"acc": items, "nll": nlls})
+
+    c = compare(row(0.0, 8.0), row(0.0, 7.0))
+    assert c["acc"]["z_unpaired"] == 0.0 and c["acc"]["z_paired"] == 0.0 and not c["beats_by_2se"]
+    assert _compare_text(c).endswith("by more than 2 standard errors on target NLL, NOT on accuracy")
+    worse = compare(row(1.0, 7.0), row(0.0, 7.0))  # every item lost, no spread: -inf, not a gain
+    assert worse["acc"]["z_unpaired"] == -float("inf") and not worse["beats_by_2se"]

@@ -41,9 +41,13 @@ def loglikelihood_task_stats(samples: Sequence[dict]) -> dict:
             "nll": nll, "nll_se": nll_se}
 
 
+def z_score(diff: float, se: float) -> float:
+    """diff / se; with no spread (se 0) +-inf for a real difference and 0 for none (0 / 0 is no evidence)."""
+    return diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else 0.0)
+
+
 def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
     """Mean of `b - a` over the items both have, its SE and z = mean / SE."""
     common = sorted(set(a) & set(b))
     diff, se = mean_se([b[i] - a[i] for i in common])
-    z = diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else 0.0)  # identical items: z = 0
-    return {"items": len(common), "diff": diff, "se": se, "z": z}
+    return {"items": len(common), "diff": diff, "se": se, "z": z_score(diff, se)}
