@@ -3,11 +3,23 @@ tokenizer, so recipe tests run real code paths in seconds on CPU."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # `make test` runs one xdist worker per core; a worker's torch (and the recipe processes it starts) would
+    # otherwise use every core too, and OpenMP threads that outnumber the cores spin against each other. Each
+    # worker gets its share of the cores; a user's own OMP_NUM_THREADS wins.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,6 @@ the config checks (the decode path, cross-key errors, `recipe validate` naming t
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import on_policy_common as opc
 import pytest
@@ -240,18 +239,17 @@ def test_settings_defaults_and_cross_key_errors():
     ("kd.on_policy.prompts={format: chat}", "key 'kd.on_policy.prompts.source' is required"),
     ("kd.on_policy.prompts.format=jsonl", "key 'kd.on_policy.prompts.format' must be one of text, instruct, chat"),
 ])
-def test_validate_names_the_key(tmp_path, override, message):
-    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", "--recipe",
-                           "kd", override], capture_output=True, text=True, env=rc.cli_env(), cwd=tmp_path)
-    assert proc.returncode == 1
-    (line,) = rc.error_lines(proc)
-    assert message in line, line
+def test_validate_names_the_key(capsys, override, message):
+    # the CLI's entry point in this process (test_cli.py runs `recipe validate` errors through a real process)
+    code, _, err = rc.cli_captured(capsys, ["validate", "kd/smollm2_demo", "--recipe", "kd", override])
+    assert code == 1
+    assert message in rc.one_error(err), err
 
 
 # ---------------------------------------------------------------------------------------- held_out, before any weights
 
 
-def test_held_out_that_dataset_limit_cannot_leave_rows_for_is_refused_at_load(tmp_path):
+def test_held_out_that_dataset_limit_cannot_leave_rows_for_is_refused_at_load(capsys):
     """Packed or not, a dataset has at most dataset.limit rows (a prompt set at most its limit): held_out >= limit
     leaves none to train on, which `recipe validate` now says from the config alone (the run said it after the
     weights had loaded)."""
@@ -265,11 +263,10 @@ def test_held_out_that_dataset_limit_cannot_leave_rows_for_is_refused_at_load(tm
     check_on_policy(OnPolicySettings(prompts=prompts, held_out=3), None, text)
     with pytest.raises(RecipeError, match=r"held_out=4 leaves no training rows: kd.on_policy.prompts.limit=4 keeps"):
         check_on_policy(OnPolicySettings(prompts=prompts, held_out=4), None, text)
-    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo",
-                           "kd.on_policy.fraction=0.5", "dataset.limit=8"], capture_output=True, text=True,
-                          env=rc.cli_env(), cwd=tmp_path)
-    assert rc.error_lines(proc) == ["recipe: error: kd.on_policy.held_out=16 leaves no training rows: dataset.limit=8 "
-                                    "keeps at most 8 (lower held_out below 8, or raise dataset.limit)"]
+    code, _, err = rc.cli_captured(capsys, ["validate", "kd/smollm2_demo", "kd.on_policy.fraction=0.5", "dataset.limit=8"])
+    assert code == 1 and rc.one_error(err) == ("recipe: error: kd.on_policy.held_out=16 leaves no training rows: "
+                                               "dataset.limit=8 keeps at most 8 (lower held_out below 8, or raise "
+                                               "dataset.limit)")
 
 
 def test_held_out_that_takes_every_tokenized_row_fails_before_any_weights_load(tmp_path, monkeypatch, capsys,
@@ -294,8 +291,7 @@ def test_held_out_that_takes_every_tokenized_row_fails_before_any_weights_load(t
     ("kd.alpha=0.2", "kd.alpha=0.2: kd.loss=forward_kl does not read it (alpha is an option of skew_kl and "
                      "skew_reverse_kl); set kd.alpha: null, or a kd.loss that takes it"),
 ])
-def test_a_kd_option_the_loss_does_not_read_names_the_key_and_who_reads_it(tmp_path, override, message):
+def test_a_kd_option_the_loss_does_not_read_names_the_key_and_who_reads_it(capsys, override, message):
     """It said `kd loss 'forward_kl' does not take beta; its options are: ` (an empty list) without the key."""
-    proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd/smollm2_demo", override],
-                          capture_output=True, text=True, env=rc.cli_env(), cwd=tmp_path)
-    assert rc.error_lines(proc) == [f"recipe: error: {message}"]
+    code, _, err = rc.cli_captured(capsys, ["validate", "kd/smollm2_demo", override])
+    assert code == 1 and rc.one_error(err) == f"recipe: error: {message}"
