@@ -110,6 +110,24 @@ def test_every_offline_task_loads_and_targets_are_valid():
     }
 
 
+def test_pack_tasks_alone_are_evaluated_without_indexing_lm_evals_stock_tasks(ours, monkeypatch):
+    """Indexing lm-eval's ~14,000 stock task YAMLs took 20 of the 50 s of `recipe run eval --config eval/smollm2
+    limit=4` on 2 cores: pack tasks alone use a manager of the pack; any other name gets the stock index."""
+    import llm_recipe.components.eval.run as run
+
+    pack = task_manager(stock=False).all_tasks  # the pack's tasks and its tag (recipe_offline), nothing stock
+    assert set(offline_task_names()) <= set(pack) and all(t.startswith("recipe_") for t in pack), pack
+    assert "hellaswag" in task_manager().all_tasks
+    asked = []
+    real = run.task_manager
+    monkeypatch.setattr(run, "task_manager", lambda stock=True: asked.append(stock) or real(stock))
+    got = evaluate(ours, ["recipe_copa"], limit=2, bootstrap_iters=0)
+    assert got["results"]["recipe_copa"]["acc,none"] in (0.0, 0.5, 1.0)
+    with pytest.raises(RecipeError, match=r"unknown task\(s\) \['no_such_task'\]"):
+        evaluate(ours, ["recipe_copa", "no_such_task"], limit=2)
+    assert asked == [False, True]
+
+
 def _per_item(results: dict, task: str) -> list:
     return [(s["doc_id"], [r[0] for r in s["resps"]]) for s in sorted(results["samples"][task],
                                                                        key=lambda s: s["doc_id"])]
