@@ -181,6 +181,7 @@ def test_lora_two_processes_match_one(pair, tiny_model_dir, tmp_path, capsys):
     assert_same_metrics(one, two)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; the LoRA student on 2 processes stays in the default suite
 def test_kd_dora_student_two_processes_match_one(pair, tiny_model_dir, tmp_path):
     one, two = pair("kd_dora")
     assert_close_weights(one / "model", two / "model")

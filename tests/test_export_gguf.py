@@ -84,7 +84,8 @@ def test_permutation_is_the_inverse_of_import():
     assert llama_cpp_permute(b, 2)[:4].tolist() == [0.0, 8.0, 1.0, 9.0]  # per head: pairs (i, i + d/2)
 
 
-@pytest.mark.parametrize("qtype, tie, max_rel", [("F32", True, 1e-6), ("F16", False, 2e-3)])
+@pytest.mark.parametrize("qtype, tie, max_rel", [  # F32 (~16 s on 2 cores) in the slow suite
+    pytest.param("F32", True, 1e-6, marks=pytest.mark.slow), ("F16", False, 2e-3)])
 def test_float_types_load_in_transformers(embedded, tmp_path, qtype, tie, max_rel):
     model, args = tiny(tie)
     path = export_gguf(model, args, embedded, tmp_path / f"t-{qtype}.gguf", qtype)

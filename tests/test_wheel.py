@@ -119,6 +119,7 @@ def test_installed_recipe_lists_validates_copies_and_runs(venv, tiny_model_dir, 
     assert (elsewhere / "out" / "model" / "config.json").is_file()
 
 
+@pytest.mark.slow  # ~20 s on 2 cores; the stock lm_eval route from the same venv stays in the default suite
 def test_installed_recipe_lm_eval_needs_no_other_step(venv, tiny_model_dir, tmp_path):
     tasks = _run([str(venv / "recipe"), "lm_eval", "--tasks-path"], cwd=tmp_path).stdout.strip()
     assert Path(tasks).is_relative_to(venv.parent) and Path(tasks, "recipe_copa.yaml").is_file()
