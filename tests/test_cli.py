@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipes_common import cli_captured
 
 from llm_recipe.cli.recipes import ALIASES
 
@@ -180,19 +181,6 @@ def test_validate_reports_file_line_of_unknown_key(tree):
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "bad.yaml:8" in proc.stderr
 
 
-def _main(capsys, *argv: str) -> tuple[int, str, str]:
-    """`recipe ARGV` in this process on the real shipped tree: (exit status, stdout, stderr)."""
-    from llm_recipe.cli.main import main
-
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # `recipe run` exits 1 on a RecipeError
-        code = e.code
-    out, err = capsys.readouterr()
-    return int(code or 0), out, err
-
-
 @pytest.mark.parametrize("overrides", [
     ["student.keep_layers=[0,99]", "student.prune=null"],  # the embedded student has 30 layers: 0..29
     ["student.prune.keep=40"],
@@ -201,15 +189,15 @@ def test_validate_checks_student_layers_against_config_json_as_the_run_does(over
     """Where the model folder is here, `recipe validate` reads its config.json (no weights) and gives the line the
     run gives, naming the key and the override; where it is not, it says what it could not check."""
     monkeypatch.chdir(tmp_path)
-    code, _, err = _main(capsys, "validate", "kd/smollm2_demo", *overrides)
+    code, _, err = cli_captured(capsys, ["validate", "kd/smollm2_demo", *overrides])
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"recipe: error: override '{overrides[0]}': key '{overrides[0].split('=')[0]}': ")
     assert "/config.json has 30" in err
-    run_code, _, run_err = _main(capsys, "run", "kd", "--config", "kd/smollm2_demo", f"output_dir={tmp_path}/out",
-                                 "device=cpu", *overrides)
+    run_code, _, run_err = cli_captured(capsys, ["run", "kd", "--config", "kd/smollm2_demo",
+                                                 f"output_dir={tmp_path}/out", "device=cpu", *overrides])
     assert run_code == 1 and run_err == err  # the run refuses it with the same line, before any setup
-    code, out, err = _main(capsys, "validate", "kd/smollm2_demo", f"teacher.checkpoint_dir={tmp_path}/elsewhere",
-                           *overrides)
+    code, out, err = cli_captured(capsys, ["validate", "kd/smollm2_demo",
+                                           f"teacher.checkpoint_dir={tmp_path}/elsewhere", *overrides])
     assert code == 0, err
     assert out.strip().endswith(f"is a valid kd config (teacher.checkpoint_dir={tmp_path}/elsewhere: no config.json "
                                 "here, so what needs it is checked by `recipe run`)")
