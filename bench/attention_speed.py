@@ -19,24 +19,32 @@ of the transfer passages under the SmolLM2 tokenizer, the one the recorded KD ro
   to 64), plain causal SDPA with one backend, the rows scattered back; exact (under the causal mask no real token
   attends to the padding after it), and the gather and scatter are timed with it;
 - `fa4_varlen`: FlashAttention-4's CuTe DSL kernels (`flash_attn.cute`, Hopper and Blackwell; not one of our
-  dependencies: `bash bench/device_kd.sh attention` installs it on the device) over the documents, as varlen_flash.
+  dependencies: `bash bench/device_kd.sh attention` installs it on the device) over the documents, as varlen_flash;
+- `cudnn_ragged` / `cudnn_ragged_8_layouts`: cuDNN's ragged (THD) fused kernel over the documents in place
+  (bench/cudnn_ragged_attention.py; needs `nvidia-cudnn-frontend` in `.whl`, see there), on this micro-batch / cycling
+  through 8 other draws of documents (the cuDNN graphs are built once per bucket and reused); `--cudnn
+  DOC_STEP,POW2_SPAN,IMPLEMENTATION` picks its variant (e.g. `1,0,COMPOSITE`). It also prints its largest
+  difference from flex (output and, for the student, input gradients) and the seconds its first calls took.
 
 Each row prints `ms` (median of single calls, each timed alone: includes the host's launch latency when the
 kernels are short) and `ms_gpu` (the mean of `--iters` calls issued back to back between two events: GPU time,
 as in a training step where the host runs ahead).
 
-    python bench/attention_speed.py [--doc-len 128 512] [--iters 50] [--only flex,fa4_varlen]
+    python bench/attention_speed.py [--doc-len 128 512] [--iters 50] [--only flex,fa4_varlen] [--cudnn 8,1,AUTO]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
+import time
 
 import torch
 import torch.nn.functional as F
+from cudnn_ragged_attention import DocumentLayout, document_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -91,7 +99,13 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, nargs=2, default=[126, 381], help="document lengths, uniform in [lo, hi]")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--only", default="", help="comma-separated rows to time (default: all)")
+    p.add_argument("--cudnn", default="", help="cudnn_ragged variant: DOC_STEP,POW2_SPAN(0/1),IMPLEMENTATION")
     args = p.parse_args()
+    if args.cudnn:
+        import cudnn_ragged_attention as da
+
+        step, pow2, da.IMPLEMENTATION = args.cudnn.split(",")
+        da.DOC_STEP, da.POW2_SPAN = int(step), pow2 == "1"
     dev = torch.device("cuda")
     positions = packed_positions(args.rows, args.length, *args.doc_len)
     doc = (positions == 0).cumsum(-1).to(dev)
@@ -106,7 +120,7 @@ def main() -> None:
     compiled = {"flex": torch.compile(flex_attention),
                 "flex_autotune": torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")}
     for shape, (hq, hkv, dim, backward) in SHAPES.items():
-        measure(shape, args, hq, hkv, dim, backward, mask, causal, compiled, cu_seqlens)
+        measure(shape, args, hq, hkv, dim, backward, mask, causal, compiled, cu_seqlens, positions)
 
 
 def tokens(t: torch.Tensor) -> torch.Tensor:
@@ -174,6 +188,47 @@ def bucketed(q, k, v, index, backend, sdpa_only: bool = False):
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
+def cudnn_ragged_inputs(q, k, v, grad, positions, args, backward: bool) -> dict:
+    """`cudnn_ragged` rows: the same q, k, v in the packed [tokens, heads, dim] layout the recipes' projections
+    give, the micro-batch's DocumentLayout, and 8 layouts of other document draws to cycle through (graph reuse)."""
+    dev = q.device
+    qkv = [tokens(t).detach().contiguous().requires_grad_(backward) for t in (q, k, v)]
+    layouts = [DocumentLayout.from_positions(packed_positions(args.rows, args.length, *args.doc_len, seed=i), dev)
+               for i in range(1, 9)]
+    return {"qkv": qkv, "grad": tokens(grad).contiguous(), "cycle": itertools.cycle(layouts),
+            "layout": DocumentLayout.from_positions(positions, dev), "layouts": layouts}
+
+
+def compare_cudnn_ragged(shape: str, q, k, v, mask, compiled: dict, ragged: dict, backward: bool) -> None:
+    """Print cuDNN ragged attention's largest difference from flex's document mask (output, and the input
+    gradients for the backward shape), and the seconds its first calls took (the cuDNN graphs are built then)."""
+    qkv = ragged["qkv"]
+    try:
+        start = time.perf_counter()
+        for layout in ragged["layouts"]:
+            out = document_attention(*qkv, layout)
+            if backward:
+                out.backward(ragged["grad"])
+        torch.cuda.synchronize()
+        built = time.perf_counter() - start
+        qf, kf, vf = (t.detach().requires_grad_(backward) for t in (q, k, v))
+        ref = compiled["flex"](qf, kf, vf, block_mask=mask, enable_gqa=True)
+        for t in qkv:
+            t.grad = None
+        out = document_attention(*qkv, ragged["layout"])
+        line = {"cudnn_ragged_vs_flex_max_abs_diff": float((out - tokens(ref)).abs().max()),
+                "first_9_calls_s": round(built, 2), "cudnn": __import__("cudnn").backend_version_string()}
+        if backward:
+            ref.backward(ragged["grad"].reshape(q.shape[0], q.shape[2], q.shape[1], -1).transpose(1, 2))
+            out.backward(ragged["grad"])
+            for name, mine, theirs in zip("qkv", qkv, (qf, kf, vf)):
+                line[f"d{name}_max_abs_diff"] = float((mine.grad - tokens(theirs.grad)).abs().max())
+                line[f"d{name}_max_abs"] = float(tokens(theirs.grad).abs().max())
+    except Exception as e:  # no frontend, no Hopper, an unsupported graph: say so, go on
+        line = {"cudnn_ragged": f"{type(e).__name__}: {str(e)[:600]}"}
+    print(json.dumps({"shape": shape, **line}), flush=True)
+
+
 def nested(q, k, v, cu_seqlens, backend):
     """SDPA over the documents as a nested (jagged) batch, causal within each, with one SDPA backend."""
     b, h, s, d = q.shape
@@ -185,7 +240,7 @@ def nested(q, k, v, cu_seqlens, backend):
 
 
 def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask, causal, compiled: dict,
-            cu_seqlens) -> None:
+            cu_seqlens, positions) -> None:
     """Print one JSON line per row for one attention shape."""
     dev = torch.device("cuda")
 
@@ -200,12 +255,14 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
     grad_padded = torch.randn(n_docs, hq, index[2], dim, device=dev, dtype=torch.bfloat16)
     kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)  # SDPA kernels: full heads
     grad = torch.randn(args.rows, hq, args.length, dim, device=dev, dtype=torch.bfloat16)
+    ragged = cudnn_ragged_inputs(q, k, v, grad, positions, args, backward)
+    grads = {g.shape: g for g in (grad, grad_padded, ragged["grad"])}
 
     def run(attend):
         def step():
             if backward:
                 out = attend()
-                out.backward(grad if out.shape == grad.shape else grad_padded)
+                out.backward(grads[out.shape])
             else:
                 with torch.no_grad():
                     attend()
@@ -234,6 +291,8 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
         "bucketed_flash": run(lambda: bucketed(q, k, v, index, SDPBackend.FLASH_ATTENTION)),
         "bucketed_flash_full": run(lambda: bucketed(q, kr, vr, index, SDPBackend.FLASH_ATTENTION)),
         "bucketed_cudnn_sdpa_only": run(lambda: bucketed(*padded_inputs, index, SDPBackend.CUDNN_ATTENTION, True)),
+        "cudnn_ragged": run(lambda: document_attention(*ragged["qkv"], ragged["layout"])),
+        "cudnn_ragged_8_layouts": run(lambda: document_attention(*ragged["qkv"], next(ragged["cycle"]))),
     }
     if args.only:
         rows = {name: fn for name, fn in rows.items() if name in args.only.split(",")}
@@ -244,6 +303,8 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
                for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)}}
     if "fa4_varlen" in rows:  # only when asked for: it is not installed where the others are
         same["fa4_varlen"] = lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)
+    if not args.only or "cudnn_ragged" in args.only:
+        compare_cudnn_ragged(shape, q, k, v, mask, compiled, ragged, backward)
     with torch.no_grad():
         ref = compiled["flex"](q, k, v, block_mask=mask, enable_gqa=True)
         for name, attend in same.items():
