@@ -63,15 +63,11 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, layout: DocumentLayout) 
     return out
 
 
-def cudnn_ragged_available(device: torch.device) -> bool:
-    """Whether cuDNN's ragged attention can serve packed rows on `device`: a Hopper GPU and the frontend installed."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    try:
-        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
-    except ImportError:
-        return False
-    return True
+def cudnn_version() -> str:
+    """The cuDNN library the frontend runs on (torch's own, e.g. 9.19.0 with torch 2.11.0+cu130)."""
+    import cudnn
+
+    return cudnn.backend_version_string()
 
 
 @functools.cache
