@@ -1,11 +1,14 @@
 """How long a compiled KD teacher takes to its first forward, and how many graphs Dynamo builds for it (issue 19).
 
-    python bench/compile_start.py --model DIR [--quantize fp8] [--recompile-limit N] [--tokens 4096]
+    python bench/compile_start.py --model DIR [--quantize fp8] [--recompile-limit N] [--tokens 4096] [--row 2048]
+        [--repeat 20]
 
 Loads the teacher exactly as `recipe run kd` does (load_model, prepare_teacher with compile, quantize_teacher),
 then times its first forward (tracing + compilation) and a second one, under inference mode on a [2, tokens/2]
-batch. Prints one JSON line: seconds for load, first and second forward, and Dynamo's counters (unique graphs,
-recompiles). Run with TORCH_LOGS=recompiles to see why a layer recompiles.
+batch (`--row`: rows of that many tokens instead). Prints one JSON line: seconds for load, first and second forward,
+and Dynamo's counters (unique graphs, recompiles); `--repeat N` adds the GPU milliseconds per 1,000 tokens of N
+forwards issued back to back (how a micro-batch's size changes the teacher's speed). Run with
+TORCH_LOGS=recompiles to see why a layer recompiles.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ def main() -> None:
     p.add_argument("--quantize", default=None, choices=[None, "fp8", "int8_weight_only"])
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--row", type=int, default=None, help="tokens per row (default: tokens / 2, two rows)")
+    p.add_argument("--repeat", type=int, default=0, help="then time this many forwards back to back")
     p.add_argument("--no-compile", action="store_true")
     a = p.parse_args()
 
@@ -39,7 +44,8 @@ def main() -> None:
     quantize_teacher(teacher, a.quantize, rt.device)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    tokens = torch.randint(0, 32000, (2, a.tokens // 2), device=rt.device)
+    row = a.row or a.tokens // 2
+    tokens = torch.randint(0, 32000, (a.tokens // row, row), device=rt.device)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -48,9 +54,20 @@ def main() -> None:
             teacher(tokens)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    ms_per_1k = None
+    if a.repeat:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.inference_mode():
+            start.record()
+            for _ in range(a.repeat):
+                teacher(tokens)
+            end.record()
+        torch.cuda.synchronize()
+        ms_per_1k = round(start.elapsed_time(end) / a.repeat / tokens.numel() * 1000, 4)
     from torch._dynamo.utils import counters
 
     print(json.dumps({"quantize": a.quantize, "recompile_limit": a.recompile_limit, "compile": not a.no_compile,
+                      "batch": list(tokens.shape), "ms_per_1k_tokens": ms_per_1k,
                       "load_s": round(load_s, 1), "first_forward_s": round(times[0], 1),
                       "second_forward_s": round(times[1], 3), "third_forward_s": round(times[2], 3),
                       "unique_graphs": counters["stats"]["unique_graphs"],

@@ -15,6 +15,8 @@
 #   bash bench/device_kd.sh qat [COMPILES]  # carry .whl .carry/tok: QAT's cost (plain vs fake-quantized steps of the
 #                                          # shipped qat/llama3_2_1b) per compile setting, e.g. "true false"
 #   bash bench/device_kd.sh tool SCRIPT [ARGS]  # carry .whl: one bench/SCRIPT on this tree (a kernel's diagnosis)
+#   bash bench/device_kd.sh teacher_speed [TOKENS]  # carry .whl .carry/tok: random HF folders, then the 8B teacher's
+#                                          # forward per micro-batch size (bench/compile_start.py --repeat), bf16 and fp8
 #   bash bench/device_kd.sh memory [ROW]   # carry .whl .carry/tok: what the peak memory of a shipped row is made of
 #   bash bench/device_kd.sh kl [MODES [TESTS]]  # carry .carry/b (after device_study2.sh install, part): the embedded
 #                                          # model -> teacher KL per teacher.quantize, then its GPU tests
@@ -186,6 +188,15 @@ tool)  # carry .whl (+ .carry/tok): one bench script on this tree, in the foregr
     copy_repo
     cd /tmp/repo && ours python3 "bench/$2" "${@:3}" 2>&1 | tee "/tmp/${2%.py}.txt"
     [[ -n ${OUT:-} ]] && cp "/tmp/${2%.py}.txt" "$OUT/"
+    ;;
+teacher_speed)  # does a larger micro-batch make the teacher faster per token? (rows of 2048 tokens)
+    install_ours
+    copy_repo
+    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    cd /tmp/repo && for q in "" "--quantize fp8"; do for t in ${2:-4096 8192}; do
+        ours python3 bench/compile_start.py --model $B/teacher_8b $q --tokens $t --row 2048 --repeat 20 2>&1 | grep "^{\"quantize"
+    done; done | tee /tmp/teacher_speed.jsonl
+    [[ -n ${OUT:-} ]] && cp /tmp/teacher_speed.jsonl "$OUT/"
     ;;
 memory)  # one short call: the live allocations at the peak of a shipped row (bench/memory_peak.py)
     one_row_tool memory_peak.py "${2:-shipped_lora}" /tmp/memory.txt
