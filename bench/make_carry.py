@@ -86,7 +86,7 @@ CALLS = [
     ("device_study2.sh start / device_kd.sh kl / device_multi_gpu.sh assets", [".carry/b"]),
     ("device_kd.sh kl followed by shipped rows", [".carry/b", ".carry/tt", ".carry/tok"]),
     ("device_kd.sh shipped", [".whl", ".carry/tt", ".carry/tok"]),
-    ("device_kd.sh onpolicy / profile / qat / memory", [".whl", ".carry/tok"]),
+    ("device_kd.sh onpolicy / profile / qat / memory / teacher_speed", [".whl", ".carry/tok"]),
     ("device_kd.sh start", [".carry/whl_kd", ".carry/tt", ".carry/tok", ".carry/g1"]),
     ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a", ".carry/pytest"]),
     ("device_kd.sh kl with the gpu tests", [".carry/b", ".carry/pytest"]),
