@@ -255,8 +255,9 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
     grad_padded = torch.randn(n_docs, hq, index[2], dim, device=dev, dtype=torch.bfloat16)
     kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)  # SDPA kernels: full heads
     grad = torch.randn(args.rows, hq, args.length, dim, device=dev, dtype=torch.bfloat16)
-    ragged = cudnn_ragged_inputs(q, k, v, grad, positions, args, backward)
-    grads = {g.shape: g for g in (grad, grad_padded, ragged["grad"])}
+    cudnn_rows = not args.only or "cudnn_ragged" in args.only  # its inputs only when asked for
+    ragged = cudnn_ragged_inputs(q, k, v, grad, positions, args, backward) if cudnn_rows else {}
+    grads = {g.shape: g for g in (grad, grad_padded, ragged.get("grad", grad))}
 
     def run(attend):
         def step():
@@ -303,7 +304,7 @@ def measure(shape: str, args, hq: int, hkv: int, dim: int, backward: bool, mask,
                for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)}}
     if "fa4_varlen" in rows:  # only when asked for: it is not installed where the others are
         same["fa4_varlen"] = lambda: fa4_varlen(q, k, v, cu_seqlens, args.length)
-    if not args.only or "cudnn_ragged" in args.only:
+    if cudnn_rows:
         compare_cudnn_ragged(shape, q, k, v, grad, mask, compiled, ragged, backward)
     with torch.no_grad():
         ref = compiled["flex"](q, k, v, block_mask=mask, enable_gqa=True)

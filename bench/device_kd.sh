@@ -80,13 +80,18 @@ prepare() {  # wheels (ours, torchtune's torchao 0.15), a copy of the repo, rand
     # the prefix hides the stdlib's shipped bytecode too, so it is compiled into the prefix as well
     python3 -m compileall -q -j 0 /tmp/site /tmp/tt $(python3 -c 'import sysconfig as s; print(*{s.get_path(k) for k in
         ("stdlib", "platstdlib", "purelib", "platlib")})') >/dev/null 2>&1 || true  # some files never compile (templates)
+    build_folders
+}
+
+build_folders() {  # the random-weight 1B/8B HF folders (and their tokenizer, from .carry/tok) in $B; run from the
+                 # checkout's root, after copy_repo
     (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
 }
 
 one_row_tool() {  # script row outfile [args]: wheels, repo, random HF folders, then one bench tool on one row
     install_ours
     copy_repo
-    python3 bench/kd_throughput.py build --out $B --tokenizer-dir .carry/tok
+    build_folders
     ours python3 "bench/$1" --out $B --row "$2" "${@:4}" 2>&1 | grep -v "^train" | tee "$3"
     [[ -n ${OUT:-} ]] && cp "$3" "$OUT/"
 }
@@ -162,7 +167,7 @@ runner)  # the measurements, one after another (the GPU is never shared between 
 onpolicy)  # issue 22: on-policy KD's sampling speed; no torchtune rows, so no .carry/tt
     install_ours
     copy_repo
-    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    build_folders
     cd /tmp/repo && setsid nohup bash bench/device_kd.sh onpolicy_runner "${2:-}" >/tmp/runner.log 2>&1 </dev/null &
     sleep 5
     cd /tmp/repo && wait_for 420
@@ -179,7 +184,7 @@ profile)  # one short call: where the GPU time of one of our rows goes (bench/pr
 qat)  # carry .whl .carry/tok: QAT's cost for each compile setting in $2 (default "true"), in the foreground
     install_ours
     copy_repo
-    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    build_folders
     cd /tmp/repo && for c in ${2:-true}; do qat_cost "$c" | tee -a $B/qat_cost.jsonl; done
     [[ -n ${OUT:-} ]] && cp $B/qat_cost.jsonl "$OUT/"
     ;;
@@ -192,7 +197,7 @@ tool)  # carry .whl (+ .carry/tok): one bench script on this tree, in the foregr
 teacher_speed)  # does a larger micro-batch make the teacher faster per token? (rows of 2048 tokens)
     install_ours
     copy_repo
-    (cd /tmp/repo && python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    build_folders
     cd /tmp/repo && for q in "" "--quantize fp8"; do for t in ${2:-4096 8192}; do
         ours python3 bench/compile_start.py --model $B/teacher_8b $q --tokens $t --row 2048 --repeat 20 2>&1 | grep "^{\"quantize"
     done; done | tee /tmp/teacher_speed.jsonl
