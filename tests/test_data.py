@@ -132,6 +132,20 @@ def test_split_slicing_and_limit(tmp_path, tok):
         load_rows(str(p), split="train[a:]")
 
 
+def test_negative_percentages_count_from_the_end_as_in_hf_datasets(tmp_path):
+    """`train[:-10%]` and `train[-10%:]` split the rows in two (they once both meant every row: a held-out split
+    that silently overlapped training)."""
+    rows = [{"text": f"document number {i}"} for i in range(20)]
+    p = write_jsonl(tmp_path / "t.jsonl", rows)
+    texts = [r["text"] for r in rows]
+    assert [r["text"] for r in load_rows(str(p), split="train[:-10%]")] == texts[:18]
+    assert [r["text"] for r in load_rows(str(p), split="train[-10%:]")] == texts[18:]
+    assert [r["text"] for r in load_rows(str(p), split="train[-25%:-10%]")] == texts[15:18]
+    assert len(load_rows(str(p), split="train[:100%]")) == 20 and len(load_rows(str(p), split="train[-100%:]")) == 20
+    with pytest.raises(RecipeError, match="split 'train\\[:150%\\]': '150%' is not a percentage between"):
+        load_rows(str(p), split="train[:150%]")
+
+
 # ---------------------------------------------------------------- formats and loss masks
 def test_text_format_trains_on_everything_and_ends_with_eos(tmp_path, tok):
     p = write_jsonl(tmp_path / "t.jsonl", [{"body": "The river flows north."}])

@@ -61,14 +61,20 @@ class Rows(Sequence):
         return Rows(self._rows, self.origin, self._locations, [self._index[i] for i in index])
 
 
-def _bound(text: str, n: int, spec: str) -> int:
+def _bound(text: str, n: int, spec: str) -> int | None:
+    """One end of `[start:end]` as a row index in 0..n (None: the end is open). Negative ends count from the end, as
+    in Python and HF datasets, for row counts and percentages alike (`train[-10%:]` is the last tenth)."""
     text = text.strip()
     if text == "":
-        return -1
+        return None
     try:
         if text.endswith("%"):
-            return round(float(text[:-1]) * n / 100)
-        v = int(text)
+            pct = float(text[:-1])
+            if not -100 <= pct <= 100:
+                raise RecipeError(f"split '{spec}': '{text}' is not a percentage between -100% and 100%")
+            v = round(abs(pct) * n / 100) * (-1 if pct < 0 else 1)
+        else:
+            v = int(text)
     except ValueError:
         raise RecipeError(f"split '{spec}': '{text}' is not an integer or a percentage like 90%") from None
     return max(0, n + v) if v < 0 else min(v, n)
@@ -88,10 +94,8 @@ def slice_rows(rows: Rows, split: str) -> Rows:
     if start is None:
         return rows
     n = len(rows)
-    lo = _bound(start, n, split)
-    hi = _bound(end, n, split)
-    lo = 0 if lo < 0 else lo
-    hi = n if hi < 0 else hi
+    lo, hi = _bound(start, n, split), _bound(end, n, split)
+    lo, hi = 0 if lo is None else lo, n if hi is None else hi
     return rows.select(range(lo, max(lo, hi)))
 
 
