@@ -116,11 +116,7 @@ class MetricLogger:
         wandb_mod = None
         if wandb is not None:
             kwargs = {str(k): v for k, v in dict(wandb).items()}
-            secret = [k for k in kwargs if any(w in k.lower() for w in _SECRET_WORDS)]
-            if secret:
-                raise RecipeError(
-                    f"wandb.{secret[0]} must not be in the config: set WANDB_API_KEY or run `wandb login`"
-                )
+            check_no_wandb_secret(kwargs)
             wandb_mod = _import_wandb()
 
         path = self.output_dir / METRICS_FILE
@@ -235,11 +231,22 @@ def plot_losses(output_dir: str | os.PathLike) -> Path | None:
     return out
 
 
+def check_no_wandb_secret(wandb: Any) -> None:
+    """A `wandb:` section must not carry a key or token: the config's values go into run.json and the resume log."""
+    secret = [str(k) for k in dict(wandb) if any(w in str(k).lower() for w in _SECRET_WORDS)]
+    if secret:
+        raise RecipeError(f"wandb.{secret[0]} must not be in the config (it would be written to run.json): set "
+                          "WANDB_API_KEY or run `wandb login`")
+
+
 def check_logger_packages(tensorboard: bool, wandb: Any) -> None:
-    """The packages `tensorboard: true` and a `wandb:` section need, checked before anything loads (finding a
-    module does not import it); the same one-line errors as when the logger is created."""
+    """A `wandb:` section without secrets, and the packages `tensorboard: true` and a `wandb:` section need, checked
+    before anything loads or is written (finding a module does not import it); the same one-line errors as when the
+    logger is created."""
     import importlib.util
 
+    if wandb is not None:
+        check_no_wandb_secret(wandb)
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise RecipeError(_NO_TENSORBOARD)
     if wandb is not None and importlib.util.find_spec("wandb") is None:

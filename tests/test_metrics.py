@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -92,6 +93,28 @@ def test_missing_tensorboard_and_wandb_are_clear_errors(tmp_path, monkeypatch):
         MetricLogger(tmp_path, total_steps=3, wandb={"project": "demo"}, progress=False)
     with pytest.raises(RecipeError, match="wandb.api_key must not be in the config"):
         MetricLogger(tmp_path, total_steps=3, wandb={"project": "demo", "api_key": "abc"}, progress=False)
+
+
+def test_wandb_run_gets_the_section_the_output_dir_and_a_redacted_config(tmp_path, monkeypatch):
+    """What wandb.init receives (a stand-in module: wandb is not a dependency) and the metrics it is sent."""
+    calls = {}
+
+    class Run:
+        def log(self, values, step):
+            calls.setdefault("log", []).append((step, values))
+
+        def finish(self):
+            calls["finished"] = True
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.update(init=kw) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logger = MetricLogger(tmp_path, total_steps=2, wandb={"project": "demo"}, progress=False,
+                          run_config={"model": {"hf_token": "hf_x"}, "lr": 1})
+    logger.log(1, loss=2.5)
+    logger.close()
+    assert calls["init"] == {"project": "demo", "dir": str(tmp_path), "resume": "allow",
+                             "config": {"model": {"hf_token": "<redacted>"}, "lr": 1}}
+    assert calls["log"][0][0] == 1 and calls["log"][0][1]["loss"] == 2.5 and calls["finished"]
 
 
 def test_redact_hides_secrets():

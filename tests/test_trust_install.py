@@ -128,10 +128,12 @@ def test_readme_install_activates_the_venv_and_picks_a_torch_build():
 
 
 @pytest.mark.parametrize("override,row", [("tensorboard=true", "tensorboard-missing"),
-                                          ("wandb={project: x}", "wandb-missing")])
+                                          ("wandb={project: x}", "wandb-missing"),
+                                          ("wandb={project: x, api_key: abc}", "wandb-secret")])
 def test_missing_logger_packages_are_refused_before_anything_loads(override, row, tmp_path, monkeypatch, capsys,
                                                                    tiny_model_dir):
-    """Checked with the folders, before the recipe's main runs (it used to fail after 20 s of layer scoring)."""
+    """Checked with the folders, before the recipe's main runs (it used to fail after 20 s of layer scoring); a
+    secret in the wandb section, before run.json (which records the config's values) is written."""
     import importlib.util as iu
 
     from llm_recipe.cli.script import run_recipe_script
@@ -145,7 +147,7 @@ def test_missing_logger_packages_are_refused_before_anything_loads(override, row
         run_recipe_script(full.CONFIG, called.append, name="full",
                           argv=["--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
                                 f"output_dir={tmp_path}/out", override, *SMALL])
-    assert e.value.code == 1 and not called
+    assert e.value.code == 1 and not called and not (tmp_path / "out").exists()
     doc.expect(row, capsys.readouterr().err)
 
 
