@@ -114,6 +114,20 @@ def test_pruned_student_keeps_chosen_layers(tmp_path):
         load_model(path, keep_layers=[0, 5])
 
 
+def test_pruned_qwen2_student_loads_in_transformers_with_the_same_logits(tmp_path):
+    """A layer-pruned student's config.json keeps only its layers' entries of per-layer lists (Qwen2's
+    `layer_types`, which transformers checks against num_hidden_layers: it refused the 3-entry list for 2 layers)."""
+    _, path = _hf_model("qwen2", tmp_path)
+    assert len(json.loads((path / "config.json").read_text())["layer_types"]) == 3
+    student, sargs = load_model(path, keep_layers=[0, 2])
+    save_model(student, sargs, tmp_path / "student", tokenizer_dir=None)
+    assert json.loads((tmp_path / "student" / "config.json").read_text())["layer_types"] == ["full_attention"] * 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student", dtype=torch.float32).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(student(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
 def test_bad_folder_errors_name_the_file(tmp_path):
     with pytest.raises(RecipeError, match="no config.json"):
         read_model_args(tmp_path)

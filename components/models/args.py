@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -102,10 +103,17 @@ class ModelArgs:
             cfg.pop("dtype", None)
         return cfg
 
-    def with_layers(self, num_layers: int) -> ModelArgs:
-        return replace(self, num_layers=num_layers)
+    def with_layers(self, keep: Sequence[int]) -> ModelArgs:
+        """The args of a student made of the layers `keep` of this model: the layer count, and the HF config's
+        per-layer lists (`layer_types`, which transformers checks against the layer count) cut to those layers."""
+        cfg = copy.deepcopy(self.hf_config)
+        for key in _PER_LAYER_KEYS:
+            if isinstance(cfg.get(key), list) and len(cfg[key]) == self.num_layers:
+                cfg[key] = [cfg[key][i] for i in keep]
+        return replace(self, num_layers=len(keep), hf_config=cfg)
 
 
+_PER_LAYER_KEYS = ("layer_types",)  # HF config entries with one value per decoder layer
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 

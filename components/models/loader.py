@@ -94,7 +94,7 @@ def load_model(
     check_weight_shapes(ckpt_dir, args)  # from the headers, before GBs are read and the model is built
     if keep_layers is not None:
         check_keep_layers(keep_layers, args.num_layers)
-    model_args = args.with_layers(len(keep_layers)) if keep_layers is not None else args
+    model_args = args.with_layers(keep_layers) if keep_layers is not None else args
     torch_dtype = resolve_dtype(dtype)
     with _default_dtype(torch_dtype), torch.device(device):
         model = build_model(model_args, lora=lora, max_seq_len=max_seq_len)
