@@ -79,14 +79,23 @@ class KDConfig(TrainConfig):
     kd: KDSettings = section(KDSettings, "the divergence and the CE/KD blend; kd.on_policy")
 
     def check(self) -> None:
-        """Checks across keys, at load: one way to pick the student's layers, and where the student's source folder
-        is here, its indices against its config.json (no weights: `recipe validate` says what the run would), an
-        fp8 LoRA base's device and dtype, an fp8 teacher's device, the loss's options fit its kind, and
-        kd.on_policy fits the rest."""
+        """Checks across keys, at load: a teacher folder or cache and a student folder to start from, one way to
+        pick the student's layers, and where the student's source folder is here, its indices against its
+        config.json (no weights: `recipe validate` says what the run would), an fp8 LoRA base's device and dtype,
+        an fp8 teacher's device, the loss's options fit its kind, and kd.on_policy fits the rest."""
         self.student.check()
+        where = config_source(self).where
+        if self.teacher.checkpoint_dir is None and self.teacher.logits_dir is None:
+            raise RecipeError(f"{where('teacher.checkpoint_dir')}: key 'teacher.checkpoint_dir': null, and there is "
+                              "no teacher.logits_dir: set it to the teacher's HF folder (or teacher.logits_dir to a "
+                              "`recipe run kd_logits` cache)")
+        if self.teacher.checkpoint_dir is None and self.student.checkpoint_dir is None:
+            raise RecipeError(f"{where('student.checkpoint_dir')}: key 'student.checkpoint_dir': null, and so is "
+                              "teacher.checkpoint_dir (a cache in teacher.logits_dir has no weights): set it to the "
+                              "student's HF folder")
         source = self.student.checkpoint_dir or self.teacher.checkpoint_dir
         if source is not None and (Path(source) / "config.json").is_file():
-            check_student_layers(self.student, source, config_source(self).where)
+            check_student_layers(self.student, source, where)
         check_fp8_base_config(self.lora, self.device, self.dtype)
         check_qat_convert_config(self.qat, self.device)
         check_teacher_quant_config(self.teacher.quantize, self.device)
@@ -107,9 +116,7 @@ def main(cfg: KDConfig) -> None:
     with setup.phase("device"):  # CUDA and, under torchrun, the process group
         rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir
-    student_dir = cfg.student.checkpoint_dir or teacher_dir
-    if student_dir is None:
-        raise RecipeError("set teacher.checkpoint_dir (or student.checkpoint_dir with teacher.logits_dir)")
+    student_dir = cfg.student.checkpoint_dir or teacher_dir  # one of them is set (KDConfig.check)
     kd_loss, kd_ratio = cfg.kd.loss_fn(), cfg.kd.kd_ratio  # loss = (1 - kd_ratio) * CE + kd_ratio * KD
     lora, max_len = cfg.lora, cfg.dataset.max_seq_len
     with setup.phase("tokenizer and run folder"):

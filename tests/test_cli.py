@@ -203,6 +203,22 @@ def test_validate_checks_student_layers_against_config_json_as_the_run_does(over
                                 "here, so what needs it is checked by `recipe run`)")
 
 
+@pytest.mark.parametrize("overrides,key", [
+    (["teacher.checkpoint_dir=null"], "teacher.checkpoint_dir"),  # no teacher and no cache of one
+    (["teacher.checkpoint_dir=null", "teacher.logits_dir=/nowhere"], "student.checkpoint_dir"),  # nothing to start from
+])
+def test_kd_without_a_teacher_or_a_student_folder_is_refused_at_load(overrides, key, tmp_path, monkeypatch, capsys):
+    """`recipe validate` and `recipe run` give the line naming the key (the run went on to tokenize the data and
+    then failed with a TypeError traceback when it loaded the teacher from None)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_captured(capsys, ["validate", "kd/smollm2_demo", *overrides])
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"key '{key}': null, and " in err and "Traceback" not in err
+    run_code, _, run_err = cli_captured(capsys, ["run", "kd", "--config", "kd/smollm2_demo",
+                                                 f"output_dir={tmp_path}/out", "device=cpu", *overrides])
+    assert run_code == 1 and run_err == err and not (tmp_path / "out").exists()
+
+
 def test_run_in_process_overrides_reach_main(tree):
     out = tree / "out.json"
     proc = recipe(
