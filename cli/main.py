@@ -377,8 +377,14 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     check_output_kind(name, getattr(cfg, "output_dir", None))
     with prepared_run(cfg, schema, lock=False):
         if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
-            from ..components.runs import check_new_run, check_resume_config, read_run
+            from ..components.runs import (
+                check_new_run,
+                check_resume_config,
+                read_run,
+                recover_killed_overwrite,
+            )
 
+            recover_killed_overwrite(cfg.output_dir)  # once, before any rank looks at the folder
             check_new_run(cfg)
             run = read_run(cfg.output_dir) if cfg.resume else None
             if run is not None:  # a resume with other values fails here once, not once per rank

@@ -27,7 +27,7 @@ from .checkpoint.atomic import atomic_write_bytes
 from .errors import RecipeError
 from .launch import is_rank0
 from .output_kinds import KINDS, kinds_in
-from .set_aside import discard, put_back, set_aside, set_aside_folders
+from .set_aside import discard, put_back, put_back_leftovers, set_aside, set_aside_folders
 
 RECORD_KEY = "recipe_run"  # where a record file keeps its run's identity
 SOURCE_KEY = "model.checkpoint_dir"  # the config key both recipes name their source model with
@@ -100,14 +100,9 @@ def _recover_killed_overwrite(out: Path, kind: str) -> None:
     """A run with overwrite=true killed before it finished (kill -9, a lost node) left the outputs it was replacing
     set aside: they come back, and what that run wrote goes (a finished run deletes them, so any left are a
     killed run's)."""
-    leftovers = set_aside_folders(out, _SET_ASIDE) if out.is_dir() else []
-    for i, aside in enumerate(leftovers):
-        if i == len(leftovers) - 1:
-            put_back(out, aside, _outputs(out, kind))
-            print(f"note: {out}: a run with overwrite=true was stopped before it finished: the outputs it was "
-                  "replacing are back", flush=True)
-        else:  # an older attempt's (never expected: each run recovers the one before it first)
-            discard(aside)
+    if put_back_leftovers(out, _SET_ASIDE, lambda: _outputs(out, kind)):
+        print(f"note: {out}: a run with overwrite=true was stopped before it finished: the outputs it was "
+              "replacing are back", flush=True)
 
 
 def check_rerun(recipe: str, output_dir: str | os.PathLike, kind: str, record_name: str, identity: dict[str, Any],

@@ -5,7 +5,8 @@ A training recipe (full, lora, kd, qat) starts with `start_run(cfg)`:
   `model/`, `adapter/`, `quantized/`, a `metrics.jsonl` with steps) is refused with one line that names the folder,
   what it holds and the two ways on: `resume=true` continues that run, `overwrite=true` deletes its outputs
   (`RUN_OUTPUTS`) before anything trains: set aside at the start, deleted when setup is done
-  (`discard_overwritten`), put back if the run stops before (`put_back_overwritten`, called by the recipe runner).
+  (`discard_overwritten`), put back if the run stops before (`put_back_overwritten`, called by the recipe runner),
+  or, when it was killed (kill -9), by the next run in that folder (`recover_killed_overwrite`).
   Files of our own that hold no trained state (`run.json` of a run that stopped during setup, the lock, an empty
   `metrics.jsonl`) do not count; files we do not write are never touched.
 - A new run writes `output_dir/run.json`: a fresh run id, the config (file and sha256 of the resolved
@@ -35,7 +36,7 @@ from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
 from .launch import is_rank0
 from .resume_changes import SHAPE_KEYS, config_changes, describe_changes, resolved_values
-from .set_aside import discard, put_back, set_aside, set_aside_folders
+from .set_aside import discard, put_back, put_back_leftovers, set_aside, set_aside_folders
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
@@ -46,7 +47,7 @@ RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", 
 
 __all__ = ["RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "check_resume_config",
            "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "recipe_of",
-           "record_resume_changes", "start_run"]
+           "record_resume_changes", "recover_killed_overwrite", "start_run"]
 
 
 def read_run(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -141,6 +142,19 @@ def put_back_overwritten(output_dir: str | os.PathLike | None) -> bool:
         return False
     put_back(out, aside, _run_outputs(out))  # the stopped run's own outputs go
     return True
+
+
+def recover_killed_overwrite(output_dir: str | os.PathLike) -> None:
+    """A run with overwrite=true killed during its setup (kill -9, out of host memory while the teacher loaded) never
+    deleted nor put back the earlier run it was replacing: that run comes back, and what the killed one wrote goes,
+    before anything else looks at the folder (a resume continues the earlier run; a new run without overwrite is
+    refused as for any run). Rank 0 only, under the output folder's lock or before torchrun starts."""
+    if not is_rank0():
+        return
+    out = Path(output_dir)
+    if put_back_leftovers(out, _SET_ASIDE, lambda: _run_outputs(out)):
+        print(f"note: {out}: a run with overwrite=true was stopped during its setup: the earlier run it was "
+              "replacing is back", flush=True)
 
 
 def _config_sha256(cfg: Any) -> str:

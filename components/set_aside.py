@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["discard", "put_back", "set_aside", "set_aside_folders"]
+__all__ = ["discard", "put_back", "put_back_leftovers", "set_aside", "set_aside_folders"]
 
 
 def set_aside(out: Path, paths: Iterable[Path], prefix: str) -> Path | None:
@@ -58,3 +58,15 @@ def _original_name(item: Path) -> str:
 def set_aside_folders(out: Path, prefix: str) -> list[Path]:
     """The folders `set_aside` made in `out` with `prefix` that are still there (a killed run's)."""
     return sorted(p for p in out.glob(f"{prefix}*") if p.is_dir())
+
+
+def put_back_leftovers(out: Path, prefix: str, written: Callable[[], Iterable[Path]]) -> bool:
+    """A run killed before it deleted or put back what it set aside (kill -9, a lost node) left it in `out`: the
+    newest such folder comes back (what that run wrote under the old names, `written()`, goes) and any older one
+    goes. True when something came back. Call it only while no live run uses `out` (under its lock)."""
+    leftovers = sorted(set_aside_folders(out, prefix), key=lambda p: p.stat().st_mtime) if out.is_dir() else []
+    for aside in leftovers[:-1]:  # an older attempt's (never expected: each run recovers the one before it first)
+        shutil.rmtree(aside, ignore_errors=True)
+    if leftovers:
+        put_back(out, leftovers[-1], written())
+    return bool(leftovers)

@@ -36,7 +36,15 @@ from .models import ModelArgs, save_model
 from .models.hf_io import copy_tokenizer_files
 from .models.loader import dtype_name, lora_rank_alpha, merged_state_dict
 from .oom import is_out_of_memory, note_step
-from .runs import RUN_ID_KEY, check_resume, current_run_id, previous_run, record_resume_changes, start_run
+from .runs import (
+    RUN_ID_KEY,
+    check_resume,
+    current_run_id,
+    previous_run,
+    record_resume_changes,
+    recover_killed_overwrite,
+    start_run,
+)
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -48,6 +56,7 @@ def start_or_resume_run(cfg: TrainConfig) -> Path | None:
     folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
     With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
     (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
+    recover_killed_overwrite(cfg.output_dir)  # a killed overwrite=true run's setup left the earlier run aside
     if not cfg.resume:
         start_run(cfg)
         return None

@@ -107,6 +107,34 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_fails_during_setup(tmp
     assert not list(out.glob(".overwritten*"))
 
 
+def test_an_overwrite_killed_during_setup_gives_the_earlier_run_back_to_the_next_run(tmp_path, tiny_model_dir,
+                                                                                     capsys):
+    """kill -9 (or the kernel's out-of-memory killer) during an overwrite=true run's setup leaves the earlier run set
+    aside: the next run in the folder puts it back first, so resume=true continues it (it said "no complete
+    checkpoint", and a plain new run then deleted the hidden earlier run)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=2"))[0] == 0
+    before, first = snapshot(out), run_id(out)
+    kill = {"target": "llm_recipe.components.training.build_train_loader", "nth": 1, "action": "kill"}
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "fixtures" / "kill_at.py"), json.dumps(kill),
+                        *rc.run_args("full", CONFIG, args(tiny_model_dir, out, "max_steps=2", "overwrite=true"))],
+                       cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == -9, p.stderr[-3000:]
+    assert list(out.glob(".overwritten*")) and run_id(out) != first  # the killed run's run.json, the earlier aside
+
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true"))
+    assert code == 0, err
+    assert f"note: {out}: a run with overwrite=true was stopped during its setup: the earlier run it was replacing " \
+           "is back" in stdout
+    assert f"resuming from {out}/checkpoints/step_000002" in stdout and run_id(out) == first
+    assert [r["step"] for r in rc.read_metrics(out)] == [1, 2, 3] and not list(out.glob(".overwritten*"))
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints/step_000001")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints/step_000001")}
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
