@@ -78,12 +78,13 @@ from .on_policy_prompts import (
     prompts_of,
     row_prompts,
 )
+from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
 from .schema import Choice, Range
 from .settings import section, setting
 from .training import hidden_states, to_device
 
-EVAL_FILE = "on_policy_eval.json"  # held_out_eval's result, in output_dir
+EVAL_FILE = ON_POLICY_EVAL_FILE  # held_out_eval's result, in output_dir (an output overwrite=true replaces)
 KD_OPTIONS = ("beta", "alpha", "ratio")
 DECODE_PATHS = ("auto", "compiled", "eager")
 

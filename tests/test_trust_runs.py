@@ -69,11 +69,18 @@ def test_a_new_run_never_mixes_with_an_earlier_run(tmp_path, tiny_model_dir, cap
         assert what in line, line
     assert snapshot(out) == before
 
-    # overwrite=true deletes the earlier run's outputs first: nothing of it can be resumed into or mixed
+    # overwrite=true deletes the earlier run's outputs first: nothing of it can be resumed into or mixed (an
+    # on-policy run's held-out score and wandb's folder included); files we do not write stay
+    (out / "on_policy_eval.json").write_text("{}")
+    (out / "wandb").mkdir()
+    (out / "notes.txt").write_text("mine")
     code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "overwrite=true"))
     assert code == 0, err
     (said,) = [ln for ln in stdout.splitlines() if ln.startswith("overwrite=true: deleted the earlier run's ")]
-    assert all(name in said for name in ("checkpoints", "model", "metrics.jsonl", "run.json")) and str(out) in said
+    assert all(name in said for name in ("checkpoints", "model", "metrics.jsonl", "run.json", "on_policy_eval.json",
+                                         "wandb")) and str(out) in said
+    assert not (out / "on_policy_eval.json").exists() and not (out / "wandb").exists()
+    assert (out / "notes.txt").read_text() == "mine"
     second = run_id(out)
     assert second != first
     assert [p.name for p in rc.complete_checkpoints(out)] == ["step_000001", "step_000002"]
