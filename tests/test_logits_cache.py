@@ -373,3 +373,20 @@ def test_a_collective_at_teacher_setup_needs_every_rank_to_have_a_shard():
     w.rt = SimpleNamespace(rank=0, world_size=4)  # 3 shards on 4 ranks
     w.records = {}
     assert not w.every_rank_has_work()
+
+
+def test_teacher_fingerprint_tells_apart_teachers_in_pytorch_model_bin(tmp_path, tiny_model_dir):
+    """A folder with pytorch_model.bin instead of safetensors (hf_io reads both): two teachers with the same
+    config.json and other weights get other fingerprints, so a cache of one is refused for the other."""
+    from llm_recipe.components.logits_cache.manifest import teacher_fingerprint
+
+    folders = []
+    for i, scale in enumerate((1.0, 1.001)):
+        d = tmp_path / f"bin{i}"
+        d.mkdir()
+        shutil.copy(tiny_model_dir / "config.json", d / "config.json")
+        sd = {k: v * scale for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
+        torch.save(sd, d / "pytorch_model.bin")
+        folders.append(d)
+    assert teacher_fingerprint(folders[0]) != teacher_fingerprint(folders[1])
+    assert teacher_fingerprint(folders[0]) == teacher_fingerprint(folders[0])

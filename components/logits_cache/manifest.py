@@ -64,14 +64,15 @@ def sha256_file(path: Path) -> str:
 
 
 def teacher_fingerprint(model_dir: str | Path) -> str:
-    """sha256 of config.json plus, per weight file, its name, size and sha256 of 8 evenly spaced 1 MiB blocks.
+    """sha256 of config.json plus, per weight file (safetensors, or the pytorch_model.bin a folder may have instead),
+    its name, size and sha256 of 8 evenly spaced 1 MiB blocks.
 
     Sampled rather than full: hashing 16 GB of weights would add a minute to every training start, and two
     teachers with the same shapes (other weights, other fine-tune) differ in every block.
     """
     d = Path(model_dir)
     h = hashlib.sha256((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
+    for f in sorted([*d.glob("*.safetensors"), *d.glob("pytorch_model.bin")]):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
