@@ -9,11 +9,11 @@ Resumable: run the same command again and it continues where it stopped (setting
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llm_recipe.cli.script import run_recipe_script
-from llm_recipe.components.config import config_values
+from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.quantization import load_checkpoint
@@ -79,14 +79,21 @@ def main(cfg: TransferConfig) -> None:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    # The same settings as any earlier run into this folder, or the resumed file would mix two sets.
-    settings = config_values(cfg)  # as written (a resumed folder compares them)
-    settings = {k: settings.get(k) for k in ("seed", "dtype", "teacher", "prompts", "generation", "decontaminate")}
+    # The same settings as any earlier run into this folder, or the resumed file would mix two sets. Resolved
+    # values: a key written out at its default is the same setting as the key left out.
+    values = asdict(cfg)
+    settings = {k: values[k] for k in ("seed", "dtype", "teacher", "prompts", "generation", "decontaminate")}
     meta = out / "transfer.json"
-    if meta.exists() and json.loads(meta.read_text()) != settings:
-        raise RecipeError(f"{meta}: output_dir holds a transfer set made with other settings; use the same "
-                          "settings to resume, or another output_dir")
-    meta.write_text(json.dumps(settings, indent=2) + "\n")
+    if meta.exists():
+        try:
+            earlier = json.loads(meta.read_text())
+        except (OSError, ValueError) as e:
+            raise RecipeError(f"{meta}: unreadable ({e}); move it away to start this folder's transfer set "
+                              "again") from None
+        if earlier != settings:
+            raise RecipeError(f"{meta}: output_dir holds a transfer set made with other settings; use the same "
+                              "settings to resume, or another output_dir")
+    atomic_write_bytes(meta, (json.dumps(settings, indent=2) + "\n").encode(), output=False)
 
     teacher, tokenizer = load_checkpoint(cfg.teacher.checkpoint_dir, dtype=rt.dtype, device=rt.device)
     teacher.eval()

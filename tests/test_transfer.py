@@ -52,6 +52,9 @@ def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_mo
     before = (b / "passages.jsonl").read_bytes()
     assert _run(tiny_model_dir, b) == 0
     assert (b / "passages.jsonl").read_bytes() == before
+    # The settings compare as resolved: a key left out at its default is the same setting as the key written out.
+    assert _run(tiny_model_dir, b, ("~generation.top_k",)) == 0
+    assert (b / "passages.jsonl").read_bytes() == before
 
     # Another seed gives other samples; other settings in the same folder are refused.
     c = tmp_path / "c"
