@@ -98,6 +98,32 @@ def test_float_types_load_in_transformers(embedded, tmp_path, qtype, tie, max_re
     assert rel(theirs, ours) < max_rel
 
 
+def test_add_bos_follows_the_tokenizer_as_transformers_does(embedded, tmp_path):
+    """Llama 3's tokenizer_config.json has no add_bos_token: its post-processor prepends BOS. The GGUF says so
+    (it said false, which turns llama.cpp's BOS off); an explicit flag still wins."""
+    import json
+    import shutil
+
+    def add_bos_of(tokenizer_dir):
+        model, args = tiny()
+        path = export_gguf(model, args, tokenizer_dir, tmp_path / f"{tokenizer_dir.name}.gguf", "F16")
+        return bool(gguf.GGUFReader(str(path)).fields["tokenizer.ggml.add_bos_token"].parts[-1][0])
+
+    llama3_like = tmp_path / "llama3_like"
+    shutil.copytree(embedded, llama3_like, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((llama3_like / "tokenizer_config.json").read_text())
+    del cfg["add_bos_token"]
+    (llama3_like / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = json.loads((llama3_like / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    tok["post_processor"]["single"].insert(0, bos)
+    tok["post_processor"]["special_tokens"] = {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                                                "tokens": ["<|im_start|>"]}}
+    (llama3_like / "tokenizer.json").write_text(json.dumps(tok))
+    assert add_bos_of(llama3_like) is True
+    assert add_bos_of(embedded) is False  # SmolLM2: add_bos_token false
+
+
 def test_bf16_tensors_round_trip_through_gguf_reader(embedded, tmp_path):
     model, args = tiny()
     path = export_gguf(model, args, embedded, tmp_path / "t-bf16.gguf", "BF16")

@@ -31,6 +31,7 @@ from torch import nn
 from ..checkpoint.atomic import honour_umask, write_failure
 from ..errors import RecipeError
 from ..models import ModelArgs, lora_modules, merged_state_dict, tune_to_hf_names
+from ..models.tokenizer import Tokenizer
 from .schemes import _is_torchao_tensor
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,9 @@ def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: 
         idx = special(key)
         if idx is not None:
             add(idx)
-    writer.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    # What our tokenizer (and transformers) does: tokenizer_config's flag, else its post-processor's BOS. Llama 3's
+    # config has no flag; an explicit false would turn off llama.cpp's BOS for it.
+    writer.add_add_bos_token(Tokenizer.from_dir(tokenizer_dir).add_bos_token)
     writer.add_add_eos_token(bool(cfg.get("add_eos_token", False)))
     template = cfg.get("chat_template")
     if template is None and (tokenizer_dir / "chat_template.jinja").is_file():
