@@ -94,7 +94,7 @@ def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, stude
         teacher, targs = load_model(t.checkpoint_dir, dtype=rt.dtype, device=rt.build_device(t.checkpoint_dir),
                                     max_seq_len=max_seq_len)
         prepare_teacher(rt, teacher, t.placement, compile)
-    mode = resolve_teacher_quant(t.quantize, rt.device, sharded=is_sharded(teacher), say=rt.is_main)
+    mode = resolve_teacher_quant(t.quantize, rt.device, rt.dtype, sharded=is_sharded(teacher), say=rt.is_main)
     with phase(f"teacher {mode}") if mode is not None else nullcontext():
         quantize_teacher(teacher, mode, rt.device, max_drift=t.max_drift, model_dir=t.checkpoint_dir,
                          max_seq_len=max_seq_len, rt=rt)

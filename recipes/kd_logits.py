@@ -117,7 +117,7 @@ class KDLogitsConfig:
 
     def check(self) -> None:
         """Checks across keys, at load: an fp8 teacher needs a GPU."""
-        check_teacher_quant_config(self.teacher.quantize, self.device)
+        check_teacher_quant_config(self.teacher.quantize, self.device, self.dtype)
 
 
 CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd_logits`)
@@ -182,7 +182,8 @@ def main(cfg: KDLogitsConfig) -> None:
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run. The
     # teacher's precision is the one this machine applies (teacher.quantize=auto resolved), so a cache resumed on a
     # GPU that would compute other targets is refused rather than mixed.
-    quantize = resolve_teacher_quant(cfg.teacher.quantize, rt.device, say=rt.is_main)  # replicated: never sharded
+    quantize = resolve_teacher_quant(cfg.teacher.quantize, rt.device, rt.dtype,  # replicated: never sharded
+                                     say=rt.is_main)
     header = {
         "run": run_fields(data_cfg, tokenizer_dir, temperature, dataset.items),
         "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": quantize,

@@ -17,6 +17,7 @@ from llm_recipe.components.quantization.teacher import check_teacher_quant_devic
 from llm_recipe.recipes.kd import CONFIG as KD
 
 CUDA = torch.device("cuda", 0)
+BF16 = torch.bfloat16
 
 
 @pytest.fixture
@@ -32,34 +33,48 @@ def gpu(monkeypatch):
 
 def test_auto_is_fp8_on_an_sm89_gpu_and_bf16_on_an_a100_or_a_cpu(gpu, capsys):
     gpu("NVIDIA H200", (9, 0))
-    assert resolve_teacher_quant("auto", CUDA) == "fp8"
+    assert resolve_teacher_quant("auto", CUDA, BF16) == "fp8"
     assert capsys.readouterr().out == "teacher.quantize=auto: fp8: NVIDIA H200 has fp8 matmuls\n"
     gpu("NVIDIA GeForce RTX 4090", (8, 9))
-    assert resolve_teacher_quant("auto", CUDA, say=False) == "fp8" and capsys.readouterr().out == ""
+    assert resolve_teacher_quant("auto", CUDA, BF16, say=False) == "fp8" and capsys.readouterr().out == ""
     gpu("NVIDIA A100-SXM4-80GB", (8, 0))
-    assert resolve_teacher_quant("auto", CUDA) is None
+    assert resolve_teacher_quant("auto", CUDA, BF16) is None
     assert capsys.readouterr().out == ("teacher.quantize=auto: null, the teacher runs in the run dtype: this GPU "
                                        "(NVIDIA A100-SXM4-80GB) is sm80 (fp8 matmuls need compute capability >= 8.9)\n")
-    assert resolve_teacher_quant("auto", torch.device("cpu")) is None
+    assert resolve_teacher_quant("auto", torch.device("cpu"), torch.float32) is None
     assert "the teacher is on the CPU (fp8 matmuls need" in capsys.readouterr().out
+
+
+def test_auto_keeps_a_teacher_in_fp32_or_fp16_and_explicit_fp8_needs_bf16(gpu, capsys, monkeypatch, tmp_path):
+    """torchao's per-row fp8 asserts bf16 weights: with dtype fp32 the teacher loaded, its drift was measured, then
+    an AssertionError traceback. `auto` keeps such a run's teacher in its dtype; an explicit fp8 is refused at load."""
+    gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert resolve_teacher_quant("auto", CUDA, torch.float32) is None
+    assert capsys.readouterr().out == ("teacher.quantize=auto: null, the teacher runs in the run dtype: the run dtype "
+                                       "is float32 (fp8 with a scale per row needs bf16)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RecipeError, match=r"teacher.quantize=fp8 needs dtype: bf16 .* but dtype is fp16; set dtype: "
+                                          r"bf16, or teacher.quantize: auto or null"):
+        load_recipe_config("kd/llama3_1_8b_to_llama3_2_1b", ["teacher.quantize=fp8", "dtype=fp16",
+                                                             f"output_dir={tmp_path}/out"], KD)
 
 
 def test_auto_keeps_a_sharded_teacher_in_the_run_dtype(gpu, capsys):
     gpu("NVIDIA H100 80GB HBM3", (9, 0))
-    assert resolve_teacher_quant("auto", CUDA, sharded=True) is None
+    assert resolve_teacher_quant("auto", CUDA, BF16, sharded=True) is None
     assert "the teacher is sharded (teacher.placement), and fp8 needs one full copy per GPU" in capsys.readouterr().out
 
 
 def test_other_values_pass_through_unchanged_and_fp8_needs_fp8_matmuls(gpu, capsys):
     gpu("NVIDIA H100 80GB HBM3", (9, 0))
     for mode in (None, "fp8", "int8_weight_only"):
-        assert resolve_teacher_quant(mode, CUDA) == mode
+        assert resolve_teacher_quant(mode, CUDA, BF16) == mode
     gpu("NVIDIA A100-SXM4-80GB", (8, 0))
     for mode in (None, "int8_weight_only"):
-        assert resolve_teacher_quant(mode, CUDA) == mode
+        assert resolve_teacher_quant(mode, CUDA, BF16) == mode
     assert capsys.readouterr().out == ""
     with pytest.raises(RecipeError, match=r"^teacher.quantize=fp8 needs a CUDA GPU .* is sm80"):
-        resolve_teacher_quant("fp8", CUDA)
+        resolve_teacher_quant("fp8", CUDA, BF16)
 
 
 def test_explicit_fp8_on_an_a100_is_refused_before_the_teacher_loads(gpu, monkeypatch, tmp_path):
@@ -97,5 +112,5 @@ def test_the_shipped_8b_config_is_auto_and_the_key_names_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_on_this_gpu_follows_its_capability(capsys):
     expected = "fp8" if torch.cuda.get_device_capability(CUDA) >= (8, 9) else None
-    assert resolve_teacher_quant("auto", CUDA) == expected
+    assert resolve_teacher_quant("auto", CUDA, BF16) == expected
     assert torch.cuda.get_device_name(CUDA) in capsys.readouterr().out

@@ -40,11 +40,15 @@ def max_drift_setting():
                    "(null: no check)")
 
 
-def check_teacher_quant_config(mode: str | None, device: str) -> None:
-    """At config load (`recipe validate` says it too): an fp8 teacher on a CPU run, before minutes of setup."""
+def check_teacher_quant_config(mode: str | None, device: str, dtype: str) -> None:
+    """At config load (`recipe validate` says it too): an fp8 teacher on a CPU run, or in a run dtype other than
+    bf16, before minutes of setup."""
     where = cpu_only(device) if mode == "fp8" else None
     if where is not None:
         raise RecipeError(_NEEDS_FP8_GPU.format(where=where))
+    if mode == "fp8" and dtype != "bf16":
+        raise RecipeError(f"teacher.quantize=fp8 needs dtype: bf16 (torchao's fp8 with a scale per row takes bf16 "
+                          f"weights), but dtype is {dtype}; set dtype: bf16, or teacher.quantize: auto or null")
 
 
 def check_teacher_quant_device(mode: str | None, device: torch.device) -> None:
@@ -54,16 +58,19 @@ def check_teacher_quant_device(mode: str | None, device: torch.device) -> None:
         raise RecipeError(_NEEDS_FP8_GPU.format(where=_no_fp8_here(device)))
 
 
-def resolve_teacher_quant(mode: str | None, device: torch.device, *, sharded: bool = False,
+def resolve_teacher_quant(mode: str | None, device: torch.device, dtype: torch.dtype, *, sharded: bool = False,
                           say: bool = True) -> str | None:
-    """`teacher.quantize` as this run applies it: `auto` becomes fp8 on a GPU with fp8 matmuls when the teacher is
-    not sharded (FSDP2 does not shard fp8 weights), else None (the run dtype), said in one line when `say`; an
-    explicit fp8 this device cannot run is a RecipeError; any other value is returned as it is."""
+    """`teacher.quantize` as this run applies it: `auto` becomes fp8 on a GPU with fp8 matmuls when the run dtype is
+    bf16 and the teacher is not sharded (FSDP2 does not shard fp8 weights), else None (the run dtype), said in one
+    line when `say`; an explicit fp8 this device cannot run is a RecipeError; any other value is returned as it
+    is."""
     if mode != AUTO:
         check_teacher_quant_device(mode, device)
         return mode
     if not has_fp8_matmuls(device):
         chosen, why = None, f"{_no_fp8_here(device)} (fp8 matmuls need compute capability >= 8.9)"
+    elif dtype != torch.bfloat16:
+        chosen, why = None, f"the run dtype is {str(dtype).removeprefix('torch.')} (fp8 with a scale per row needs bf16)"
     elif sharded:
         chosen, why = None, "the teacher is sharded (teacher.placement), and fp8 needs one full copy per GPU"
     else:
