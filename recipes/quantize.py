@@ -29,7 +29,13 @@ from llm_recipe.components.quantization import (
     read_qat_metadata,
     size_on_disk,
 )
-from llm_recipe.components.quantization.export_gguf import AUTO, QTYPES, export_gguf, qtype_for_scheme
+from llm_recipe.components.quantization.export_gguf import (
+    AUTO,
+    QTYPES,
+    check_gguf_tokenizer,
+    export_gguf,
+    qtype_for_scheme,
+)
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
 from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
@@ -90,6 +96,8 @@ def main(cfg: QuantizeConfig) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = torch.bfloat16 if scheme in BF16_ONLY else torch.float32  # int4's kernel, float8's rows: bf16 only
     check_device(scheme, device, dtype)  # before the weights load: a GPU-only scheme on a CPU fails at once
+    if "gguf" in formats:  # a tokenizer llama.cpp would read wrongly, before any weights load
+        check_gguf_tokenizer(src)
     if "pte" in formats:  # and a .pte without ExecuTorch, not after minutes of perplexity and the other exports
         from llm_recipe.components.quantization.export_pte import require_executorch
 

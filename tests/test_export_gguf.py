@@ -205,6 +205,33 @@ def test_errors(embedded, tmp_path):
         export_gguf(build_model(small).state_dict(), small, embedded, tmp_path / "x.gguf", "F16")
 
 
+def test_a_sentencepiece_style_tokenizer_is_refused_before_the_weights_load(tiny_model_dir, tmp_path, capsys):
+    """Mistral's / Llama 2's BPE (byte fallback, `▁` for spaces) written as a gpt2 vocabulary would be tokenized
+    wrongly by llama.cpp: `recipe run quantize formats=[gguf]` refuses it in one line naming the file, before any
+    weights load (it failed after both perplexity passes and the hf export, naming a key the recipe does not have)."""
+    import json
+    import shutil
+
+    from recipes_common import cli_captured, one_error
+
+    model_dir = tmp_path / "spm_like"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok["model"]["byte_fallback"] = True
+    tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    tok["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"},
+                                                        "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    (model_dir / "tokenizer.json").write_text(json.dumps(tok))
+    code, _, err = cli_captured(capsys, ["run", "quantize", "--config", "quantize/smollm2_8da4w",
+                                         f"model.checkpoint_dir={model_dir}", f"output_dir={tmp_path}/out",
+                                         "formats=[hf,gguf]"])
+    assert code == 1
+    assert one_error(err) == (f"recipe: error: {model_dir}/tokenizer.json: a SentencePiece-style BPE (byte fallback, "
+                              "no byte-level decoder: Mistral's or Llama 2's kind), which the GGUF export does not "
+                              "write (it writes byte-level BPE: Llama 3, Qwen2, SmolLM); use formats [hf] or [pte]")
+    assert "perplexity" not in err and not (tmp_path / "out" / "hf").exists()
+
+
 def test_qtype_follows_the_scheme():
     assert set(SCHEME_QTYPES) == set(SCHEMES) and set(SCHEME_QTYPES.values()) <= set(QTYPES)
     assert [qtype_for_scheme(s) for s in ("8da4w", "int4_weight_only")] == ["Q4_0", "Q4_0"]

@@ -216,7 +216,7 @@ def _read_json(path: Path) -> dict:
         raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
 
 
-def _pre_tokenizer_name(tok: dict) -> str:
+def _pre_tokenizer_name(tok: dict, path: Path) -> str:
     """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json pre-tokenizer (the splits we know how to name)."""
     from ..models.gguf_import import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
@@ -233,20 +233,39 @@ def _pre_tokenizer_name(tok: dict) -> str:
             return "llama-bpe"
         if regex == _QWEN2_SPLIT:
             return "qwen2"
-    raise RecipeError(f"tokenizer.json: pre_tokenizer {kinds} has no known llama.cpp name; "
-                      "pass tokenizer_pre= (e.g. 'llama-bpe', 'qwen2', 'smollm', 'gpt-2')")
+    raise RecipeError(f"{path}: pre_tokenizer {kinds} has no llama.cpp name we know (smollm, llama-bpe, qwen2, "
+                      "gpt-2), so llama.cpp could not split text as this tokenizer does; use formats [hf] or [pte] "
+                      "(export_gguf takes tokenizer_pre= to name it)")
+
+
+def check_gguf_tokenizer(tokenizer_dir: str | os.PathLike, tokenizer_pre: str | None = None) -> str:
+    """The llama.cpp pre-tokenizer name for the folder's tokenizer.json (`tokenizer_pre` when given), or a one-line
+    RecipeError when it cannot go into a GGUF: we write `tokenizer.ggml.model = gpt2`, which is right only for
+    byte-level BPE (Llama 3, Qwen2, SmolLM); a SentencePiece-style BPE (Mistral's, Llama 2's: byte fallback, `▁`
+    for spaces) would be tokenized wrongly by llama.cpp. The quantize recipe calls it before any weights load."""
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    tok = _read_json(path)
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise RecipeError(f"{path}: only byte-level BPE tokenizers can go into a GGUF (found model type "
+                          f"{model.get('type')!r}); use formats [hf] or [pte]")
+    decoder = tok.get("decoder") or {}
+    decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    if model.get("byte_fallback") or "ByteLevel" not in [d.get("type") for d in decoders]:
+        raise RecipeError(f"{path}: a SentencePiece-style BPE (byte fallback, no byte-level decoder: Mistral's or "
+                          "Llama 2's kind), which the GGUF export does not write (it writes byte-level BPE: "
+                          "Llama 3, Qwen2, SmolLM); use formats [hf] or [pte]")
+    return tokenizer_pre or _pre_tokenizer_name(tok, path)
 
 
 def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: str | None) -> None:
     import gguf
 
+    pre = check_gguf_tokenizer(tokenizer_dir, tokenizer_pre)
     tok = _read_json(tokenizer_dir / "tokenizer.json")
     cfg_path = tokenizer_dir / "tokenizer_config.json"
     cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise RecipeError(f"{tokenizer_dir / 'tokenizer.json'}: only byte-level BPE tokenizers can go into a GGUF "
-                          f"(found model type {model.get('type')!r})")
+    model = tok["model"]
     ids = dict(model["vocab"])
     types: dict[int, int] = {}
     for added in tok.get("added_tokens", []):
@@ -266,7 +285,7 @@ def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: 
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_pre or _pre_tokenizer_name(tok))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
