@@ -17,6 +17,7 @@ import torch
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.config import config_source
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.eval.perplexity import held_out_texts, perplexity
 from llm_recipe.components.models import load_model
@@ -76,6 +77,14 @@ class QuantizeConfig:
     device: str = setting("cpu", DEVICE, "cpu | cuda | auto (int4_weight_only and float8_dynamic need cuda)")
     overwrite: bool = setting(False, bool, "replace the exports of an earlier run of another source, weights or "
                               "scheme in output_dir (a rerun of the same one writes again without it)")
+
+
+    def check(self) -> None:
+        """At load (`recipe validate` says it too): a .pte needs the one scheme that lowers to XNNPACK."""
+        if "pte" in self.formats and self.scheme != "8da4w":
+            where = config_source(self).where
+            raise RecipeError(f"{where('formats')}: key 'formats': pte needs scheme 8da4w (the only one that lowers "
+                              f"to XNNPACK here), but scheme is {self.scheme}; drop pte or set scheme: 8da4w")
 
 
 CONFIG = QuantizeConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys quantize`)

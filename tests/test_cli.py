@@ -219,6 +219,19 @@ def test_kd_without_a_teacher_or_a_student_folder_is_refused_at_load(overrides, 
     assert run_code == 1 and run_err == err and not (tmp_path / "out").exists()
 
 
+def test_quantize_pte_with_a_scheme_that_cannot_lower_is_refused_at_load(tmp_path, monkeypatch, capsys):
+    """formats [pte] with scheme int8_weight_only: one line at load (it loaded, measured perplexity twice and wrote
+    hf/ before export_pte refused the weights, and report.json was never written)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["quantize/smollm2_8da4w", "scheme=int8_weight_only", "formats=[hf,pte]"]
+    code, _, err = cli_captured(capsys, ["validate", *argv])
+    assert code == 1 and err.strip() == ("recipe: error: override 'formats=[hf,pte]': key 'formats': pte needs scheme "
+                                         "8da4w (the only one that lowers to XNNPACK here), but scheme is "
+                                         "int8_weight_only; drop pte or set scheme: 8da4w")
+    run_code, _, run_err = cli_captured(capsys, ["run", "quantize", "--config", *argv, f"output_dir={tmp_path}/out"])
+    assert run_code == 1 and run_err == err and not (tmp_path / "out").exists()
+
+
 def test_run_in_process_overrides_reach_main(tree):
     out = tree / "out.json"
     proc = recipe(
