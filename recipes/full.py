@@ -69,7 +69,7 @@ class FullConfig(TrainConfig):
     def check(self) -> None:
         """Checks across keys, at load: an fp8 LoRA base's device and dtype; a QAT conversion's device."""
         check_fp8_base_config(self.lora, self.device, self.dtype)
-        check_qat_convert_config(self.qat, self.device)
+        check_qat_convert_config(self.qat, self.device, self.dtype)
 
 
 CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)

@@ -97,7 +97,7 @@ class KDConfig(TrainConfig):
         if source is not None and (Path(source) / "config.json").is_file():
             check_student_layers(self.student, source, where)
         check_fp8_base_config(self.lora, self.device, self.dtype)
-        check_qat_convert_config(self.qat, self.device)
+        check_qat_convert_config(self.qat, self.device, self.dtype)
         check_teacher_quant_config(self.teacher.quantize, self.device, self.dtype)
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)

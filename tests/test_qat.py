@@ -256,3 +256,11 @@ def test_a_gpu_only_conversion_on_a_cpu_run_is_refused_at_load(tiny_model_dir):
         load_recipe_config(config, [*given, "device=cpu", "qat.scheme=int4_weight_only", "qat.convert=false"],
                            cfg_type, recipe=recipe)
         load_recipe_config(config, [*given, "device=cpu", "qat.scheme=8da4w"], cfg_type, recipe=recipe)
+        # on a GPU, int4_weight_only converts from bf16 only: another run dtype is refused at load too (it trained,
+        # then failed in the conversion)
+        with pytest.raises(RecipeError, match=r"to int4_weight_only, which needs dtype: bf16 \(its CUDA kernel is "
+                                              r"bf16 only\), but dtype is fp32; set dtype: bf16"):
+            load_recipe_config(config, [*given, "device=cuda", "dtype=fp32", "qat.scheme=int4_weight_only"], cfg_type,
+                               recipe=recipe)
+        load_recipe_config(config, [*given, "device=cuda", "dtype=bf16", "qat.scheme=int4_weight_only"], cfg_type,
+                           recipe=recipe)

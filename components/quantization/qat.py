@@ -21,6 +21,7 @@ from ..errors import RecipeError
 from ..schema import Choice, Range
 from ..settings import setting
 from .schemes import (
+    BF16_ONLY,
     QAT_SCHEMES,
     _is_lora,
     base_config,
@@ -55,9 +56,9 @@ class QATSettings:
         return {QAT_METADATA_FILE: json.dumps(meta, indent=2) + "\n"}
 
 
-def check_qat_convert_config(qat: QATSettings | None, device: str) -> None:
+def check_qat_convert_config(qat: QATSettings | None, device: str, dtype: str) -> None:
     """At config load (`recipe validate` says it too): a run that ends by converting to a GPU-only scheme
-    (`qat.convert: true`) on a CPU fails now, not after training."""
+    (`qat.convert: true`) on a CPU, or to a bf16-only scheme in another run dtype, fails now, not after training."""
     if qat is None or not qat.convert:
         return
     if cpu_only(device) is not None:
@@ -66,6 +67,10 @@ def check_qat_convert_config(qat: QATSettings | None, device: str) -> None:
         except RecipeError as e:
             raise RecipeError(f"qat.convert=true converts at the end of training: {e} (or qat.convert: false, then "
                               "`recipe run quantize` on a GPU)") from None
+    if qat.scheme in BF16_ONLY and dtype != "bf16":
+        raise RecipeError(f"qat.convert=true converts at the end of training to {qat.scheme}, which needs dtype: bf16 "
+                          f"({BF16_ONLY[qat.scheme]}), but dtype is {dtype}; set dtype: bf16 (or qat.convert: false, "
+                          "then `recipe run quantize`)")
 
 
 def _check_qat_scheme(scheme: str) -> None:
