@@ -234,6 +234,24 @@ def test_sampling_respects_top_k_1(ours):
     assert sampled == greedy
 
 
+def test_max_length_null_is_the_models_whole_context_as_in_hflm(tiny_model_dir, tmp_path):
+    """A model trained for 16,384 positions scores up to 16,384 tokens (HFLM's max_length from config.json); it was
+    built for at most 8,192, so longer contexts were cut short and max_length=16384 was refused."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "long"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16384
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    lm = RecipeLM(checkpoint=str(model_dir), batch_size=2, device="cpu")
+    assert lm.max_length == 16384 and lm.model.max_seq_len == 16384
+    assert RecipeLM(checkpoint=str(model_dir), max_length=512, device="cpu").max_length == 512
+    with pytest.raises(RecipeError, match=r"max_length=20000 exceeds .*config.json's max_position_embeddings \(16384\)"):
+        RecipeLM(checkpoint=str(model_dir), max_length=20000, device="cpu")
+
+
 def test_errors_name_the_culprit(model_dir):
     with pytest.raises(RecipeError, match="checkpoint=DIR"):
         RecipeLM()

@@ -124,9 +124,16 @@ class RecipeLM(TemplateLM):
         if model is None:
             if checkpoint is None:
                 raise RecipeError("--model_args: model 'recipe' needs checkpoint=DIR (a Hugging Face model folder)")
+            from ..models import read_model_args
             from ..quantization.load import load_checkpoint
 
-            model, tokenizer = load_checkpoint(checkpoint, dtype=dtype, device=self._device)
+            # the whole context the model was trained for, as HFLM takes it from config.json (max_length: null)
+            positions = read_model_args(checkpoint).max_position_embeddings
+            if max_length is not None and int(max_length) > positions:
+                raise RecipeError(f"max_length={max_length} exceeds {checkpoint}/config.json's "
+                                  f"max_position_embeddings ({positions})")
+            model, tokenizer = load_checkpoint(checkpoint, dtype=dtype, device=self._device,
+                                               max_seq_len=int(max_length) if max_length is not None else positions)
         elif tokenizer is None:
             raise RecipeError("RecipeLM(model=...) also needs tokenizer= (a llm_recipe.components.models.Tokenizer)")
         self.model = model

@@ -76,7 +76,8 @@ def export_hf_torchao(
     return out_dir
 
 
-def load_hf_torchao(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelArgs]:
+def load_hf_torchao(model_dir: str | Path, device: str | torch.device = "cpu",
+                    max_seq_len: int | None = None) -> tuple[nn.Module, ModelArgs]:
     """Load a folder written by `export_hf_torchao` back into our decoder with its torchao tensors."""
     from safetensors import safe_open
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
@@ -99,7 +100,7 @@ def load_hf_torchao(model_dir: str | Path, device: str | torch.device = "cpu") -
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = build_model(args)
+        model = build_model(args, max_seq_len=max_seq_len)
     finally:
         torch.set_default_dtype(old)
     model.load_state_dict(sd, assign=True, strict=True)  # assign: keep the torchao tensor subclasses

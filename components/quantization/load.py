@@ -48,10 +48,11 @@ def check_checkpoint_dir(ckpt_dir: str | Path) -> None:
 
 
 def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
-                    device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+                    device: str | torch.device = "cpu", max_seq_len: int | None = None) -> tuple[torch.nn.Module, Any]:
     """Load model + tokenizer of a HF folder written by our tools. A torchao export (config.json
     `quantization_config`, quant_method torchao) loads with its quantized tensors; a QAT output
-    (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would."""
+    (`quantization.json` beside float weights) is converted with the recorded scheme, as deployment would.
+    `max_seq_len`: the longest sequence the model is built for (its RoPE table; None: up to 8192)."""
     from ..models import load_model  # lazy: importing this module stays light
     from ..models.tokenizer import Tokenizer, check_tokenizer_fits
 
@@ -63,9 +64,9 @@ def load_checkpoint(ckpt_dir: str | Path, dtype: str | torch.dtype = "float32",
     if qcfg is not None and qcfg.get("quant_method") == "torchao":
         from .export_hf import load_hf_torchao
 
-        model, _ = load_hf_torchao(ckpt_dir, device=device)
+        model, _ = load_hf_torchao(ckpt_dir, device=device, max_seq_len=max_seq_len)
     else:
-        model, _ = load_model(ckpt_dir, dtype=dtype, device=device)
+        model, _ = load_model(ckpt_dir, dtype=dtype, device=device, max_seq_len=max_seq_len)
         if qcfg is not None:
             if qcfg.get("method") != "qat" or "scheme" not in qcfg:
                 raise RecipeError(f"{ckpt_dir}: unknown quantization record {qcfg}; expected a torchao "
