@@ -48,7 +48,7 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
     config.json, the safetensors headers, tokenizer.json and the cache manifest alone, before any expensive step
     (importance scoring, loading weights), on every config path (pruned or not, online teacher or cache). The
     vocabulary errors are the ones `loss_vocab` would raise later; a sampled cache takes `kd_loss` forward_kl only."""
-    from .logits_cache.manifest import MANIFEST, read_manifest, tokenizer_fingerprint
+    from .logits_cache.manifest import MANIFEST, read_manifest, student_head_error, tokenizer_fingerprint
     from .models import read_model_args
     from .models.args import check_weight_shapes
 
@@ -59,6 +59,8 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
         manifest = Path(t.logits_dir) / MANIFEST
         if manifest.is_file():  # a missing or unfinished cache is reported by LogitsCache with its own words
             m = read_manifest(manifest)
+            if isinstance(m.get("vocab_size"), int) and student_vocab < m["vocab_size"]:
+                raise RecipeError(student_head_error(t.logits_dir, student_vocab, m["vocab_size"]))
             if m.get("mode") == "sampled":
                 check_sampled_loss(kd_loss, t.logits_dir)
             cached = m.get("run", {}).get("tokenizer")

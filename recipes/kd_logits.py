@@ -170,14 +170,21 @@ def main(cfg: KDLogitsConfig) -> None:
     if targs.vocab_size > 2**24:  # ids are stored in 3 bytes
         raise RecipeError(f"teacher.checkpoint_dir={teacher_dir}: a vocabulary of {targs.vocab_size} tokens is over "
                           "the cache's 2^24 ids")
-    if mode == "topk" and not 1 <= k <= targs.vocab_size:
-        raise RecipeError(f"cache.top_k={k} must be in [1, {targs.vocab_size}] (the teacher's vocabulary)")
-
     # The transfer set exactly as `kd` builds it: same dataset section, same packing, and the tokenizer kd uses
     # (its student's: tokenizer_dir, or the teacher's when the student is pruned from it).
     tokenizer_dir = cfg.tokenizer_dir or teacher_dir
     data_cfg = cfg.dataset.kwargs()
-    dataset = build_dataset(load_tokenizer(tokenizer_dir), cfg.dataset)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = build_dataset(tokenizer, cfg.dataset)
+    # A head padded past the tokenizer (Qwen2.5-7B: 152064 rows for 151665 tokens): the cache holds the distribution
+    # over the tokenizer's tokens, as live KD slices both heads (losses/vocab.py), so a student whose head is padded
+    # less (151936) trains from it too.
+    vocab = min(targs.vocab_size, tokenizer.vocab_size)
+    if vocab < targs.vocab_size and rt.is_main:
+        print(f"kd_logits: the teacher's head has {targs.vocab_size} rows and the tokenizer {vocab} tokens: the "
+              f"cache holds the distribution over the {vocab} tokens (padding rows are never targets)", flush=True)
+    if mode == "topk" and not 1 <= k <= vocab:
+        raise RecipeError(f"cache.top_k={k} must be in [1, {vocab}] (the teacher's vocabulary)")
 
     # The manifest says what the cache was built from; `kd` refuses a cache whose fields differ from its run. The
     # teacher's precision is the one this machine applies (teacher.quantize=auto resolved), so a cache resumed on a
@@ -189,7 +196,7 @@ def main(cfg: KDLogitsConfig) -> None:
         "teacher": {"fingerprint": teacher_fingerprint(teacher_dir), "quantize": quantize,
                     **({"max_drift": cfg.teacher.max_drift} if quantize == "fp8" else {}),
                     "config": json.loads((Path(teacher_dir) / "config.json").read_text()), "dtype": str(rt.dtype)},
-        "mode": mode, "temperature": temperature, "vocab_size": targs.vocab_size, "value_dtype": "float16",
+        "mode": mode, "temperature": temperature, "vocab_size": vocab, "value_dtype": "float16",
         "id_bytes": 3, "num_items": len(dataset), "items_per_shard": per_shard,
         "num_shards": -(-len(dataset) // per_shard),
         # top-k: k; sampled: N draws per token, seeded from the run seed and the item (item_uniforms)

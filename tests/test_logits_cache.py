@@ -390,3 +390,31 @@ def test_teacher_fingerprint_tells_apart_teachers_in_pytorch_model_bin(tmp_path,
         folders.append(d)
     assert teacher_fingerprint(folders[0]) != teacher_fingerprint(folders[1])
     assert teacher_fingerprint(folders[0]) == teacher_fingerprint(folders[0])
+
+
+def test_a_teacher_head_padded_past_the_tokenizer_caches_the_tokenizers_tokens(tmp_path, embedded_model_dir,
+                                                                              tiny_model_dir, capsys):
+    """Qwen2.5-7B's head has 152064 rows for 151665 tokens, its small siblings' 151936: live KD slices both heads to
+    the tokenizer, and so does the cache now (it kept the teacher's whole head, so kd refused every student with a
+    smaller head, after scoring its layers and loading its weights)."""
+    teacher = rc.make_llama(tmp_path / "padded", embedded_model_dir, seed=3, vocab=49152 + 64, tied=False)
+    out = tmp_path / "cache"
+    assert rc.run_in_process("kd_logits", "kd_logits/smollm2_demo",
+                             [*CACHE, f"teacher.checkpoint_dir={teacher}", f"output_dir={out}"]) == 0
+    assert ("the teacher's head has 49216 rows and the tokenizer 49152 tokens: the cache holds the distribution over "
+            "the 49152 tokens") in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["vocab_size"] == 49152
+    assert rc.run_in_process("kd", "kd/smollm2_demo", kd_args(tmp_path / "kd", out, tiny_model_dir, "max_steps=1")) == 0
+    assert rc.read_metrics(tmp_path / "kd")[0]["kd_loss"] > 0
+    # a cache whose vocabulary is larger than the student's head (one built before this, from a padded teacher) is
+    # refused before the student's layers are scored or any weights load
+    from llm_recipe.components.errors import RecipeError
+    from llm_recipe.components.teacher import TeacherSettings, check_teacher_and_student
+
+    old = tmp_path / "old_cache"
+    old.mkdir()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 49216}))
+    with pytest.raises(RecipeError, match=r"the student's head has 49152 rows, fewer than the cache's vocabulary "
+                                          r"\(49216 tokens\)"):
+        check_teacher_and_student(TeacherSettings(logits_dir=str(old)), tiny_model_dir, 49152, "forward_kl")

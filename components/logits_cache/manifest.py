@@ -55,6 +55,13 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}.safetensors"
 
 
+def student_head_error(cache_dir: str | Path, student_vocab: int, cache_vocab: int) -> str:
+    """The one line for a student whose head is smaller than a cache's vocabulary (kd checks it before any weights
+    load; the reader again when it opens the cache)."""
+    return (f"teacher.logits_dir={cache_dir}: the student's head has {student_vocab} rows, fewer than the cache's "
+            f"vocabulary ({cache_vocab} tokens): the student cannot score every token the teacher's targets name")
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -36,6 +36,7 @@ from .manifest import (
     run_fields,
     shard_problem,
     show_value,
+    student_head_error,
     teacher_fingerprint,
     unpack_ids,
 )
@@ -114,8 +115,7 @@ class LogitsCache:
     def student_vocab(self, student_vocab: int) -> int | None:
         """Vocabulary to slice the student's logits to (None: its whole head), or an error."""
         if student_vocab < self.vocab_size:
-            raise RecipeError(f"teacher.logits_dir={self.dir}: the student's head has {student_vocab} rows, fewer "
-                              f"than the cache's vocabulary ({self.vocab_size}, the teacher's head)")
+            raise RecipeError(student_head_error(self.dir, student_vocab, self.vocab_size))
         return None if student_vocab == self.vocab_size else self.vocab_size
 
     def rows(self, item: int) -> tuple[torch.Tensor, ...]:
