@@ -183,6 +183,31 @@ def test_instruct_with_chat_template(tmp_path, tok):
     assert item["tokens"][-1] == tok.eos_id and item["tokens"].count(tok.eos_id) == 3  # no doubled EOS
 
 
+def test_chat_data_tokenizes_the_same_on_every_day(tmp_path, tok, monkeypatch):
+    """Llama 3.x templates print today's date into every system header (`strftime_now`): training data renders a
+    fixed date instead, so a logits cache, a resumed run or a rerun build sees the same tokens tomorrow (a cache
+    built yesterday was refused as built from other data). Rendering outside the data (eval, chat) keeps the clock,
+    as transformers does."""
+    import datetime as dt
+
+    from llm_recipe.components.models import tokenizer as tokenizer_mod
+
+    template = ("{{ '<|im_start|>system\nToday Date: ' + strftime_now('%d %b %Y') + '<|im_end|>\n' }}"
+                "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    dated = Tokenizer(tok._tok, tok._config, None, template, source="dated")
+    p = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "Hi?"},
+                                                         {"role": "assistant", "content": "Hello."}]}])
+    days = []
+    for day in (dt.datetime(2026, 11, 27), dt.datetime(2026, 11, 28)):
+        monkeypatch.setattr(tokenizer_mod, "datetime", type("Clock", (), {"now": staticmethod(lambda d=day: d)}))
+        days.append((build_dataset(dated, str(p), format="chat")[0]["tokens"],
+                     dated.apply_chat_template([{"role": "user", "content": "Hi?"}])))
+    assert days[0][0] == days[1][0]
+    assert "Today Date: 26 Jul 2024" in dated.decode(days[0][0], skip_special_tokens=False)
+    assert "27 Nov 2026" in days[0][1] and "28 Nov 2026" in days[1][1]
+
+
 def test_chat_loss_only_on_assistant_turns_messages_and_sharegpt(tmp_path, tok):
     conv = [("system", "Be brief."), ("user", "What is the capital of France?"), ("assistant", "Paris."),
             ("user", "And of Italy?"), ("assistant", "Rome, since 1871.")]

@@ -186,7 +186,7 @@ class InstructFormat:
             user = instruction + ("\n\n" + inp if inp.strip() else "")
             if not output.strip():
                 return prompt_only_row(self.tok, self.tok.apply_chat_template([{"role": "user", "content": user}],
-                                                                              add_generation_prompt=True))
+                                                                              add_generation_prompt=True, fixed_date=True))
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
             segments = chat_segments(self.tok, messages)
         else:
@@ -232,14 +232,14 @@ def chat_segments(tok: Tokenizer, messages: list[dict[str, str]]) -> list[tuple[
     For each assistant turn i: render(messages[:i], generation prompt) ends the prompt part, render(messages[:i+1])
     ends the assistant part. Templates whose renders are not prefixes of each other are rejected.
     """
-    full = tok.apply_chat_template(messages)
+    full = tok.apply_chat_template(messages, fixed_date=True)
     segments: list[tuple[str, bool]] = []
     pos = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tok.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
-        upto = tok.apply_chat_template(messages[: i + 1])
+        before = tok.apply_chat_template(messages[:i], add_generation_prompt=True, fixed_date=True) if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], fixed_date=True)
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= pos):
             raise RowError("the chat template does not render conversations prefix-consistently (turn "
                            f"{i}); assistant spans cannot be located, use train_on_input: true or another model")
@@ -279,7 +279,8 @@ class ChatFormat:
         if self.prompt_only and messages[-1]["role"] != "assistant":
             if not messages[-1]["content"].strip():
                 raise RowError(f"column '{col}' ends in an empty {messages[-1]['role']} turn: no prompt to answer")
-            return prompt_only_row(self.tok, self.tok.apply_chat_template(messages, add_generation_prompt=True))
+            return prompt_only_row(self.tok, self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                                  fixed_date=True))
         segments = chat_segments(self.tok, messages)
         if not any(trained and text.strip() for text, trained in segments):
             raise RowError(f"column '{col}' is empty after applying the chat template")

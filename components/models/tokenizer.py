@@ -66,6 +66,11 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# The date training data renders with (`apply_chat_template(fixed_date=True)`): the one Llama 3.x templates print
+# when no clock is given.
+FIXED_DATE = datetime(2024, 7, 26)
+
+
 def _compile_template(source: str) -> jinja2.Template:
     # Same environment settings as transformers so that templates render identically.
     env = ImmutableSandboxedEnvironment(
@@ -192,8 +197,11 @@ class Tokenizer:
         return bool(self._chat_template_src)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-                            **kwargs: Any) -> str:
-        """Render `messages` with the checkpoint's jinja chat template, exactly as HF's `tokenize=False` does."""
+                            fixed_date: bool = False, **kwargs: Any) -> str:
+        """Render `messages` with the checkpoint's jinja chat template, exactly as HF's `tokenize=False` does.
+        `fixed_date`: templates that print today's date (Llama 3.x: "Today Date: ..." via `strftime_now`) print
+        `FIXED_DATE` instead, so that training data tokenizes the same on every day (a logits cache, a resumed run,
+        a kill-and-rerun build all compare the tokenized data)."""
         if not self._chat_template_src:
             raise RecipeError(
                 f"{self._source}: the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja);"
@@ -207,6 +215,8 @@ class Tokenizer:
             "pad_token": self.pad_token,
             "unk_token": self.unk_token,
         }
+        if fixed_date:
+            variables["strftime_now"] = FIXED_DATE.strftime
         variables.update(kwargs)
         return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                           **variables)

@@ -76,7 +76,8 @@ def build_prompts(tokenizer, kind: str, limit: int | None, samples_per_prompt: i
             tokens, text = tokenizer.encode("", add_bos=True) + body, tokenizer.decode(body)
         else:
             text = row["messages"][0]["content"]
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     fixed_date=True)  # the same prompts on every day
             tokens = tokenizer.encode(rendered, add_bos=True)
         prompts += [Prompt(f"{kind[0]}{i}.{s}", tokens, row.get("source", kind), text)
                     for s in range(samples_per_prompt)]
