@@ -114,7 +114,10 @@ def test_static_decode_pads_rows_and_width_and_keeps_its_caches():
     model = _model()
     static = StaticDecode(4, mode="default", backend="eager")
     assert [static.width(w) for w in (1, 64, 65, 200, 3000)] == [64, 64, 128, 256, 4096]
-    assert StaticDecode(4, max_width=100).width(90) == 128 and StaticDecode(4, max_width=100).width(200) == 200
+    assert StaticDecode(4, max_width=1000).width(90) == 128 and StaticDecode(4, max_width=100).width(200) == 200
+    # the cap is exact: on-policy's max_width is max_seq_len - max_new_tokens (1000 - 16), and a prompt of 600 tokens
+    # padded to 1024 made the sequence longer than the model's max_seq_len
+    assert StaticDecode(4, max_width=984).width(600) == 984 and StaticDecode(4, max_width=100).width(90) == 100
     prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]
     caches = None
     for n in (3, 1, 2, 3):

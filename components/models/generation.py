@@ -201,8 +201,9 @@ class StaticDecode:
     "reduce-overhead") is recorded once and then replayed.
 
     - `batch`: every call runs this many rows (fewer prompts: the rest are one-token rows that start finished).
-    - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width`
-      rounded up to 64: a few shapes for prompts of any length.
+    - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width` (the
+      longest prompt the model's max_seq_len leaves room for, never rounded past it): a few shapes for prompts of
+      any length.
     - `caches(model, total)`: one set of torchtune KV caches per cache length, allocated on first use, reset in
       place before each call (the same addresses every time, which a recorded CUDA graph needs), attached to the
       model's attention layers only while it generates. Outside that, the model's attention layers hold
@@ -221,7 +222,7 @@ class StaticDecode:
             raise ValueError(f"StaticDecode: batch must be >= 1, got {batch}")
         self.batch, self.mode = batch, mode
         self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
-        self.max_width = None if max_width is None else -(-max_width // 64) * 64
+        self.max_width = max_width  # exact: rounded up, prompt + new tokens could pass the model's max_seq_len
         self._caches: dict[tuple, list[torch.nn.Module]] = {}
 
     def width(self, width: int) -> int:
