@@ -210,15 +210,21 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Like `Optimizer.load_state_dict`, which casts state to each parameter's dtype (bf16): the fp32 masters
-        and moments are put back in fp32, so a resumed run continues bit-exactly."""
+        and moments are put back in fp32, and the step counters on the device the update reads them on, so a resumed
+        run continues bit-exactly."""
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
+            fused = self.fused if self.fused is not None else p.device.type == "cuda"
             for key, value in saved.get(pid, {}).items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                if isinstance(value, torch.Tensor):
+                    # the step counter where `_state` keeps it: on the parameter's GPU for the fused kernel (a
+                    # checkpoint read from safetensors has it on the host, which torch's loader moves only for
+                    # param groups that say fused; ours are fused by the optimizer, not the group)
+                    device = (p.device if fused else "cpu") if key == "step" else p.device
+                    self.state[p][key] = value.to(device=device, dtype=torch.float32, copy=True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
