@@ -102,15 +102,17 @@ class TrainState:
     loader: Any
     adapters: bool = False
     last_checkpoint: Path | None = None
-    restored_step: int | None = None  # the step `restore` loaded; a save at it again would rewrite the same state
+    # the step `last_checkpoint` holds (restored or written by this process): a save at it again would rewrite the
+    # same state (Ctrl-C on a save_every step, the final save of a resumed run with nothing left to train)
+    saved_step: int | None = None
 
     def save(self, step: int) -> Path:
         """Checkpoint the state after `step` optimizer steps into output_dir/checkpoints/step_N (atomically,
         keeping `keep_last_n`); every rank calls it. An out-of-memory error names the checkpoint it was writing."""
-        if step == self.restored_step and self.last_checkpoint is not None:  # nothing trained since the resume
+        if step == self.saved_step and self.last_checkpoint is not None:  # nothing trained since it was saved
             return self.last_checkpoint
         try:
-            self.last_checkpoint = self._write(step)
+            self.last_checkpoint, self.saved_step = self._write(step), step
         except (RuntimeError, MemoryError) as e:
             if is_out_of_memory(e):
                 note_step(e, f"writing the checkpoint of step {step}", None, self.rt.device)
@@ -181,11 +183,11 @@ class TrainState:
         restore_rng(state["rng"])
         self.last_checkpoint = ckpt
         record_resume_changes(self.cfg, ckpt.name)  # loaded: now run.json records what this resume changed
-        self.restored_step = int(state["step"])
-        if self.restored_step >= steps and is_rank0():
-            print(f"resume: {ckpt.name} is step {self.restored_step} of {steps}, the run's last: nothing left to "
+        self.saved_step = int(state["step"])
+        if self.saved_step >= steps and is_rank0():
+            print(f"resume: {ckpt.name} is step {self.saved_step} of {steps}, the run's last: nothing left to "
                   "train; the final model is written again (a larger max_steps trains on)", flush=True)
-        return self.restored_step
+        return self.saved_step
 
     def _load_weights_and_optimizer(self, ckpt: Path, state: dict) -> None:
         # a sharded checkpoint's weights and optimizer (DCP shards), or a one-process one's adapters and optimizer

@@ -160,6 +160,21 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, ti
     assert_same_as_reference(out, reference)
 
 
+def test_a_step_is_checkpointed_once_when_ctrl_c_comes_on_a_save_step(monkeypatch):
+    """Ctrl-C (or a scheduler's SIGTERM) inside a step that ends on the save cadence: the loop's save and the
+    interrupt's save are one write (it rewrote the whole checkpoint, doubling the save time inside the grace period
+    a scheduler gives before SIGKILL)."""
+    from llm_recipe.components.train_state import TrainState
+
+    state = TrainState.__new__(TrainState)  # only the save bookkeeping is under test
+    state.last_checkpoint, state.saved_step, written = None, None, []
+    monkeypatch.setattr(state, "_write", lambda step: written.append(step) or Path(f"checkpoints/step_{step:06d}"),
+                        raising=False)
+    assert state.save(2) == state.save(2) == Path("checkpoints/step_000002")  # the cadence's save, then Ctrl-C's
+    state.save(3)
+    assert written == [2, 3]
+
+
 @pytest.mark.parametrize("damage, row", [
     ("flip", "flipped-byte"), ("delete", "missing-file"), ("truncate", "truncated-file"),
 ])
