@@ -17,6 +17,7 @@ lists every key with its allowed values, default and doc (`recipe keys`).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, field, fields, is_dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import RecipeError
-from .schema import ListOf, Spec, spec_problem, type_name
+from .schema import ListOf, ModelDir, OutputDir, Spec, spec_problem, type_name
 
 __all__ = ["REQUIRED", "check_fields", "config_fields", "describe_config", "is_config_type", "parse_config",
            "schema_of", "section", "setting"]
@@ -88,9 +89,13 @@ def schema_of(cls: type) -> dict[str, Any]:
 
 
 def _plain(value: Any, spec: Any) -> Any:
-    """A config value as plain Python: containers become lists and dicts, a `ListOf` value a tuple."""
+    """A config value as plain Python: containers become lists and dicts, a `ListOf` value a tuple, and a folder's
+    leading `~` the home folder (the shell leaves `key=~/x` alone, YAML always does): the recipe then reads and
+    writes the folder that `recipe run` checked and locked."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(spec, (ModelDir, OutputDir)) and isinstance(value, str):
+        return os.path.expanduser(value)
     return tuple(value) if isinstance(spec, ListOf) and isinstance(value, list) else value
 
 

@@ -91,6 +91,21 @@ def test_sections_built_in_code_check_their_fields_against_their_specs():
     assert DatasetConfig(source="x", limit=None, data_files=("a", "b")).limit is None
 
 
+def test_folders_starting_with_a_tilde_are_the_home_folders_the_run_checks(tmp_path, monkeypatch):
+    """`output_dir=~/x` (bash leaves the `~` after `=` alone; YAML always does): the recipe reads and writes the
+    folder `recipe run` checked and locked, $HOME/x (it wrote into ./~/x beside a lock in $HOME/x)."""
+    from llm_recipe.recipes.kd import KDConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "kd.yaml"
+    path.write_text("output_dir: ~/runs/kd\noptimizer: {_component_: torch.optim.AdamW, lr: 1.0e-4}\n"
+                    "teacher: {checkpoint_dir: ~/models/teacher}\ndataset:\n  source: transfer:passages\n")
+    cfg = typed_config(load_config(str(path), ["student.checkpoint_dir=~/models/student"]), KDConfig)
+    home = tmp_path / "home"
+    assert (cfg.output_dir, cfg.teacher.checkpoint_dir, cfg.student.checkpoint_dir) == (
+        f"{home}/runs/kd", f"{home}/models/teacher", f"{home}/models/student")
+
+
 def test_parse_fills_defaults_and_names_a_missing_required_key(tmp_path):
     from llm_recipe.recipes.kd import KDConfig
 
