@@ -152,7 +152,9 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     tokenizer = Tokenizer.from_dir(teacher_dir)
     name, recipe = load_recipe("kd")
     # The demo is one job from scratch: running it again replaces the KD run of the last time (overwrite=true).
-    overrides = [f"output_dir={out / 'kd'}", "overwrite=true"] + ([f"max_steps={steps}"] if steps is not None else [])
+    # the folder as a quoted YAML string: a path with ' #' or ': ' in it stays one path
+    overrides = [f"output_dir={json.dumps(str(out / 'kd'))}", "overwrite=true"] + (
+        [f"max_steps={steps}"] if steps is not None else [])
     cfg = load_recipe_config("kd/smollm2_demo", overrides + list(kd_overrides), recipe.CONFIG, recipe=name)
     rows = []
     timings: dict[str, dict] = {}  # wall and CPU seconds (all threads) per stage: CPU is comparable across loads

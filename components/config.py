@@ -179,6 +179,27 @@ def _parse_override_value(value: str) -> Any:
     return OmegaConf.to_container(OmegaConf.from_dotlist([f"_v={value}"]))["_v"]
 
 
+_HASH = "\uf8ff"  # a private-use character that stands in for '#' to see whether YAML read a comment
+
+
+def _unhash(x: Any) -> Any:
+    if isinstance(x, str):
+        return x.replace(_HASH, "#")
+    if isinstance(x, list):
+        return [_unhash(v) for v in x]
+    return {k: _unhash(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
+def _override_value(ov: str, key: str, value: str) -> Any:
+    """The typed value of `key=value`; a RecipeError when YAML would read part of it as a comment (` #` outside
+    quotes), which silently dropped the rest (`prompt=What does #include do?` became 'What does')."""
+    parsed = _parse_override_value(value)
+    if "#" in value and _unhash(_parse_override_value(value.replace("#", _HASH))) != parsed:
+        raise RecipeError(f"override '{ov}': ' #' starts a YAML comment there, which would drop the rest of the "
+                          f"value; quote it: '{key}=\"...\"' (single quotes around it for the shell)")
+    return parsed
+
+
 def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
     for ov in overrides:
         if ov.startswith("~"):
@@ -196,7 +217,7 @@ def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         if not eq or not key or key.startswith("+"):
             raise RecipeError(f"bad override '{ov}': expected key.path=value or ~key.path")
         try:
-            OmegaConf.update(cfg, key, _parse_override_value(value), merge=False, force_add=True)
+            OmegaConf.update(cfg, key, _override_value(ov, key, value), merge=False, force_add=True)
         except yaml.YAMLError as e:  # e.g. {split: train[1043:]}: YAML reads the brackets as a list
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise RecipeError(f"override '{ov}': the value is not valid YAML ({problem}); quote strings that hold "

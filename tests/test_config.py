@@ -100,6 +100,18 @@ def test_override_value_that_is_not_yaml_is_one_error(tmp_path):
     assert load_config(str(path), ['data={split: "train[1:]"}']).data.split == "train[1:]"
 
 
+def test_a_hash_that_yaml_would_read_as_a_comment_is_refused_not_dropped(tmp_path):
+    """`model.name=What does #include do?`: YAML reads ' #...' as a comment and kept 'What does' (a folder
+    'runs #2/kd' became 'runs'); it is one line saying to quote the value, and a quoted or glued '#' is kept."""
+    path = _write(tmp_path)
+    with pytest.raises(RecipeError, match=r"^override 'model.name=What does #include do\?': ' #' starts a YAML "
+                                          r"comment there, which would drop the rest of the value; quote it"):
+        load_config(str(path), ["model.name=What does #include do?"])
+    assert load_config(str(path), ['model.name="What does #include do?"']).model.name == "What does #include do?"
+    assert load_config(str(path), ["model.name=C#"]).model.name == "C#"
+    assert list(load_config(str(path), ['tags=["a #b", c]']).tags) == ["a #b", "c"]
+
+
 def test_broken_interpolation_names_key_and_line(tmp_path):
     path = _write(tmp_path, CFG.replace("runs/${model.name}", "runs/${model.nme}"))
     with pytest.raises(RecipeError) as e:
