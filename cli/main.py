@@ -22,7 +22,7 @@ from ..components.config import (
     shipped_configs,
 )
 from ..components.errors import RecipeError
-from ..components.folders import prepared_run
+from ..components.folders import check_loggers, prepared_run
 from ..components.output_kinds import check_output_kind
 from .launch import launch_torchrun, split_run_args
 from .recipes import discover_recipes, load_recipe, recipe_config, recipe_file, recipe_folder_importable
@@ -323,6 +323,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # The recipe's checks run at load; those that read a model folder's config.json (no weights: e.g. the KD
     # student's layer indices) run where the folder is here, and say so where it is not.
     cfg = load_recipe_config(args.config, args.overrides, recipe_config(module), recipe=name)
+    check_loggers(cfg, recipe_schema(recipe_config(module)))  # tensorboard / wandb, as `recipe run` checks them
     absent = _absent_model_folders(cfg, recipe_schema(recipe_config(module)))
     note = f" ({', '.join(absent)}: no config.json here, so what needs it is checked by `recipe run`)" if absent else ""
     print(f"OK: {config_source(cfg).display} is a valid {name} config{note}")

@@ -39,7 +39,7 @@ LOCK_NAME = ".recipe.lock"
 # flock is not available on some network filesystems (e.g. Lustre without -o flock): fall back to the pid check
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-__all__ = ["LOCK_NAME", "check_model_dir", "check_output_dir", "lock_output_dir", "prepared_run"]
+__all__ = ["LOCK_NAME", "check_loggers", "check_model_dir", "check_output_dir", "lock_output_dir", "prepared_run"]
 
 
 def check_model_dir(path: str | os.PathLike) -> None:
@@ -188,8 +188,13 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
 # ----------------------------------------------------------------------------------------------- a run
 
 
+def check_loggers(cfg: Any, schema: Mapping[str, Any]) -> None:
+    """`tensorboard: true` / a `wandb:` section (without secrets) need their packages: said when the config is
+    validated and before a run loads anything, with the key and where it was set."""
+    _check_logger_packages(cfg if isinstance(cfg, DictConfig) else asdict(cfg), schema, config_source(cfg))
+
+
 def _check_logger_packages(values: Mapping[str, Any], schema: Mapping[str, Any], src: ConfigSource) -> None:
-    """`tensorboard: true` / a `wandb:` section need their packages: say so now, not after the models load."""
     from .metrics import check_logger_packages
 
     for key in ("tensorboard", "wandb"):
@@ -215,7 +220,7 @@ def prepared_run(cfg: Any, schema: Mapping[str, Any], lock: bool = True) -> Iter
     values = cfg if isinstance(cfg, DictConfig) else asdict(cfg)
     folders = [(k, spec, v) for k, spec, v in walk_specs(values, dict(schema), (ModelDir, OutputDir)) if v is not None]
     rank0 = is_rank0()  # under torchrun the other ranks neither lock nor see rank 0's lock
-    _check_logger_packages(values, schema, src)
+    check_loggers(cfg, schema)
     with contextlib.ExitStack() as stack:
         for locking in (False, True):  # every check first, so a bad folder creates nothing
             for key, spec, value in folders:

@@ -116,8 +116,10 @@ class KDLogitsConfig:
     cache: Cache = section(Cache, "what the cache keeps")
 
     def check(self) -> None:
-        """Checks across keys, at load: an fp8 teacher needs a GPU."""
+        """Checks across keys, at load: an fp8 teacher needs a GPU (and bf16), and kd_config names a kd config that
+        loads (`recipe validate` says both)."""
         check_teacher_quant_config(self.teacher.quantize, self.device, self.dtype)
+        _kd_config(self.kd_config)
 
 
 CONFIG = KDLogitsConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd_logits`)

@@ -232,6 +232,17 @@ def test_quantize_pte_with_a_scheme_that_cannot_lower_is_refused_at_load(tmp_pat
     assert run_code == 1 and run_err == err and not (tmp_path / "out").exists()
 
 
+def test_kd_logits_validate_loads_the_kd_config_it_names(tmp_path, monkeypatch, capsys):
+    """kd_config names the kd config whose closing command the cache prints: a typo is said by `recipe validate`
+    and by the run before its output folder is made (validate said OK, the run failed after locking the folder)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_captured(capsys, ["validate", "kd_logits/smollm2_demo", "kd_config=kd/nope"])
+    assert code == 1 and err.startswith("recipe: error: kd_config=kd/nope: unknown config 'kd/nope'"), err
+    run_code, _, run_err = cli_captured(capsys, ["run", "kd_logits", "--config", "kd_logits/smollm2_demo",
+                                                 "kd_config=kd/nope", f"output_dir={tmp_path}/out"])
+    assert run_code == 1 and run_err == err and not (tmp_path / "out").exists()
+
+
 def test_run_in_process_overrides_reach_main(tree):
     out = tree / "out.json"
     proc = recipe(

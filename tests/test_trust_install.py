@@ -148,7 +148,11 @@ def test_missing_logger_packages_are_refused_before_anything_loads(override, row
                           argv=["--config", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}",
                                 f"output_dir={tmp_path}/out", override, *SMALL])
     assert e.value.code == 1 and not called and not (tmp_path / "out").exists()
-    doc.expect(row, capsys.readouterr().err)
+    line = doc.expect(row, capsys.readouterr().err)
+    # `recipe validate` says the same line (it said OK)
+    code, _, err = doc.run_cli(["validate", "full/smollm2", f"model.checkpoint_dir={tiny_model_dir}", override],
+                               capsys)
+    assert code == 1 and err.strip() == line.strip()
 
 
 # ----------------------------------------------------------------------------------------------- (h) the bar
