@@ -21,7 +21,7 @@ from ..components.config import (
     resolve_config_path,
     shipped_configs,
 )
-from ..components.errors import RecipeError
+from ..components.errors import RecipeError, read_utf8
 from ..components.folders import check_loggers, prepared_run
 from ..components.output_kinds import check_output_kind
 from .launch import launch_torchrun, split_run_args
@@ -273,7 +273,7 @@ def _cp_source(name: str) -> tuple[Path, str]:
 def cmd_cp(args: argparse.Namespace) -> int:
     src, suffix = _cp_source(args.name)
     dest = Path(args.dest).expanduser()
-    if dest.is_dir():
+    if dest.is_dir() or args.dest.endswith(("/", os.sep)):  # a trailing slash names a folder, existing or not
         dest = dest / src.name
     elif suffix == ".yaml" and dest.suffix not in (".yaml", ".yml"):
         dest = dest.with_name(dest.name + ".yaml")
@@ -295,7 +295,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 def cmd_cat(args: argparse.Namespace) -> int:
     path = resolve_config_path(args.config)
-    sys.stdout.write(path.read_text(encoding="utf-8"))
+    sys.stdout.write(read_utf8(path))  # a file that is not UTF-8: one line naming it, as validate says
     return 0
 
 

@@ -131,6 +131,11 @@ def test_cp_make_parents_and_unknown_names(tree):
     for name in ("echo/nope", "nope", "half", "orphan"):
         err = one_error_line(recipe(tree, "cp", name, "x.yaml"))
         assert f"unknown config or recipe '{name}'" in err and "recipe ls" in err
+    # a trailing slash names a folder (it wrote ./newdir.yaml, over any file of that name)
+    err = one_error_line(recipe(tree, "cp", "echo/basic", "newdir/"))
+    assert "folder 'newdir' does not exist" in err and not (tree / "work" / "newdir.yaml").exists()
+    assert recipe(tree, "cp", "echo/basic", "newdir/", "--make-parents").returncode == 0
+    assert (tree / "work" / "newdir" / "basic.yaml").read_text() == CONFIG.read_text()
 
 
 def test_cat_prints_the_yaml_with_comments(tree):
@@ -138,6 +143,9 @@ def test_cat_prints_the_yaml_with_comments(tree):
     assert proc.returncode == 0 and proc.stdout == CONFIG.read_text()
     err = one_error_line(recipe(tree, "cat", "echo/nope"))
     assert "'echo/nope'" in err and "recipe ls" in err
+    (tree / "work" / "latin1.yaml").write_bytes(b"name: caf\xe9\n")  # one line, as validate says (a traceback)
+    err = one_error_line(recipe(tree, "cat", "latin1.yaml"))
+    assert err.endswith("latin1.yaml:1: not valid UTF-8 (byte 0xe9 at column 10); save the file as UTF-8"), err
 
 
 def test_validate_shipped_user_and_fixture_recipe(tree):
