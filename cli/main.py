@@ -106,6 +106,18 @@ def _add_debug(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _count(text: str) -> int:
+    """A whole number >= 1 (argparse names the option when it is not: 0 LAMBADA items ended minutes into the demo
+    in lm-eval's traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of `recipe` and its verbs (the `run` verb's arguments are parsed by hand)."""
     parser = argparse.ArgumentParser(
@@ -231,11 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  recipe demo\n  recipe demo --limit 1000 --output-dir outputs/demo1000",
     )
     p.add_argument("--output-dir", default="outputs/demo", help="where everything is written")
-    p.add_argument("--limit", type=int, default=500,
+    p.add_argument("--limit", type=_count, default=500,
                    help="LAMBADA items scoring the pruned and the distilled student")
-    p.add_argument("--teacher-limit", type=int, default=50,
+    p.add_argument("--teacher-limit", type=_count, default=50,
                    help="LAMBADA items scoring the teacher and the quantized student")
-    p.add_argument("--steps", type=int, default=None, help="KD optimizer steps (default: the config's)")
+    p.add_argument("--steps", type=_count, default=None, help="KD optimizer steps (default: the config's)")
     _add_debug(p)
     return parser
 

@@ -462,3 +462,14 @@ def test_torchrun_workers_share_the_cores_instead_of_one_thread_each(monkeypatch
         assert launch.launch_torchrun(argparse.Namespace(nproc_per_node=nproc), Path("x.py"), []) == 0
         assert seen[-1] == str(want)
     assert launch.worker_threads(10**6) == 1
+
+
+@pytest.mark.parametrize("option", ["--limit", "--teacher-limit", "--steps"])
+def test_demo_counts_below_one_are_refused_before_anything_runs(option, capsys):
+    """`recipe demo --teacher-limit 0` ended ~40 s in with lm-eval's 'did not find any docs' traceback."""
+    from llm_recipe.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["demo", option, "0"])
+    assert e.value.code == 2 and f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+    assert getattr(build_parser().parse_args(["demo", option, "3"]), option[2:].replace("-", "_")) == 3
