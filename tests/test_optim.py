@@ -178,22 +178,26 @@ def test_low_bit_adamw_under_fsdp_falls_back_loudly(caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_master_weight_adamw_resumes_bit_exactly_on_cuda(tmp_path: Path):
-    """The shipped GPU optimizer (bf16 weights, fp32 masters, the fused kernel) through a safetensors checkpoint, as a
-    one-GPU resume=true reads it: its step counters came back on the host and the first resumed step failed ("state_steps
-    is on cpu", fused adamw)."""
+@pytest.mark.parametrize("node,dtype", [
+    # the shipped GPU optimizer (bf16 weights, fp32 masters, the fused kernel): its step counters came back on the
+    # host from a one-GPU (safetensors) checkpoint and the first resumed step failed ("state_steps is on cpu")
+    ({"_component_": "llm_recipe.components.optim.MasterWeightAdamW", "lr": 1e-2, "weight_decay": 0.1},
+     torch.bfloat16),
+    ({"_component_": "torchao.optim.CPUOffloadOptimizer", "optimizer_class": "torch.optim.AdamW", "lr": 1e-2},
+     torch.float32),
+], ids=["MasterWeightAdamW", "CPUOffloadOptimizer"])
+def test_resume_on_cuda_is_bit_exact(node, dtype, tmp_path: Path):
     gpu = SimpleNamespace(device=torch.device("cuda"))
-    node = {"_component_": "llm_recipe.components.optim.MasterWeightAdamW", "lr": 1e-2, "weight_decay": 0.1}
 
     def fresh():
         torch.manual_seed(0)
-        model = nn.Linear(64, 64).cuda().bfloat16()
+        model = nn.Linear(64, 64).cuda().to(dtype)
         opt = build_optimizer(node, model.parameters(), gpu)
         return model, opt, build_scheduler(opt, "cosine", 2, 6, min_lr_ratio=0.1)
 
     def train(model, opt, sched, steps):
         for _ in range(steps):
-            x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(8, 64, device="cuda", dtype=dtype)
             (model(x) - x.flip(-1)).float().pow(2).mean().backward()
             opt.step()
             sched.step()
@@ -210,60 +214,12 @@ def test_master_weight_adamw_resumes_bit_exactly_on_cuda(tmp_path: Path):
                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": capture_rng()})
     loaded = load_recipe_state(ckpt)
     model, opt, sched = fresh()
-    model.load_state_dict(weights)
-    load_optimizer_state(opt, loaded["optimizer"])
+    model.load_state_dict(weights)  # after CPUOffloadOptimizer snapshotted the initial weights to the host
+    load_optimizer_state(opt, loaded["optimizer"])  # loads state (CPUOffloadOptimizer: re-syncs the host weights)
     sched.load_state_dict(loaded["scheduler"])
     restore_rng(loaded)
-    assert {st["step"].device.type for st in opt.state.values()} == {"cuda"}
     train(model, opt, sched, 3)
     assert torch.equal(ref.weight, model.weight) and torch.equal(ref.bias, model.bias)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cpu_offload_optimizer_resume_on_cuda(tmp_path: Path):
-    gpu = SimpleNamespace(device=torch.device("cuda"))
-    node = {
-        "_component_": "torchao.optim.CPUOffloadOptimizer",
-        "optimizer_class": "torch.optim.AdamW",
-        "lr": 1e-2,
-    }
-
-    def fresh():
-        torch.manual_seed(0)
-        model = nn.Linear(64, 64).cuda()
-        opt = build_optimizer(node, model.parameters(), gpu)
-        return model, opt, build_scheduler(opt, "linear", 1, 6)
-
-    def train(model, opt, sched, steps):
-        for _ in range(steps):
-            x = torch.randn(8, 64, device="cuda")
-            (model(x) - x).pow(2).mean().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-
-    torch.manual_seed(1)
-    ref, opt, sched = fresh()
-    train(ref, opt, sched, 6)
-    torch.manual_seed(1)
-    model, opt, sched = fresh()
-    train(model, opt, sched, 3)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    ckpt = save_checkpoint(
-        tmp_path,
-        3,
-        lambda d: None,
-        {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": capture_rng()},
-    )
-    loaded = load_recipe_state(ckpt)
-    model, opt, sched = fresh()
-    model.load_state_dict(weights)  # after the optimizer snapshotted the initial weights to CPU
-    load_optimizer_state(opt, loaded["optimizer"])  # loads state and re-syncs the CPU weights
-    sched.load_state_dict(loaded["scheduler"])
-    restore_rng(loaded)
-    train(model, opt, sched, 3)
-    assert torch.equal(ref.weight, model.weight)
 
 
 def test_bf16_rounded_away_fraction_follows_bf16_resolution():
