@@ -44,10 +44,11 @@ RUN_ID_KEY = "run_id"
 # write stay). The first five are trained state: a new run into a folder holding one of them is refused.
 ON_POLICY_EVAL_FILE = "on_policy_eval.json"  # kd.on_policy's held-out score (components/on_policy.py)
 RUN_OUTPUTS = ("checkpoints", "model", "adapter", "quantized", "metrics.jsonl", RUN_FILE, "loss.png", "tensorboard",
-               "wandb", "layer_importance.json", "layer_importance.txt", ON_POLICY_EVAL_FILE)  # wandb: wandb.init(dir=)
+               "wandb",  # what wandb.init(dir=output_dir) writes
+               "layer_importance.json", "layer_importance.txt", ON_POLICY_EVAL_FILE)
 
-__all__ = ["ON_POLICY_EVAL_FILE", "RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume", "check_resume_config",
-           "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "recipe_of",
+__all__ = ["ON_POLICY_EVAL_FILE", "RUN_FILE", "RUN_ID_KEY", "RUN_OUTPUTS", "check_new_run", "check_resume",
+           "check_resume_config", "current_run_id", "discard_overwritten", "previous_run", "put_back_overwritten", "read_run", "recipe_of",
            "record_resume_changes", "recover_killed_overwrite", "start_run"]
 
 
