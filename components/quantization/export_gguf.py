@@ -243,7 +243,12 @@ def check_gguf_tokenizer(tokenizer_dir: str | os.PathLike, tokenizer_pre: str | 
     RecipeError when it cannot go into a GGUF: we write `tokenizer.ggml.model = gpt2`, which is right only for
     byte-level BPE (Llama 3, Qwen2, SmolLM); a SentencePiece-style BPE (Mistral's, Llama 2's: byte fallback, `▁`
     for spaces) would be tokenized wrongly by llama.cpp. The quantize recipe calls it before any weights load."""
-    path = Path(tokenizer_dir) / "tokenizer.json"
+    return _checked_tokenizer(Path(tokenizer_dir), tokenizer_pre)[1]
+
+
+def _checked_tokenizer(tokenizer_dir: Path, tokenizer_pre: str | None) -> tuple[dict, str]:
+    # tokenizer.json parsed once (Llama 3's is ~9 MB) for the check and the writer, and its llama.cpp name
+    path = tokenizer_dir / "tokenizer.json"
     tok = _read_json(path)
     model = tok.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
@@ -255,14 +260,13 @@ def check_gguf_tokenizer(tokenizer_dir: str | os.PathLike, tokenizer_pre: str | 
         raise RecipeError(f"{path}: a SentencePiece-style BPE (byte fallback, no byte-level decoder: Mistral's or "
                           "Llama 2's kind), which the GGUF export does not write (it writes byte-level BPE: "
                           "Llama 3, Qwen2, SmolLM); use formats [hf] or [pte]")
-    return tokenizer_pre or _pre_tokenizer_name(tok, path)
+    return tok, tokenizer_pre or _pre_tokenizer_name(tok, path)
 
 
 def _add_tokenizer(writer, tokenizer_dir: Path, vocab_size: int, tokenizer_pre: str | None) -> None:
     import gguf
 
-    pre = check_gguf_tokenizer(tokenizer_dir, tokenizer_pre)
-    tok = _read_json(tokenizer_dir / "tokenizer.json")
+    tok, pre = _checked_tokenizer(tokenizer_dir, tokenizer_pre)
     cfg_path = tokenizer_dir / "tokenizer_config.json"
     cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
     model = tok["model"]
