@@ -1,13 +1,17 @@
-"""`recipe run [torchrun options] RECIPE ...`: torchrun's options apart from the recipe's, the launch, and one line
-when workers fail (which rank first, and how)."""
+"""`recipe run [torchrun options] RECIPE ...`: torchrun's options apart from the recipe's, the launch, one line
+when workers fail (which rank first, and how), and Ctrl-C / SIGTERM passed on to the workers."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 from pathlib import Path
+from typing import Any
 
 from ..components.errors import RecipeError
+from ..components.interrupt import FORWARDED_ENV
 
 
 def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
@@ -69,6 +73,72 @@ def worker_threads(nproc_per_node: str | int) -> int:
     return max(1, cores // max(1, workers))
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun starts each worker directly, in a session of its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+class ForwardStop:
+    """Ctrl-C or SIGTERM to `recipe run` under torchrun reaches the workers as it reaches a one-process run: each
+    finishes the step the ranks agree on, writes its part of the checkpoint and exits 128 + the signal
+    (components/interrupt.py). torchrun's own handler would stop the workers with SIGTERM at once, no checkpoint,
+    and a SignalException traceback; and the workers, each in a session of its own, never see the terminal's
+    Ctrl-C. A second signal is passed on too, and stops them now. Without workers (before they start, after they
+    end) it stops the launch."""
+
+    _SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._env: str | None = None
+        self._ns = ns
+
+    def __enter__(self) -> ForwardStop:
+        # torchrun registers a handler for each signal its --signals-to-handle names (through this variable, when
+        # the workers start), over ours: the others (SIGHUP, SIGQUIT) stay its own
+        self._env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+        names = getattr(self._ns, "signals_to_handle", None) or self._env or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        rest = ",".join(n for n in names.split(",") if n.strip() not in self._SIGNALS)
+        self._ns.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = rest
+        self._previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        os.environ[FORWARDED_ENV] = "1"  # the workers: a checkpointed stop exits 0, this process says the signal
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        os.environ.pop(FORWARDED_ENV, None)
+        if self._env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = self._env
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+        workers = _children(os.getpid())
+        if not workers:  # still launching (or all gone): stop here, as torchrun would
+            raise KeyboardInterrupt
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def exit_status(self) -> int:
+        return 128 + int(self.received or signal.SIGINT)
+
+    def name(self) -> str:
+        return "Ctrl-C" if self.received in (None, signal.SIGINT) else signal.Signals(self.received).name
+
+
 def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
@@ -79,8 +149,16 @@ def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) 
     ns.training_script_args = script_args
     # torchrun sets OMP_NUM_THREADS=1 when it is unset; a user's own value is kept (workers inherit it)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(ns.nproc_per_node)))
-    try:
-        run(ns)
-    except ChildFailedError as e:  # each failed rank already printed its own `recipe: error: ...` line (or traceback)
-        raise RecipeError(_workers_failed_message(e.failures)) from e
-    return 0
+    with ForwardStop(ns) as stop:
+        try:
+            run(ns)
+        except ChildFailedError as e:  # each failed rank already printed its own `recipe: error: ...` line
+            if stop.received is None:
+                raise RecipeError(_workers_failed_message(e.failures)) from e
+            print(f"recipe: interrupted ({stop.name()}): {_workers_failed_message(e.failures)}", file=sys.stderr)
+            return stop.exit_status()
+        except KeyboardInterrupt:
+            print(f"recipe: interrupted ({stop.name()}) with no worker running", file=sys.stderr)
+            return stop.exit_status()
+    # the workers ended well: finished, or stopped at a checkpoint after a signal (rank 0 said which step)
+    return 0 if stop.received is None else stop.exit_status()

@@ -19,7 +19,7 @@ from typing import Any
 from ..components.config import load_recipe_config, recipe_schema, shipped_configs
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
-from ..components.interrupt import interrupted_message, reset
+from ..components.interrupt import exit_status, interrupted_message, reset
 from ..components.oom import is_out_of_memory, out_of_memory_message
 from ..components.output_kinds import check_output_kind
 
@@ -115,5 +115,6 @@ def run_recipe_script(
     except KeyboardInterrupt as e:  # Ctrl-C; training stops at a step boundary with a checkpoint (see interrupt)
         if args.debug:
             traceback.print_exception(e)
-        print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
-        raise SystemExit(getattr(e, "exit_code", 130)) from None
+        if getattr(e, "main", True):  # under torchrun rank 0 says where the ranks stopped
+            print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
+        raise SystemExit(exit_status(e)) from None

@@ -83,6 +83,19 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
+def check_process_count(ckpt: Path, state: dict, world_size: int) -> None:
+    """A checkpoint resumes on the process count that wrote it (each rank's data position and shards are its own):
+    another count is one line saying how to relaunch, before any shard loads."""
+    saved = int(state.get("loader", {}).get("world_size", world_size))
+    if saved == world_size:
+        return
+    how = ("without torchrun options" if saved == 1 else
+           f"as `recipe run --nproc-per-node {saved} --standalone <recipe> ...` (one machine)")
+    raise RecipeError(f"{ckpt} was written by a run on {saved} process{'es' if saved > 1 else ''} and this one has "
+                      f"{world_size}: resume=true continues on the same count; relaunch {how}, or start a new run "
+                      "in another output_dir")
+
+
 @dataclass
 class TrainState:
     """The model, optimizer, schedule and data loader of a run, and how to checkpoint them.
@@ -157,6 +170,7 @@ class TrainState:
         schedule = [dict(vars(f)) for f in self.scheduler.lr_lambdas]
         base_lrs = list(self.scheduler.base_lrs)
         state = load_recipe_state(ckpt)
+        check_process_count(ckpt, state, self.rt.world_size)
         try:
             self._load_weights_and_optimizer(ckpt, state)
         except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another shape: one line, not a traceback

@@ -118,7 +118,7 @@ def main(cfg: FullConfig) -> None:
     save_every, step, clock = cfg.save_every_n_steps, start, Throughput()
     model.train()
     with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,
-          StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
+          StopRequest.install(ranks=rt.world_size, main=rt.is_main) as stop,  # Ctrl-C: checkpoint, exit
           Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
         for window in windows(loader, accum, steps - start):  # one window per optimizer step
             where.at(f"at step {step + 1}")
@@ -134,7 +134,8 @@ def main(cfg: FullConfig) -> None:
                 loss = lm_loss_sum(model, to_device(batch, rt.device), chunks)
                 (loss / n * rt.world_size).backward()
                 loss_sum = loss_sum + loss.detach() / n
-            values = step_values({"loss": loss_sum}, clip_gradients(model, cfg.max_grad_norm), rt)
+            grad_norm = clip_gradients(model, cfg.max_grad_norm)
+            values = step_values({"loss": loss_sum, "stop": stop.flag(rt.device)}, grad_norm, rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the schedule then moves on)
             optimizer_step(optimizer, scheduler)
@@ -145,7 +146,7 @@ def main(cfg: FullConfig) -> None:
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib())
             if save_every and step % save_every == 0 and step < steps:
                 state.save(step)
-            if stop.requested:
+            if stop.agreed(values):
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
 

@@ -195,7 +195,7 @@ def main(cfg: KDConfig) -> None:
     save_every, step, clock = cfg.save_every_n_steps, start, Throughput()
     student.train()
     with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,
-          StopRequest.install(enabled=rt.world_size == 1) as stop,  # Ctrl-C: checkpoint after this step, exit
+          StopRequest.install(ranks=rt.world_size, main=rt.is_main) as stop,  # Ctrl-C: checkpoint, exit
           Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
         for window in windows(loader, accum, steps - start):  # one window per optimizer step
             where.at(f"at step {step + 1}")
@@ -222,7 +222,7 @@ def main(cfg: KDConfig) -> None:
                     op.score(parts, n, hidden, student.output, batch["labels"], target)
                 for k in ("loss",) if on else ("loss", "ce", "kd"):
                     sums[k] = sums.get(k, 0.0) + parts[k].detach() / n
-            sums = {**sums, **op.sums()} if op is not None else sums
+            sums = {**sums, **(op.sums() if op is not None else {}), "stop": stop.flag(rt.device)}
             values = step_values(sums, clip_gradients(student, cfg.max_grad_norm), rt)
             check_finite(values["loss"], step + 1, state.last_checkpoint)  # NaN/inf: stop, name the checkpoint
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses (the schedule then moves on)
@@ -236,7 +236,7 @@ def main(cfg: KDConfig) -> None:
                        **(op.metrics(values, clock.elapsed()) if op is not None else {}))
             if save_every and step % save_every == 0 and step < steps:
                 state.save(step)
-            if stop.requested:
+            if stop.agreed(values):
                 raise stop.interrupted(step, state.save(step))
         state.save(step)  # the final checkpoint
     if op is not None:  # the teacher-scored reverse KL of the student's samples of the held-out rows' prompts

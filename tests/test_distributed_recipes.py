@@ -290,6 +290,59 @@ def test_killed_rank_stops_the_run_with_one_line_and_resume_matches_uninterrupte
     assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]
 
 
+
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, id="sigterm"),
+                                    pytest.param(signal.SIGINT, id="ctrl-c", marks=pytest.mark.slow)])
+def test_signal_to_the_launcher_checkpoints_every_rank_at_one_step(tiny_model_dir, tmp_path, signum):
+    """SIGTERM (what SLURM sends at a job's time limit) or Ctrl-C to `recipe run --nproc-per-node 2`: the ranks
+    finish the same step, write its sharded checkpoint (off the save cadence) and the launcher exits 128 + the
+    signal with rank 0's one line, no traceback; resume=true continues from that step. torchrun alone stopped the
+    workers at once: a SignalException traceback, exit 1, no checkpoint."""
+    from llm_recipe.components.checkpoint.manifest import verify_manifest
+
+    recipe, config, overrides = cases(tiny_model_dir)["lora"]
+    out = tmp_path / "out"
+    args = [*overrides, "batch_size=2", f"output_dir={out}", "max_steps=40", "save_every_n_steps=null"]
+    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
+                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.01)
+        os.kill(proc.pid, signum)  # the launcher only, as `kill PID` or a terminal's Ctrl-C (workers have own sessions)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    text = (tmp_path / "launch.log").read_text()
+    assert proc.returncode == 128 + signum, text[-3000:]
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    (ckpt,) = rc.complete_checkpoints(out)  # the interrupt's: save_every_n_steps=null writes no other
+    step = int(ckpt.name.split("_")[1])
+    assert 1 <= step < 40
+    last = [ln for ln in text.splitlines() if ln.strip()][-1]
+    assert last.startswith(f"recipe: interrupted after step {step}: checkpoint ") and "resume=true" in last, last
+    assert text.count("recipe: interrupted") == 1, text[-3000:]  # rank 0 says it; the launcher adds nothing
+    assert sorted(p.name for p in (ckpt / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    verify_manifest(ckpt)
+    assert [r["step"] for r in rc.read_metrics(out)] == list(range(1, step + 1))
+    assert not (out / "model").exists()
+    # resumed on 1 process: one line saying to relaunch on 2, before any shard loads
+    one = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", recipe, "--config", config, *args,
+                          "resume=true"], cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 1 and one.stderr.splitlines()[-1] == (
+        f"recipe: error: {ckpt} was written by a run on 2 processes and this one has 1: resume=true continues on the "
+        "same count; relaunch as `recipe run --nproc-per-node 2 --standalone <recipe> ...` (one machine), or start "
+        "a new run in another output_dir"), one.stderr[-2000:]
+    assert "Warning" not in one.stderr
+    time.sleep(1)  # let the workers' ports close before the next rendezvous
+    run(recipe, config, [*args, "resume=true", f"max_steps={step + 1}"], tmp_path, TWO)
+    assert [r["step"] for r in rc.read_metrics(out)] == list(range(1, step + 2))
+    assert (out / "model" / "model.safetensors").exists()
+
 def _free_port() -> int:
     import socket
 

@@ -160,6 +160,23 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, ti
     assert_same_as_reference(out, reference)
 
 
+
+def test_a_torchrun_worker_takes_a_doubled_signal_once_and_a_later_one_as_stop_now(monkeypatch):
+    """Under torchrun a worker can get one signal twice at once (a scheduler signals every process, and `recipe
+    run` passes its own on): that is one request. One that comes later is the user's second: stop now."""
+    from llm_recipe.components import interrupt
+
+    clock = [100.0]
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    with interrupt.StopRequest.install(ranks=2, main=False) as stop:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same Ctrl-C, passed on by the launcher
+        assert stop.requested and stop.agreed({"stop": 1.0}) and not stop.agreed({"stop": 0.0})
+        clock[0] += interrupt.REPEAT_WINDOW_S
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
 def test_a_step_is_checkpointed_once_when_ctrl_c_comes_on_a_save_step(monkeypatch):
     """Ctrl-C (or a scheduler's SIGTERM) inside a step that ends on the save cadence: the loop's save and the
     interrupt's save are one write (it rewrote the whole checkpoint, doubling the save time inside the grace period
