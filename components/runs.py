@@ -96,7 +96,7 @@ def previous_run(output_dir: str | os.PathLike) -> list[str]:
     if found:
         run = read_run(out)
         if run is not None:
-            by = f" by `recipe run {run['recipe']}`" if isinstance(run.get("recipe"), str) else ""
+            by = f" by `recipe run {_command(run)}`" if _command(run) else ""
             found.insert(0, f"run {run[RUN_ID_KEY]} started {run.get('started', '?')}{by}")
     return found
 
@@ -172,7 +172,8 @@ def _write_run(out: Path, cfg: Any, run_id: str | None = None) -> str:
     from .config import config_source
 
     run_id = run_id or uuid.uuid4().hex
-    record = {RUN_ID_KEY: run_id, "recipe": recipe_of(cfg), "config": config_source(cfg).display,
+    record = {RUN_ID_KEY: run_id, "recipe": recipe_of(cfg), "command": recipe_command(cfg),
+              "config": config_source(cfg).display,
               "config_sha256": _config_sha256(cfg),
               "started": _now(), "values": resolved_values(cfg)}
     _save_run(out, record)
@@ -183,6 +184,24 @@ def recipe_of(cfg: Any) -> str:
     """The recipe a typed config belongs to, from its class (KDConfig -> kd), as run.json records it."""
     name = type(cfg).__name__
     return (name[: -len("Config")] if name.endswith("Config") else name).lower()
+
+
+def recipe_command(cfg: Any) -> str:
+    """The `recipe run` name for this config, as messages say it: full.py's configs are `qat` or `lora` when they
+    have that section (the CLI's aliases of full.py), whichever recipe name started them."""
+    name = recipe_of(cfg)
+    if name == "full":
+        if getattr(cfg, "qat", None) is not None:
+            return "qat"
+        if getattr(cfg, "lora", None) is not None:
+            return "lora"
+    return name
+
+
+def _command(run: dict[str, Any]) -> str | None:
+    """run.json's `recipe run` name: "command", or (written before it) "recipe"."""
+    name = run.get("command", run.get("recipe"))
+    return name if isinstance(name, str) else None
 
 
 def _now() -> str:
@@ -251,9 +270,9 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     out = Path(cfg.output_dir)
     recipe = run.get("recipe")
     if isinstance(recipe, str) and recipe != recipe_of(cfg):
-        raise RecipeError(f"resume=true, but {out} holds a run of `recipe run {recipe}` ({out / RUN_FILE}): a run "
-                          f"resumes only with the recipe that started it; start a new {recipe_of(cfg)} run in "
-                          "another output_dir")
+        raise RecipeError(f"resume=true, but {out} holds a run of `recipe run {_command(run)}` ({out / RUN_FILE}): a "
+                          f"run resumes only with the recipe that started it; start a new {recipe_command(cfg)} run "
+                          "in another output_dir")
     recorded = run.get("values")
     if not isinstance(recorded, dict):  # run.json of a run started before per-key records: nothing to compare
         return

@@ -208,7 +208,8 @@ def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, cap
     out = tmp_path / "lora"
     lora = ["lora.rank=8", "lora.alpha=16"]
     assert run(capsys, args(tiny_model_dir, out, "max_steps=2", *lora), "lora", "lora/smollm2")[0] == 0
-    assert json.loads((out / "run.json").read_text())["recipe"] == "full"  # `recipe run lora` is full.py's loop
+    record = json.loads((out / "run.json").read_text())
+    assert (record["recipe"], record["command"]) == ("full", "lora")  # `recipe run lora` is full.py's loop
     before = snapshot(out)
     code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", "resume_with_changes=true",
                                          "lora.rank=4", "lora.alpha=16"), "lora", "lora/smollm2")
@@ -219,7 +220,7 @@ def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, cap
     code, _, err = run(capsys, [*rc.KD_COMMON, f"teacher.checkpoint_dir={tiny_model_dir}", "student.keep_layers=[0,1]",
                                 f"output_dir={out}", "max_steps=3", "resume=true"], "kd", "kd/smollm2_demo")
     assert code == 1
-    doc.expect("resume-other-recipe", one_error(err), out=out, recipe="full", own="kd")
+    doc.expect("resume-other-recipe", one_error(err), out=out, recipe="lora", own="kd")
     assert snapshot(out) == before
 
     from llm_recipe.components.runtime import Runtime
