@@ -167,3 +167,20 @@ def test_load_errors_name_the_file(tmp_path):
     (tmp_path / "recipe_state" / "state.json").write_text(json.dumps(meta))
     with pytest.raises(RecipeError, match="os.system"):
         load_recipe_state(tmp_path)
+
+
+def test_converting_a_missing_or_one_process_checkpoint_says_which(tmp_path, capsys):
+    """`python -m llm_recipe.components.checkpoint.sharded DIR OUT`: a folder that does not exist is named as
+    missing (it was called 'not a sharded checkpoint'), a one-process checkpoint as already a HF folder."""
+    from llm_recipe.components.checkpoint.sharded import main as convert
+
+    missing = tmp_path / "checkpoints" / "step_000009"
+    assert convert([str(missing), str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err == (f"recipe: error: {missing}: no such checkpoint folder (checkpoints are "
+                                       "output_dir/checkpoints/step_N)\n")
+    one = tmp_path / "one"
+    one.mkdir()
+    _write_model(one)
+    assert convert([str(one), str(tmp_path / "hf")]) == 1
+    assert "one-process checkpoints already are HF folders" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -145,6 +145,8 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, base: str | Path | None = None)
     from ..models.loader import merge_lora_state_dict
 
     ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise RecipeError(f"{ckpt}: no such checkpoint folder (checkpoints are output_dir/checkpoints/step_N)")
     if not is_sharded_checkpoint(ckpt):
         raise RecipeError(f"{ckpt}: not a sharded checkpoint (no {META_FILE}); "
                           "one-process checkpoints already are HF folders")
