@@ -54,6 +54,7 @@ class SetupLog:
         self.launched = process_start_time()
         self.began = time.time()  # differs from the launch when a process runs recipes in turn (`recipe demo`)
         self.parts: list[tuple[str, float]] = []
+        self.fresh = _first_in_process  # else launch-to-now counts earlier work of this process: not said
         if _first_in_process:
             self.parts.append(("start-up (Python, imports, config)", max(0.0, self.began - self.launched)))
         _first_in_process = False
@@ -78,5 +79,7 @@ class SetupLog:
         now = time.time()
         parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.parts)
         note = " (includes torch.compile of what runs in it)" if compiled else ""
-        self.say(f"first optimizer step done {now - self.launched:.1f} s after launch ({now - self.began:.1f} s "
-                 f"after setup began): {parts}{', ' if parts else ''}step {step} {step_seconds:.1f} s{note}")
+        when = (f"{now - self.launched:.1f} s after launch ({now - self.began:.1f} s after setup began)" if self.fresh
+                else f"{now - self.began:.1f} s after setup began")
+        self.say(f"first optimizer step done {when}: {parts}{', ' if parts else ''}step {step} {step_seconds:.1f} s"
+                 f"{note}")

@@ -88,7 +88,8 @@ def main(cfg: FullConfig) -> None:
     with setup.phase("tokenizer and run folder"):
         tokenizer = load_tokenizer(base_dir)
         resume_from = start_or_resume_run(cfg)
-    with setup.phase("weights"):
+    base_quant = lora.quantize_base if lora is not None else None  # NF4 on a CPU: about a minute for SmolLM2
+    with setup.phase(f"weights (quantizing the base to {base_quant})" if base_quant else "weights"):
         source = resume_weights(resume_from) if lora is None else None
         model, args = load_model(source or base_dir, dtype=rt.dtype, device=rt.build_device(source or base_dir), lora=lora,
                                  max_seq_len=cfg.dataset.max_seq_len)

@@ -19,8 +19,12 @@ def test_first_log_of_a_process_counts_its_start_up_and_only_it(monkeypatch, cap
     monkeypatch.setattr(setup_log, "_first_in_process", True)
     first = _summary(capsys)
     assert re.search(r"\): start-up \(Python, imports, config\) [0-9.]+ s, weights [0-9.]+ s, step 1 0.5 s\n", first)
-    # a second recipe in the same process (its launch is long past): no start-up part
-    assert re.search(r"\): weights [0-9.]+ s, step 1 0.5 s\n", _summary(capsys))
+    assert re.search(r"done [0-9.]+ s after launch \([0-9.]+ s after setup began\)", first)
+    # a second recipe in the same process (its launch is long past): no start-up part, no time since the launch
+    second = _summary(capsys)
+    assert re.search(r"first optimizer step done [0-9.]+ s after setup began: weights [0-9.]+ s, step 1 0.5 s\n",
+                     second), second
+    assert "after launch" not in second
 
 
 def test_demo_says_its_process_did_other_work_first(monkeypatch, capsys):
