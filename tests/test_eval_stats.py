@@ -45,3 +45,22 @@ def test_paired_difference_uses_the_common_items_and_their_correlation():
     sd = math.sqrt(sum((x - 0.4) ** 2 for x in diffs) / 4)
     assert d["se"] == pytest.approx(sd / math.sqrt(5)) and d["z"] == pytest.approx(0.4 / d["se"])
     assert per_item(_samples([1.0, 0.0], [-1.0, -2.0]), "acc") == {0: 1.0, 1: 0.0}
+
+
+def test_results_left_without_standard_errors_get_the_closed_forms():
+    """`recipe demo` evaluates with bootstrap_iters=0: lm-eval's table said Stderr N/A beside a summary with SEs;
+    now lm-eval's results (its table, results.json) carry the same SEs the summary prints."""
+    from llm_recipe.components.eval.stats import fill_closed_form_stderrs
+
+    samples = _samples([1.0, 0.0, 1.0, 1.0], [-1.0, -2.5, -0.5, -1.5])
+    results = {"results": {"t": {"acc,none": 0.75, "acc_stderr,none": "N/A", "perplexity,none": 4.48,
+                                 "perplexity_stderr,none": "N/A", "alias": "t"}},
+               "versions": {"t": 1.0}, "n-shot": {"t": 0}, "higher_is_better": {"t": {"acc": True, "perplexity": False}},
+               "samples": {"t": samples}}
+    fill_closed_form_stderrs(results)
+    s = loglikelihood_task_stats(samples)
+    assert results["results"]["t"]["acc_stderr,none"] == pytest.approx(s["acc_se"])
+    assert results["results"]["t"]["perplexity_stderr,none"] == pytest.approx(s["ppl_se"])
+    from lm_eval.utils import make_table
+
+    assert "N/A" not in make_table(results)

@@ -13,6 +13,7 @@ from typing import Any
 from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
 from . import quiet
+from .stats import fill_closed_form_stderrs
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ def evaluate(
                                    bootstrap_iters, seed)
     if results is None:  # non-zero ranks under torchrun
         return {}
+    if bootstrap_iters == 0:  # lm-eval left its SEs "N/A": the closed forms where the samples allow
+        fill_closed_form_stderrs(results)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

@@ -41,6 +41,26 @@ def loglikelihood_task_stats(samples: Sequence[dict]) -> dict:
             "nll": nll, "nll_se": nll_se}
 
 
+def fill_closed_form_stderrs(results: dict) -> None:
+    """Put the closed-form SEs of `acc`, `acc_norm` and `perplexity` into lm-eval's results where it left "N/A"
+    (an evaluation with bootstrap_iters=0 and logged samples, as `recipe demo`'s), so its table and results.json
+    show the SEs the summary uses."""
+    for task, samples in (results.get("samples") or {}).items():
+        row = results.get("results", {}).get(task, {})
+        for key, value in list(row.items()):
+            metric = key.partition(",")[0]
+            if value != "N/A" or not metric.endswith("_stderr"):
+                continue
+            name = metric.removesuffix("_stderr")
+            if not samples or any(name not in s for s in samples):
+                continue
+            if name in ("acc", "acc_norm"):
+                row[key] = mean_se(list(per_item(samples, name).values()))[1]
+            elif name == "perplexity":  # logged per item as the target's log-likelihood: the delta method
+                nll, nll_se = mean_se([-v for v in per_item(samples, name).values()])
+                row[key] = math.exp(nll) * nll_se
+
+
 def z_score(diff: float, se: float) -> float:
     """diff / se; with no spread (se 0) +-inf for a real difference and 0 for none (0 / 0 is no evidence)."""
     return diff / se if se > 0 else (math.copysign(math.inf, diff) if diff else 0.0)
