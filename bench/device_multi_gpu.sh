@@ -12,6 +12,7 @@
 #   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
 #                                                          # (for `pytest1`; `pytest` needs only .carry/tok)
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
+#   PYTEST_K=EXPR bash bench/device_multi_gpu.sh start 2 pytest   # only the 2-GPU tests EXPR selects, no model build
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
@@ -76,7 +77,9 @@ start)
         ("stdlib", "platstdlib", "purelib", "platlib")})') >/dev/null 2>&1 || true  # some files never compile (templates)
     PYTHONPATH=/tmp/peft python3 -c "import torch, transformers, peft; print('hf side:', transformers.__version__, \
 peft.__version__, torch.__version__, torch.cuda.device_count(), 'GPUs')"
-    (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
+    # the random-weight 1B/8B folders, for every phase but the tests (they build their own tiny model)
+    [[ ${3:-} == pytest ]] || (cd /tmp/repo && PYTHONPATH= python3 bench/kd_throughput.py build --out $B \
+        --tokenizer-dir "$OLDPWD/.carry/tok") || exit 1
     nvidia-smi topo -m | head -4
     cd /tmp/repo && setsid nohup bash bench/device_multi_gpu.sh runner "${2:-1,2}" "${3:-scaling recipes fault extra pytest}" "${4:-}" "${5:-}" \
         >/tmp/runner.log 2>&1 </dev/null &
@@ -113,7 +116,8 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             link_site_hf
             gpu_tests() {  # CUDA_VISIBLE_DEVICES, -k expression, log
                 CUDA_VISIBLE_DEVICES=$1 RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m \
-                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "$2" tests/test_distributed_recipes.py >"$3" 2>&1
+                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "${PYTEST_K:-$2}" tests/test_distributed_recipes.py \
+                    >"$3" 2>&1
             }
             if (($(nvidia-smi -L | wc -l) >= 4)); then
                 gpu_tests 0,1 "not (kd_dora or qat)" $M/pytest.log & first=$!

@@ -298,11 +298,23 @@ def test_signal_to_the_launcher_checkpoints_every_rank_at_one_step(tiny_model_di
     finish the same step, write its sharded checkpoint (off the save cadence) and the launcher exits 128 + the
     signal with rank 0's one line, no traceback; resume=true continues from that step. torchrun alone stopped the
     workers at once: a SignalException traceback, exit 1, no checkpoint."""
+    signal_the_launcher(tiny_model_dir, tmp_path, signum, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_sigterm_to_the_launcher_on_two_gpus(tiny_model_dir, tmp_path):
+    """The same on 2 GPUs: the stop flag rides in the step's NCCL reduction."""
+    signal_the_launcher(tiny_model_dir, tmp_path, signal.SIGTERM, "cuda")
+
+
+def signal_the_launcher(tiny_model_dir: Path, tmp_path: Path, signum: int, device: str) -> None:
     from llm_recipe.components.checkpoint.manifest import verify_manifest
 
     recipe, config, overrides = cases(tiny_model_dir)["lora"]
     out = tmp_path / "out"
-    args = [*overrides, "batch_size=2", f"output_dir={out}", "max_steps=40", "save_every_n_steps=null"]
+    args = [*(o.replace("device=cpu", f"device={device}") for o in overrides), "batch_size=2", f"output_dir={out}",
+            "max_steps=40", "save_every_n_steps=null"]
     log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
     proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
                             cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
