@@ -66,7 +66,8 @@ def main(cfg: EvalConfig) -> None:
         evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
                  batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,
                  seed=cfg.seed, device=None if cfg.device == "auto" else cfg.device, dtype=cfg.dtype,
-                 max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity})
+                 max_length=cfg.max_length, log_samples=cfg.log_samples, record={RECORD_KEY: identity},
+                 resume_key=identity)  # interrupted, the same command continues from the answers kept
     if cfg.output_dir is not None and is_rank0():
         print(f"results: {cfg.output_dir}/results.json")
 

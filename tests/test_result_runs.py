@@ -177,3 +177,41 @@ def test_a_killed_overwrite_is_put_back_by_the_next_run(tmp_path, tiny_model_dir
     assert code == 1 and 'scheme: "8da4w" then, "int8_weight_only" now' in one_error(err)
     assert "a run with overwrite=true was stopped before it finished: the outputs it was replacing are back" in stdout
     assert snapshot(out) == before and not [p for p in out.iterdir() if ".del-" in p.name]
+
+
+def test_an_interrupted_eval_continues_from_its_answers(tmp_path, tiny_model_dir, tiny_copy, capsys):
+    """kill -9 in the middle of an evaluation (at its 7th answer): the same command again reuses the answers kept in
+    output_dir, scores only the rest, and writes the uninterrupted evaluation's results; the answers file goes once
+    results.json is written, and another evaluation (another model) reuses none of them."""
+    from llm_recipe.components.eval.answers import ANSWERS_DIR
+
+    args = ["tasks=[recipe_piqa]", "device=cpu", "batch_size=2", "limit=6", "log_samples=true"]
+    ref, out = tmp_path / "ref", tmp_path / "e"
+    assert run(capsys, "eval", "eval/smollm2", [*args, f"model.checkpoint_dir={tiny_model_dir}",
+                                                f"output_dir={ref}"])[0] == 0
+    mine = [*args, f"model.checkpoint_dir={tiny_model_dir}", f"output_dir={out}"]
+    fault = {"target": "llm_recipe.components.eval.answers.AnswerLog.add", "nth": 7, "action": "kill"}
+    p = subprocess.run([sys.executable, str(KILL_AT), json.dumps(fault), *rc.run_args("eval", "eval/smollm2", mine)],
+                       cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert not (out / "results.json").exists()
+    (kept,) = (out / ANSWERS_DIR).iterdir()
+    assert len(kept.read_text().splitlines()) == 6  # the 7th was being written when the process died
+
+    from llm_recipe.components.eval import lm as eval_lm
+
+    scored = []
+    original = eval_lm.RecipeLM.loglikelihood
+    eval_lm.RecipeLM.loglikelihood = lambda self, requests, *a, **k: (scored.append(len(requests)),
+                                                                       original(self, requests, *a, **k))[1]
+    try:
+        code, stdout, err = run(capsys, "eval", "eval/smollm2", mine)
+    finally:
+        eval_lm.RecipeLM.loglikelihood = original
+    assert code == 0, err
+    assert f"eval: continuing an interrupted run of this evaluation: 6 answers kept in {out / ANSWERS_DIR}" in stdout
+    assert scored == [12 - 6]  # piqa: 2 choices per item, 6 items; only the rest were scored
+    got, want = (json.loads((d / "results.json").read_text()) for d in (out, ref))
+    assert got["results"] == want["results"]
+    assert [s["resps"] for s in got["samples"]["recipe_piqa"]] == [s["resps"] for s in want["samples"]["recipe_piqa"]]
+    assert not (out / ANSWERS_DIR).exists()

@@ -13,6 +13,7 @@ from typing import Any
 from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
 from . import quiet
+from .answers import AnswerLog, answers_path, discard_answers
 from .stats import fill_closed_form_stderrs
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,14 @@ def evaluate(
     log_samples: bool = False,
     bootstrap_iters: int = 100000,
     record: dict | None = None,
+    resume_key: dict | None = None,
 ) -> dict:
     """Run lm-eval on `tasks` (stock names or our `recipe_*` offline ones), print lm-eval's table and write
     `output_dir/results.json`. Returns lm-eval's results dict. `bootstrap_iters=0` skips lm-eval's standard
     errors (its perplexity SE bootstraps 100000 resamples; `llm_recipe.components.eval.stats` computes them from samples).
-    `record`: keys added to results.json (the eval recipe's run identity, components/result_runs.py)."""
+    `record`: keys added to results.json (the eval recipe's run identity, components/result_runs.py).
+    `resume_key` (with `output_dir`): the evaluation's identity; its answers are kept in output_dir as they come, so
+    the same evaluation interrupted and run again continues (components/eval/answers.py)."""
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t]
     quiet.offline_if_hub_unreachable(tasks)  # before lm-eval imports datasets (no 30 s of retries offline)
@@ -110,10 +114,21 @@ def evaluate(
             "(any stock lm-eval task name also works when its dataset is in the HF cache)"
         )
     lm = _as_lm(model_or_checkpoint, batch_size, device, dtype, max_length)
-    # lm-eval's `git describe` outside a repository, its --metadata hint for our tasks (components/eval/quiet.py)
-    with quiet.no_git_noise(), quiet.no_metadata_hint():
-        results = _simple_evaluate(lm, tasks, tm, num_fewshot, limit, apply_chat_template, log_samples,
-                                   bootstrap_iters, seed)
+    answers = None
+    if output_dir is not None and resume_key is not None:
+        answers = AnswerLog(answers_path(output_dir, resume_key, lm.rank))
+        answers.attach(lm)
+        if answers.answers and lm.rank == 0:
+            print(f"eval: continuing an interrupted run of this evaluation: {len(answers.answers)} answers kept in "
+                  f"{answers.path.parent} are reused", flush=True)
+    try:
+        # lm-eval's `git describe` outside a repository, its --metadata hint for our tasks (components/eval/quiet.py)
+        with quiet.no_git_noise(), quiet.no_metadata_hint():
+            results = _simple_evaluate(lm, tasks, tm, num_fewshot, limit, apply_chat_template, log_samples,
+                                       bootstrap_iters, seed)
+    finally:
+        if answers is not None:
+            answers.close()
     if results is None:  # non-zero ranks under torchrun
         return {}
     if bootstrap_iters == 0:  # lm-eval left its SEs "N/A": the closed forms where the samples allow
@@ -126,4 +141,6 @@ def evaluate(
         text = json.dumps({**results, **(record or {})}, indent=2, default=handle_non_serializable, ensure_ascii=False)
         atomic_write_bytes(out / "results.json", text.encode("utf-8"))
         log.info("wrote %s", out / "results.json")
+        if answers is not None:  # finished: nothing left to continue
+            discard_answers(out)
     return results
