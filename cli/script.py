@@ -116,5 +116,7 @@ def run_recipe_script(
         if args.debug:
             traceback.print_exception(e)
         if getattr(e, "main", True):  # under torchrun rank 0 says where the ranks stopped
-            print(f"recipe: {interrupted_message(e)}", file=sys.stderr)
+            from tqdm import tqdm  # on a line of its own, not after a progress bar the Ctrl-C cut mid-line
+
+            tqdm.write(f"recipe: {interrupted_message(e)}", file=sys.stderr)
         raise SystemExit(exit_status(e)) from None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["FORWARDED_ENV", "REPEAT_WINDOW_S", "StopRequest", "TrainingInterrupted", "exit_status",
-           "interrupted_message", "note_training", "note_written", "reset"]
+           "interrupted_message", "note_continues", "note_training", "note_written", "reset"]
 
 # Under torchrun a worker may get one signal twice at once (SLURM signals every process of a job step, and
 # `recipe run` forwards what it gets): within this many seconds of the first, a repeat is the same request.
@@ -36,12 +36,17 @@ REPEAT_WINDOW_S = 2.0
 FORWARDED_ENV = "LLM_RECIPE_FORWARDS_SIGNALS"
 
 # What this run has done so far, for the line a Ctrl-C prints (`interrupted_message`).
-_state: dict[str, Any] = {"training": False, "written": None}
+_state: dict[str, Any] = {"training": False, "written": None, "continues": None}
 
 
 def reset() -> None:
     """A new run starts: nothing written, not training (`run_recipe_script` calls it)."""
-    _state.update(training=False, written=None)
+    _state.update(training=False, written=None, continues=None)
+
+
+def note_continues(how: str) -> None:
+    """Work so far is kept and the same command continues it (an evaluation's answers): what Ctrl-C says."""
+    _state["continues"] = how
 
 
 def note_written(path: str | Path) -> None:
@@ -58,6 +63,8 @@ def interrupted_message(err: BaseException) -> str:
     """The one line (after `recipe: `) for a Ctrl-C that reached the top of a run."""
     if str(err):  # TrainingInterrupted: the step and its checkpoint
         return str(err)
+    if _state["continues"]:
+        return f"interrupted; {_state['continues']}"
     if _state["training"]:
         return ("interrupted during training (second Ctrl-C): the current step was not saved; resume=true "
                 "continues from the latest checkpoint")

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..interrupt import note_continues
+
 ANSWERS_DIR = ".eval_answers"  # in output_dir, while an evaluation has not finished
 _METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
@@ -54,6 +56,7 @@ class AnswerLog:
                     continue
         self.reused = 0
         path.parent.mkdir(parents=True, exist_ok=True)
+        note_continues(f"the answers so far are kept in {path.parent}: the same command continues the evaluation")
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the evaluation; closed by close())
 
     def attach(self, lm: Any) -> None:
