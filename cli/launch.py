@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..components.errors import RecipeError
-from ..components.interrupt import FORWARDED_ENV
+from ..components.interrupt import FORWARDED, FORWARDED_ENV
 
 
 def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
@@ -126,9 +126,10 @@ class ForwardStop:
         workers = _children(os.getpid())
         if not workers:  # still launching (or all gone): stop here, as torchrun would
             raise KeyboardInterrupt
+        as_signal = next(f for f, meant in FORWARDED.items() if meant == signum)  # their SIGTERM stays torchrun's
         for pid in workers:
             try:
-                os.kill(pid, signum)
+                os.kill(pid, as_signal)
             except ProcessLookupError:
                 pass
 

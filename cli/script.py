@@ -19,7 +19,7 @@ from typing import Any
 from ..components.config import load_recipe_config, recipe_schema, shipped_configs
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
-from ..components.interrupt import exit_status, interrupted_message, reset
+from ..components.interrupt import exit_status, interrupted_message, reset, take_forwarded_signals
 from ..components.oom import is_out_of_memory, out_of_memory_message
 from ..components.output_kinds import check_output_kind
 
@@ -88,6 +88,7 @@ def run_recipe_script(
     args = recipe_argparser(f"recipe run {name}").parse_intermixed_args(argv)
     configure_logging(args.debug)
     reset()
+    take_forwarded_signals()  # a worker of `recipe run`: its launcher passes Ctrl-C / SIGTERM on as SIGUSR1 / 2
     cfg = None
     try:
         cfg = load_recipe_config(args.config, args.overrides, config, recipe=name)

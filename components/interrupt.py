@@ -7,10 +7,11 @@ the previous ones back when the block ends). The first signal only sets a flag
 signal (130 for Ctrl-C, what shells report; 143 for SIGTERM, what a scheduler such as SLURM sends before it kills
 a job at its time limit). A second signal interrupts at once, without a checkpoint.
 
-Under torchrun every rank has the handler, and the ranks agree on the step to stop at through the step's one
-reduction (`flag` rides in `training.step_values`, no extra collective); `recipe run` forwards the signal it gets
-to its workers (cli/launch.py). A signal delivered twice within `REPEAT_WINDOW_S` (by a scheduler to every
-process and by the launcher) counts once there.
+Under `recipe run --nproc-per-node N` the launcher passes a Ctrl-C or SIGTERM it gets on to its workers as SIGUSR1
+or SIGUSR2 (cli/launch.py), which each worker's handler takes as that request; the ranks agree on the step to stop
+at through the step's one reduction (`flag` rides in `training.step_values`, no extra collective). A worker's own
+SIGTERM keeps its default action: it is how torchrun stops the other ranks when one failed, and a rank blocked in
+a collective with a dead peer must die at once (a Python handler would run only when the collective returned).
 """
 
 from __future__ import annotations
@@ -19,21 +20,18 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORWARDED_ENV", "REPEAT_WINDOW_S", "StopRequest", "TrainingInterrupted", "exit_status",
-           "interrupted_message", "note_continues", "note_training", "note_written", "reset"]
+__all__ = ["FORWARDED", "FORWARDED_ENV", "StopRequest", "TrainingInterrupted", "exit_status",
+           "interrupted_message", "note_continues", "note_training", "note_written", "reset",
+           "take_forwarded_signals"]
 
-# Under torchrun a worker may get one signal twice at once (SLURM signals every process of a job step, and
-# `recipe run` forwards what it gets): within this many seconds of the first, a repeat is the same request.
-REPEAT_WINDOW_S = 2.0
-
-# Set by `recipe run` for its torchrun workers (cli/launch.py): it passes signals on and exits 128 + the signal
-# itself, so a worker that stopped at its checkpoint exits 0; a non-zero exit would make torchrun stop the
-# ranks still writing theirs.
+# Set by `recipe run` for its torchrun workers (cli/launch.py): it passes a user's SIGINT / SIGTERM on as
+# `FORWARDED` (the workers' own SIGTERM stays torchrun's way to stop them) and exits 128 + the signal itself, so a
+# worker that stopped at its checkpoint exits 0: a non-zero exit would make torchrun stop the ranks still writing.
 FORWARDED_ENV = "LLM_RECIPE_FORWARDS_SIGNALS"
+FORWARDED = {signal.SIGUSR1: signal.SIGINT, signal.SIGUSR2: signal.SIGTERM}  # what a worker gets -> what it means
 
 # What this run has done so far, for the line a Ctrl-C prints (`interrupted_message`).
 _state: dict[str, Any] = {"training": False, "written": None, "continues": None}
@@ -74,6 +72,20 @@ def interrupted_message(err: BaseException) -> str:
             "nothing half-written is left")
 
 
+def take_forwarded_signals() -> None:
+    """In a worker of `recipe run`: the launcher's SIGUSR1 / SIGUSR2 act as the Ctrl-C / SIGTERM they stand for
+    wherever no training loop catches them (setup, the final write); their default action would kill the worker
+    as 'killed by SIGUSR2'. `run_recipe_script` calls it."""
+    if os.environ.get(FORWARDED_ENV) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.default_int_handler)  # KeyboardInterrupt, as Ctrl-C
+        signal.signal(signal.SIGUSR2, _terminate)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)
+
+
 def exit_status(err: KeyboardInterrupt) -> int:
     """The exit status for a Ctrl-C or SIGTERM that reached the top of a run: 128 + the signal, or 0 for a
     worker of `recipe run` that stopped at its checkpoint (the launcher reports the signal: FORWARDED_ENV)."""
@@ -104,25 +116,27 @@ class StopRequest:
         self.requested = False
         self.signum: int = signal.SIGINT
         self.ranks, self.main = ranks, main
-        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
     @classmethod
     def install(cls, enabled: bool = True, ranks: int = 1, main: bool = True) -> StopRequest:
-        """Catch SIGINT and SIGTERM for the caller's loop (a no-op when not `enabled` or not on the main thread).
-        `ranks`: the run's process count; `main`: this process says what happens (rank 0)."""
+        """Catch SIGINT and SIGTERM for the caller's loop; under torchrun (`ranks` > 1) the launcher's SIGUSR1 /
+        SIGUSR2 instead, and only under `recipe run` (plain torchrun stops its workers itself). A no-op when not
+        `enabled` or not on the main thread. `main`: this process says what happens (rank 0)."""
         stop = cls(ranks, main)
+        if ranks == 1:
+            signals: tuple[int, ...] = cls._SIGNALS
+        else:
+            signals = tuple(FORWARDED) if os.environ.get(FORWARDED_ENV) else ()
         if enabled and threading.current_thread() is threading.main_thread():
-            stop._previous = {s: signal.signal(s, stop._handle) for s in cls._SIGNALS}
+            stop._previous = {s: signal.signal(s, stop._handle) for s in signals}
         return stop
 
     def _handle(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if self.requested:  # only reached under torchrun, inside the repeat window: the same request again
-            if now - self._first_at >= REPEAT_WINDOW_S:
-                self._stop_now(signum)
-            return
-        self.requested, self.signum, self._first_at = True, signum, now
+        signum = FORWARDED.get(signum, signum)
+        if self.requested:  # under torchrun: the launcher passed a second one on
+            self._stop_now(signum)
+        self.requested, self.signum = True, signum
         if self.ranks == 1:  # the next signal stops at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -133,11 +147,8 @@ class StopRequest:
 
     @staticmethod
     def _stop_now(signum: int) -> None:
-        """A second request: stop without a checkpoint, as the default handlers do."""
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
+        """A second request under torchrun: stop without a checkpoint (exit 130; torchrun then stops the others)."""
+        raise KeyboardInterrupt
 
     def flag(self, device: Any) -> Any:
         """This rank's request as a number on `device`, for the step's reduction (`training.step_values`): the

@@ -308,6 +308,40 @@ def test_sigterm_to_the_launcher_on_two_gpus(tiny_model_dir, tmp_path):
     signal_the_launcher(tiny_model_dir, tmp_path, signal.SIGTERM, "cuda")
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_killed_rank_on_two_gpus_stops_the_other_at_once(tiny_model_dir, tmp_path):
+    """kill -9 of rank 1 on 2 GPUs: rank 0, blocked in an NCCL collective with a dead peer, dies on torchrun's
+    SIGTERM at once (a Python handler for it would only run once the collective returned: torchrun's SIGKILL 30 s
+    later, reported as an out-of-memory kill); one line names rank 1 and the signal."""
+    recipe, config, overrides = cases(tiny_model_dir)["lora"]
+    out = tmp_path / "out"
+    args = [*(o.replace("device=cpu", "device=cuda") for o in overrides), "batch_size=2", f"output_dir={out}",
+            "max_steps=400"]
+    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
+                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline, killed_at = time.monotonic() + 600, None
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and killed_at is None:
+            victim = _worker_pid(proc.pid, 1) if rc.complete_checkpoints(out) else None
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                killed_at = time.monotonic()
+            time.sleep(0.01)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    text = (tmp_path / "launch.log").read_text()
+    assert killed_at is not None, text[-3000:]
+    assert time.monotonic() - killed_at < 20, text[-3000:]
+    last = [ln for ln in text.splitlines() if ln.strip()][-1]
+    assert last.startswith("recipe: error: rank 1 was killed by SIGKILL") and "torchrun then stopped rank(s) 0" in last, last
+
 def signal_the_launcher(tiny_model_dir: Path, tmp_path: Path, signum: int, device: str) -> None:
     from llm_recipe.components.checkpoint.manifest import verify_manifest
 

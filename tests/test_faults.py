@@ -161,21 +161,26 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, ti
 
 
 
-def test_a_torchrun_worker_takes_a_doubled_signal_once_and_a_later_one_as_stop_now(monkeypatch):
-    """Under torchrun a worker can get one signal twice at once (a scheduler signals every process, and `recipe
-    run` passes its own on): that is one request. One that comes later is the user's second: stop now."""
+def test_a_torchrun_worker_takes_the_launchers_signal_and_leaves_its_own_sigterm_to_torchrun(monkeypatch):
+    """Under `recipe run --nproc-per-node N` a worker's stop request is the launcher's SIGUSR2 (a SIGTERM passed
+    on) or SIGUSR1 (a Ctrl-C); a second one stops at once. Its own SIGTERM keeps the default action: torchrun sends
+    it to stop the ranks after one failed, and a rank blocked in a collective with a dead peer must die at once.
+    Under plain torchrun nothing is caught (torchrun stops its workers itself)."""
     from llm_recipe.components import interrupt
 
-    clock = [100.0]
-    monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv(interrupt.FORWARDED_ENV, "1")
     with interrupt.StopRequest.install(ranks=2, main=False) as stop:
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)  # the same Ctrl-C, passed on by the launcher
-        assert stop.requested and stop.agreed({"stop": 1.0}) and not stop.agreed({"stop": 0.0})
-        clock[0] += interrupt.REPEAT_WINDOW_S
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.raise_signal(signal.SIGUSR2)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        assert stop.agreed({"stop": 1.0}) and not stop.agreed({"stop": 0.0})  # the ranks' sum decides
         with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+            signal.raise_signal(signal.SIGUSR2)
+    monkeypatch.delenv(interrupt.FORWARDED_ENV)
+    with interrupt.StopRequest.install(ranks=2, main=False):
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
 
 def test_a_step_is_checkpointed_once_when_ctrl_c_comes_on_a_save_step(monkeypatch):
     """Ctrl-C (or a scheduler's SIGTERM) inside a step that ends on the save cadence: the loop's save and the
