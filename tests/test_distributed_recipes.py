@@ -247,6 +247,41 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def launch_two_and(act, recipe: str, config: str, args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, float]:
+    """Launch `recipe run --nproc-per-node 2`, call `act(launcher)` until it returns True (it acted: a kill, a
+    signal): (the launcher, what it printed, seconds from the act to its exit)."""
+    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
+                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline, acted_at = time.monotonic() + 600, None
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and acted_at is None:
+            if act(proc):
+                acted_at = time.monotonic()
+            time.sleep(0.01)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    text = (tmp_path / "launch.log").read_text()
+    assert acted_at is not None, f"finished before it could be interrupted:\n{text[-3000:]}"
+    return proc, text, time.monotonic() - acted_at
+
+
+def kill_rank_1_after_a_checkpoint(recipe: str, config: str, args: list[str], out: Path,
+                                   tmp_path: Path) -> tuple[subprocess.Popen, str, float]:
+    """kill -9 rank 1 once a checkpoint is complete (`launch_two_and`)."""
+    def kill(launcher: subprocess.Popen) -> bool:
+        victim = _worker_pid(launcher.pid, 1) if rc.complete_checkpoints(out) else None
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)
+        return victim is not None
+
+    return launch_two_and(kill, recipe, config, args, tmp_path)
+
+
 def test_killed_rank_stops_the_run_with_one_line_and_resume_matches_uninterrupted(pair, tiny_model_dir, tmp_path):
     """Kill -9 rank 1 of a 2-process LoRA run after its first (sharded) checkpoint: the launcher exits within a
     minute (no hang in a collective) with a last line naming rank 1 and the signal; resumed on 2 processes, the
@@ -255,26 +290,8 @@ def test_killed_rank_stops_the_run_with_one_line_and_resume_matches_uninterrupte
     recipe, config, overrides = cases(tiny_model_dir)["lora"]
     out = tmp_path / "crashed"
     args = [*overrides, "batch_size=2", f"output_dir={out}"]
-    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 (closed below; the children write to it)
-    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
-                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline, killed_at = time.monotonic() + 600, None
-    try:
-        while proc.poll() is None and time.monotonic() < deadline and killed_at is None:
-            victim = _worker_pid(proc.pid, 1) if rc.complete_checkpoints(out) else None
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-                killed_at = time.monotonic()
-            time.sleep(0.01)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    text = (tmp_path / "killed.log").read_text()
-    assert killed_at is not None, f"finished before rank 1 could be killed:\n{text[-3000:]}"
-    assert time.monotonic() - killed_at < 60, "the other rank hung after rank 1 died"
+    proc, text, waited = kill_rank_1_after_a_checkpoint(recipe, config, args, out, tmp_path)
+    assert waited < 60, "the other rank hung after rank 1 died"
     assert proc.returncode == 1 and not (out / "model").exists(), text[-3000:]
     last = [ln for ln in text.splitlines() if ln.strip()][-1]
     assert last.startswith("recipe: error: rank 1 was killed by SIGKILL") and "resume=true" in last, last
@@ -319,26 +336,8 @@ def test_killed_rank_on_two_gpus_stops_the_other_at_once(tiny_model_dir, tmp_pat
     out = tmp_path / "out"
     args = [*(o.replace("device=cpu", "device=cuda") for o in overrides), "batch_size=2", f"output_dir={out}",
             "max_steps=400"]
-    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
-    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
-                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline, killed_at = time.monotonic() + 600, None
-    try:
-        while proc.poll() is None and time.monotonic() < deadline and killed_at is None:
-            victim = _worker_pid(proc.pid, 1) if rc.complete_checkpoints(out) else None
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-                killed_at = time.monotonic()
-            time.sleep(0.01)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    text = (tmp_path / "launch.log").read_text()
-    assert killed_at is not None, text[-3000:]
-    assert time.monotonic() - killed_at < 20, text[-3000:]
+    _, text, waited = kill_rank_1_after_a_checkpoint(recipe, config, args, out, tmp_path)
+    assert waited < 20, text[-3000:]
     last = [ln for ln in text.splitlines() if ln.strip()][-1]
     assert last.startswith("recipe: error: rank 1 was killed by SIGKILL") and "torchrun then stopped rank(s) 0" in last, last
 
@@ -349,21 +348,15 @@ def signal_the_launcher(tiny_model_dir: Path, tmp_path: Path, signum: int, devic
     out = tmp_path / "out"
     args = [*(o.replace("device=cpu", f"device={device}") for o in overrides), "batch_size=2", f"output_dir={out}",
             "max_steps=40", "save_every_n_steps=null"]
-    log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
-    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
-                            cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
-    try:
-        while proc.poll() is None and time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
-            time.sleep(0.01)
-        os.kill(proc.pid, signum)  # the launcher only, as `kill PID` or a terminal's Ctrl-C (workers have own sessions)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    text = (tmp_path / "launch.log").read_text()
+    metrics = out / "metrics.jsonl"
+
+    def after_step_1(launcher: subprocess.Popen) -> bool:  # the launcher only, as `kill PID` or a terminal's Ctrl-C
+        if metrics.exists() and metrics.read_text():
+            os.kill(launcher.pid, signum)
+            return True
+        return False
+
+    proc, text, _ = launch_two_and(after_step_1, recipe, config, args, tmp_path)
     assert proc.returncode == 128 + signum, text[-3000:]
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
     (ckpt,) = rc.complete_checkpoints(out)  # the interrupt's: save_every_n_steps=null writes no other
