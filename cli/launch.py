@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..components.errors import RecipeError
-from ..components.interrupt import FORWARDED, FORWARDED_ENV
+from ..components.interrupt import FORWARDED, FORWARDED_ENV, STOPPED_FILE
 
 
 def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
@@ -100,6 +102,8 @@ class ForwardStop:
         self._previous: dict[int, Any] = {}
         self._env: str | None = None
         self._ns = ns
+        self._folder = ""
+        self._user_value: str | None = None
 
     def __enter__(self) -> ForwardStop:
         # torchrun registers a handler for each signal its --signals-to-handle names (through this variable, when
@@ -109,13 +113,19 @@ class ForwardStop:
         rest = ",".join(n for n in names.split(",") if n.strip() not in self._SIGNALS)
         self._ns.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = rest
         self._previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        os.environ[FORWARDED_ENV] = "1"  # the workers: a checkpointed stop exits 0, this process says the signal
+        # the workers: a checkpointed stop exits 0 and leaves its status in this folder, for this process to exit with
+        self._user_value = os.environ.get(FORWARDED_ENV)
+        self._folder = os.environ[FORWARDED_ENV] = tempfile.mkdtemp(prefix="recipe-run-")
         return self
 
     def __exit__(self, *exc: object) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
-        os.environ.pop(FORWARDED_ENV, None)
+        if self._user_value is None:
+            os.environ.pop(FORWARDED_ENV, None)
+        else:
+            os.environ[FORWARDED_ENV] = self._user_value
+        shutil.rmtree(self._folder, ignore_errors=True)
         if self._env is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:
@@ -135,6 +145,18 @@ class ForwardStop:
 
     def exit_status(self) -> int:
         return 128 + int(self.received or signal.SIGINT)
+
+    def stopped_status(self) -> int | None:
+        """The exit status the workers of this node left when they stopped at a checkpoint (None: they did not)."""
+        try:
+            return int(Path(self._folder, STOPPED_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def startup_only(self, failures: dict) -> bool:
+        """Every worker was stopped by the forwarded signal before its handlers were in place (imports)."""
+        early = {-int(s) for s in FORWARDED} | {-int(signal.SIGINT)}
+        return all(f.exitcode in early for f in failures.values())
 
     def name(self) -> str:
         return "Ctrl-C" if self.received in (None, signal.SIGINT) else signal.Signals(self.received).name
@@ -156,10 +178,21 @@ def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) 
         except ChildFailedError as e:  # each failed rank already printed its own `recipe: error: ...` line
             if stop.received is None:
                 raise RecipeError(_workers_failed_message(e.failures)) from e
-            print(f"recipe: interrupted ({stop.name()}): {_workers_failed_message(e.failures)}", file=sys.stderr)
+            if stop.startup_only(e.failures):
+                print(f"recipe: interrupted ({stop.name()}) while the workers started: no step ran", file=sys.stderr)
+            else:
+                print(f"recipe: interrupted ({stop.name()}): {_workers_failed_message(e.failures)}", file=sys.stderr)
             return stop.exit_status()
         except KeyboardInterrupt:
             print(f"recipe: interrupted ({stop.name()}) with no worker running", file=sys.stderr)
             return stop.exit_status()
-    # the workers ended well: finished, or stopped at a checkpoint after a signal (rank 0 said which step)
-    return 0 if stop.received is None else stop.exit_status()
+        # the workers ended well: finished, or stopped at a checkpoint (rank 0 said which step)
+        stopped = stop.stopped_status()
+    if stopped is not None:
+        if stop.received is None:  # asked on another node (or a worker was signalled): rank 0's line is there
+            print("recipe: interrupted elsewhere: the ranks stopped at a checkpoint; resume=true continues",
+                  file=sys.stderr)
+        return stopped if stop.received is None else stop.exit_status()
+    if stop.received is not None:
+        print(f"recipe: {stop.name()} came after the last step: the run finished", file=sys.stderr)
+    return 0

@@ -23,14 +23,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORWARDED", "FORWARDED_ENV", "StopRequest", "TrainingInterrupted", "exit_status",
+__all__ = ["FORWARDED", "FORWARDED_ENV", "STOPPED_FILE", "StopRequest", "TrainingInterrupted", "exit_status",
            "interrupted_message", "note_continues", "note_training", "note_written", "reset",
            "take_forwarded_signals"]
 
 # Set by `recipe run` for its torchrun workers (cli/launch.py): it passes a user's SIGINT / SIGTERM on as
 # `FORWARDED` (the workers' own SIGTERM stays torchrun's way to stop them) and exits 128 + the signal itself, so a
 # worker that stopped at its checkpoint exits 0: a non-zero exit would make torchrun stop the ranks still writing.
-FORWARDED_ENV = "LLM_RECIPE_FORWARDS_SIGNALS"
+FORWARDED_ENV = "LLM_RECIPE_FORWARDS_SIGNALS"  # the launcher's folder for this run (its workers on this node)
+STOPPED_FILE = "stopped"  # in it: the exit status of the ranks that stopped at a checkpoint
 FORWARDED = {signal.SIGUSR1: signal.SIGINT, signal.SIGUSR2: signal.SIGTERM}  # what a worker gets -> what it means
 
 # What this run has done so far, for the line a Ctrl-C prints (`interrupted_message`).
@@ -88,10 +89,15 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def exit_status(err: KeyboardInterrupt) -> int:
     """The exit status for a Ctrl-C or SIGTERM that reached the top of a run: 128 + the signal, or 0 for a
-    worker of `recipe run` that stopped at its checkpoint (the launcher reports the signal: FORWARDED_ENV)."""
-    if isinstance(err, TrainingInterrupted) and os.environ.get(FORWARDED_ENV) == "1":
+    worker of `recipe run` that stopped at its checkpoint: it leaves its status in the launcher's folder
+    (FORWARDED_ENV, `STOPPED_FILE`) for the launcher to exit with."""
+    code = getattr(err, "exit_code", 130)
+    folder = os.environ.get(FORWARDED_ENV)
+    if isinstance(err, TrainingInterrupted) and folder and os.path.isdir(folder):
+        with open(os.path.join(folder, STOPPED_FILE), "w") as f:
+            f.write(f"{code}\n")
         return 0
-    return getattr(err, "exit_code", 130)
+    return code
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -124,10 +130,8 @@ class StopRequest:
         SIGUSR2 instead, and only under `recipe run` (plain torchrun stops its workers itself). A no-op when not
         `enabled` or not on the main thread. `main`: this process says what happens (rank 0)."""
         stop = cls(ranks, main)
-        if ranks == 1:
-            signals: tuple[int, ...] = cls._SIGNALS
-        else:
-            signals = tuple(FORWARDED) if os.environ.get(FORWARDED_ENV) else ()
+        forwarded = tuple(FORWARDED) if os.environ.get(FORWARDED_ENV) else ()  # under `recipe run`'s torchrun
+        signals = cls._SIGNALS + forwarded if ranks == 1 else forwarded
         if enabled and threading.current_thread() is threading.main_thread():
             stop._previous = {s: signal.signal(s, stop._handle) for s in signals}
         return stop
@@ -137,7 +141,7 @@ class StopRequest:
         if self.requested:  # under torchrun: the launcher passed a second one on
             self._stop_now(signum)
         self.requested, self.signum = True, signum
-        if self.ranks == 1:  # the next signal stops at once
+        if self.ranks == 1 and not os.environ.get(FORWARDED_ENV):  # the next signal stops at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self.main:

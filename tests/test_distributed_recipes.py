@@ -247,11 +247,13 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def launch_two_and(act, recipe: str, config: str, args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, float]:
+def launch_two_and(act, recipe: str, config: str, args: list[str], tmp_path: Path,
+                   torchrun: list[str] = TWO) -> tuple[subprocess.Popen, str, float]:
     """Launch `recipe run --nproc-per-node 2`, call `act(launcher)` until it returns True (it acted: a kill, a
     signal): (the launcher, what it printed, seconds from the act to its exit)."""
     log = open(tmp_path / "launch.log", "w")  # noqa: SIM115 (closed below; the children write to it)
-    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, recipe, "--config", config, *args],
+    proc = subprocess.Popen([sys.executable, "-m", "llm_recipe.cli.main", "run", *torchrun, recipe, "--config", config,
+                             *args],
                             cwd=tmp_path, env=rc.cli_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline, acted_at = time.monotonic() + 600, None
     try:
@@ -340,6 +342,28 @@ def test_killed_rank_on_two_gpus_stops_the_other_at_once(tiny_model_dir, tmp_pat
     assert waited < 20, text[-3000:]
     last = [ln for ln in text.splitlines() if ln.strip()][-1]
     assert last.startswith("recipe: error: rank 1 was killed by SIGKILL") and "torchrun then stopped rank(s) 0" in last, last
+
+
+def test_ctrl_c_to_a_one_process_torchrun_launch_checkpoints(tiny_model_dir, tmp_path):
+    """`--nproc-per-node 1` (or `gpu` on a one-GPU machine): the launcher's forwarded Ctrl-C is taken as in a
+    plain one-process run (it was a KeyboardInterrupt at once: no checkpoint)."""
+    recipe, config, overrides = cases(tiny_model_dir)["lora"]
+    out = tmp_path / "out"
+    args = [*overrides, "batch_size=2", f"output_dir={out}", "max_steps=40", "save_every_n_steps=null"]
+
+    def after_step_1(launcher: subprocess.Popen) -> bool:
+        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text():
+            os.kill(launcher.pid, signal.SIGINT)
+            return True
+        return False
+
+    proc, text, _ = launch_two_and(after_step_1, recipe, config, args, tmp_path, ["--nproc-per-node", "1",
+                                                                                  "--standalone"])
+    assert proc.returncode == 130, text[-3000:]
+    (ckpt,) = rc.complete_checkpoints(out)
+    said = [ln for ln in text.splitlines() if ln.startswith("recipe: ")]
+    assert said[-1].startswith(f"recipe: interrupted after step {int(ckpt.name.split('_')[1])}: checkpoint "), said
+
 
 def signal_the_launcher(tiny_model_dir: Path, tmp_path: Path, signum: int, device: str) -> None:
     from llm_recipe.components.checkpoint.manifest import verify_manifest

@@ -177,6 +177,9 @@ def test_a_torchrun_worker_takes_the_launchers_signal_and_leaves_its_own_sigterm
         assert stop.agreed({"stop": 1.0}) and not stop.agreed({"stop": 0.0})  # the ranks' sum decides
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGUSR2)
+    with interrupt.StopRequest.install(ranks=1, main=False) as stop:  # `--nproc-per-node 1`: both kinds
+        signal.raise_signal(signal.SIGUSR1)
+        assert stop.requested and stop.signum == signal.SIGINT and stop.agreed({})
     monkeypatch.delenv(interrupt.FORWARDED_ENV)
     with interrupt.StopRequest.install(ranks=2, main=False):
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
