@@ -88,8 +88,9 @@ def _children(pid: int) -> list[int]:
 
 
 class ForwardStop:
-    """Ctrl-C or SIGTERM to `recipe run` under torchrun reaches the workers as it reaches a one-process run: each
-    finishes the step the ranks agree on, writes its part of the checkpoint and exits 128 + the signal
+    """Ctrl-C or SIGTERM to `recipe run` under torchrun reaches the workers (as SIGUSR1 / SIGUSR2: their own SIGTERM
+    stays torchrun's) as it reaches a one-process run: each finishes the step the ranks agree on, writes its part of
+    the checkpoint and leaves its status in this process's folder, which then exits 128 + the signal
     (components/interrupt.py). torchrun's own handler would stop the workers with SIGTERM at once, no checkpoint,
     and a SignalException traceback; and the workers, each in a session of its own, never see the terminal's
     Ctrl-C. A second signal is passed on too, and stops them now. Without workers (before they start, after they
