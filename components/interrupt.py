@@ -138,8 +138,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         signum = FORWARDED.get(signum, signum)
-        if self.requested:  # under torchrun: the launcher passed a second one on
-            self._stop_now(signum)
+        if self.requested:  # under torchrun: the launcher passed a second one on; stop now, without a checkpoint
+            raise KeyboardInterrupt  # (exit 130; torchrun then stops the other ranks)
         self.requested, self.signum = True, signum
         if self.ranks == 1 and not os.environ.get(FORWARDED_ENV):  # the next signal stops at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -148,11 +148,6 @@ class StopRequest:
             name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             print(f"\nrecipe: {name}: stopping after this step and writing a checkpoint ({name} again stops now)",
                   file=sys.stderr, flush=True)
-
-    @staticmethod
-    def _stop_now(signum: int) -> None:
-        """A second request under torchrun: stop without a checkpoint (exit 130; torchrun then stops the others)."""
-        raise KeyboardInterrupt
 
     def flag(self, device: Any) -> Any:
         """This rank's request as a number on `device`, for the step's reduction (`training.step_values`): the

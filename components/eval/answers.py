@@ -54,7 +54,6 @@ class AnswerLog:
                     self.answers[row["h"]] = row["a"]
                 except (ValueError, KeyError, TypeError):  # the line a kill cut short
                     continue
-        self.reused = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         note_continues(f"the answers so far are kept in {path.parent}: the same command continues the evaluation")
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the evaluation; closed by close())
@@ -95,7 +94,6 @@ class AnswerLog:
                     out[i] = tuple(a) if method == "loglikelihood" else a
                 else:
                     todo.append(i)
-            self.reused += len(requests) - len(todo)
             if todo:
                 for i, a in zip(todo, inner([requests[i] for i in todo], *args, **kwargs), strict=True):
                     out[i] = a

@@ -35,10 +35,17 @@ def loglikelihood_task_stats(samples: Sequence[dict]) -> dict:
     """Items, accuracy +- SE and perplexity +- SE of a loglikelihood task with `acc` and `perplexity` metrics
     (LAMBADA): lm-eval logs each item's target log-likelihood under `perplexity`."""
     acc, acc_se = mean_se(list(per_item(samples, "acc").values()))
+    ppl, ppl_se, nll, nll_se = _perplexity(samples)
+    return {"items": len(samples), "acc": acc, "acc_se": acc_se, "ppl": ppl, "ppl_se": ppl_se,
+            "nll": nll, "nll_se": nll_se}
+
+
+def _perplexity(samples: Sequence[dict]) -> tuple[float, float, float, float]:
+    """exp(mean NLL) and its delta-method SE, the mean NLL and its SE, from the per-item `perplexity` samples
+    (lm-eval logs each target's log-likelihood there)."""
     nll, nll_se = mean_se([-v for v in per_item(samples, "perplexity").values()])
     ppl = math.exp(nll)
-    return {"items": len(samples), "acc": acc, "acc_se": acc_se, "ppl": ppl, "ppl_se": ppl * nll_se,
-            "nll": nll, "nll_se": nll_se}
+    return ppl, ppl * nll_se, nll, nll_se
 
 
 def fill_closed_form_stderrs(results: dict) -> None:
@@ -56,9 +63,8 @@ def fill_closed_form_stderrs(results: dict) -> None:
                 continue
             if name in ("acc", "acc_norm"):
                 row[key] = mean_se(list(per_item(samples, name).values()))[1]
-            elif name == "perplexity":  # logged per item as the target's log-likelihood: the delta method
-                nll, nll_se = mean_se([-v for v in per_item(samples, name).values()])
-                row[key] = math.exp(nll) * nll_se
+            elif name == "perplexity":
+                row[key] = _perplexity(samples)[1]
 
 
 def z_score(diff: float, se: float) -> float:
