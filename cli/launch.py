@@ -112,6 +112,9 @@ class ForwardStop:
         self._env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
         names = getattr(self._ns, "signals_to_handle", None) or self._env or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         rest = ",".join(n for n in names.split(",") if n.strip() not in self._SIGNALS)
+        # a list of only SIGINT / SIGTERM leaves none: torchrun would log a traceback for the empty name, so it
+        # gets SIGUSR2, which nothing sends to the launcher (unhandled, it would kill it and orphan the workers)
+        rest = rest or "SIGUSR2"
         self._ns.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = rest
         self._previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
         # the workers: a checkpointed stop exits 0 and leaves its status in this folder, for this process to exit with

@@ -473,3 +473,30 @@ def test_demo_counts_below_one_are_refused_before_anything_runs(option, capsys):
         build_parser().parse_args(["demo", option, "0"])
     assert e.value.code == 2 and f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
     assert getattr(build_parser().parse_args(["demo", option, "3"]), option[2:].replace("-", "_")) == 3
+
+
+@pytest.mark.parametrize("user", [None, "SIGINT,SIGTERM", "SIGTERM, SIGHUP"])
+def test_torchrun_keeps_its_other_signals_and_never_gets_an_empty_list(user, monkeypatch):
+    """`recipe run` takes SIGINT / SIGTERM from torchrun (to pass them on to the workers); the rest of the user's
+    `--signals-to-handle` stays torchrun's. A user's `SIGINT,SIGTERM` left torchrun an empty name, which it logged
+    as a 'Failed to register signal handler' traceback at every launch."""
+    import argparse
+    import signal
+
+    import torch.distributed.run
+
+    from llm_recipe.cli import launch
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda ns: seen.append(
+        (ns.signals_to_handle, os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"])))
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
+    ns = argparse.Namespace(nproc_per_node="1", signals_to_handle=user)
+    assert launch.launch_torchrun(ns, Path("x.py"), []) == 0
+    arg, env = seen[-1]
+    names = [n.strip() for n in env.split(",")]
+    assert arg == env and all(isinstance(getattr(signal, n, None), signal.Signals) for n in names)
+    assert not {"SIGINT", "SIGTERM"} & set(names)
+    want = {None: {"SIGHUP", "SIGQUIT"}, "SIGINT,SIGTERM": {"SIGUSR2"}, "SIGTERM, SIGHUP": {"SIGHUP"}}[user]
+    assert set(names) == want
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ  # put back as it was
