@@ -23,6 +23,9 @@
 #   bash bench/device_kd.sh users [TESTS]  # carry .carry/b .carry/pytest (after device_study2.sh install, part): the
 #                                          # GPU-only quantize schemes, eval, lm_eval and generate on the embedded
 #                                          # model through the CLI, then their GPU tests
+#   bash bench/device_kd.sh regress [TESTS]  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh
+#                                          # install, part; REGRESS_FLOWS=0: the tests alone):
+#                                          # `recipe demo`, Ctrl-C + resume=true on one GPU, then the one-GPU GPU tests
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
 #                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
 #                                          # then the CUDA tests TESTS (default: the loss's)
@@ -302,6 +305,35 @@ r['scheme'], repr(r['perplexity_before']), repr(r['perplexity_after']))" $U/q_$q
         for q in int4 fp8; do cp $U/q_$q/report.json "$OUT/report_$q.json" 2>/dev/null; done
     fi
     TEST_PYTHONPATH=/tmp/stub:/tmp/site gpu_tests "${2:--m gpu tests/test_ptq.py tests/test_eval.py tests/test_quantize_recipe.py tests/test_export_gguf.py}"
+    ;;
+regress)  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh install, part, as for `kl`): what a user runs on one
+          # GPU after a change to the loop: `recipe demo`, a Ctrl-C mid-training and `resume=true` (the checkpoint it
+          # wrote, exit 130, the resumed run's last loss against an uninterrupted one), then the one-GPU GPU tests
+    embedded_model
+    cp -r "$OLDPWD/docs" /tmp/repo/  # test_reliability reads docs/reliability.md
+    U=/tmp/regress && rm -rf $U && mkdir -p $U
+    if [[ ${REGRESS_FLOWS:-1} == 1 ]]; then  # REGRESS_FLOWS=0: the tests alone
+    R="PYTHONPATH=/tmp/stub:/tmp/site python3 -m llm_recipe.cli.main"
+    t0=$SECONDS; eval "$R demo --output-dir $U/demo" >$U/demo.log 2>&1; echo "{\"step\": \"demo\", \"rc\": $?, \"s\": $((SECONDS - t0))}" | tee -a $U/steps.jsonl
+    L="run lora --config lora/smollm2 device=cuda max_steps=60 save_every_n_steps=null"
+    eval "$R $L output_dir=$U/whole" >$U/whole.log 2>&1; echo "{\"step\": \"whole\", \"rc\": $?}" | tee -a $U/steps.jsonl
+    eval "$R $L output_dir=$U/cut" >$U/cut.log 2>&1 & pid=$!
+    until grep -qs '"step": 5,' $U/cut/metrics.jsonl || ! kill -0 $pid 2>/dev/null; do sleep 0.5; done
+    pkill -INT -f "output_dir=$U/cut" ; wait $pid; echo "{\"step\": \"ctrl_c\", \"rc\": $?}" | tee -a $U/steps.jsonl
+    ls $U/cut/checkpoints | tee -a $U/steps.jsonl
+    eval "$R $L output_dir=$U/cut resume=true" >$U/resume.log 2>&1; echo "{\"step\": \"resume\", \"rc\": $?}" | tee -a $U/steps.jsonl
+    python3 - $U <<'PY'
+import json, sys
+last = {k: [json.loads(l) for l in open(f"{sys.argv[1]}/{k}/metrics.jsonl") if l.strip()][-1] for k in ("whole", "cut")}
+print(json.dumps({k: (v["step"], v["loss"]) for k, v in last.items()}))
+PY
+    for f in $U/*.log; do echo "== $f"; grep -vE "it/s\]|s/it\]|^\s*$" "$f" | tail -14; done
+    [[ -n ${OUT:-} ]] && cp $U/*.log $U/steps.jsonl "$OUT/"
+    fi
+    # the tests' transformers oracle (the image's) refuses our huggingface_hub 2.4.0: 1.33.0 first, for the tests only
+    [[ -d $OLDPWD/.carry/hub1 ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hub1 \
+        "$OLDPWD"/.carry/hub1/*.whl
+    TEST_PYTHONPATH=/tmp/hub1:/tmp/site gpu_tests "${2:--m gpu tests --ignore=tests/test_distributed_recipes.py}"
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

