@@ -76,7 +76,14 @@ def main(argv: list[str]) -> int:
         args = cli.parse_args()
     finally:
         sys.argv = saved
+    _check_run_args(args)
     model_args = getattr(args, "model_args", None)
+    if getattr(args, "model", None) == "recipe" and isinstance(model_args, dict):
+        # lm-eval passes --device and --batch_size to the model beside --model_args, so `device=cpu` there (the
+        # habit of `--model hf`) was a TypeError for a duplicate argument: the --model_args value takes their place
+        for key in ("device", "batch_size"):
+            if key in model_args:
+                setattr(args, key, model_args.pop(key))
     if getattr(args, "model", None) == "recipe" and isinstance(model_args, dict) and model_args.get("checkpoint"):
         from ..components.quantization.load import check_checkpoint_dir
 
@@ -96,6 +103,24 @@ def main(argv: list[str]) -> int:
             raise
         raise err from e
     return 0
+
+
+def _check_run_args(args: object) -> None:
+    """What lm-eval's `run` would end in a traceback for, as one line: an unknown --model, a --limit <= 0."""
+    from lm_eval.api.registry import model_registry
+
+    from ..components.errors import RecipeError
+
+    model = getattr(args, "model", None)
+    if model is not None and model not in model_registry:
+        import difflib
+
+        near = difflib.get_close_matches(model, list(model_registry), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else "; ours is 'recipe', lm-eval's own include hf"
+        raise RecipeError(f"--model: unknown model {model!r}{hint}")
+    limit = getattr(args, "limit", None)
+    if limit is not None and float(limit) <= 0:
+        raise RecipeError(f"--limit must be > 0 (a count, or a fraction below 1), got {limit}")
 
 
 def _task_names(argv: list[str]) -> list[str]:

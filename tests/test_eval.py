@@ -297,6 +297,31 @@ def test_recipe_lm_eval_keeps_a_users_include_path_and_patches_nothing(tmp_path,
     assert TaskManager.__init__ is init and not TaskManager(include_defaults=False).all_tasks
 
 
+def test_recipe_lm_eval_takes_device_and_batch_size_in_model_args(model_dir, tmp_path):
+    """`--model_args checkpoint=DIR,device=cpu,batch_size=2` (the habit of lm-eval's `hf` model, and keys our own
+    message lists as known) was a TypeError traceback: lm-eval passes --device and --batch_size beside them."""
+    from llm_recipe.cli.lmeval import main as lm_eval_main
+
+    out = tmp_path / "out"
+    assert lm_eval_main(["--model", "recipe", "--model_args", f"checkpoint={model_dir},device=cpu,batch_size=2",
+                         "--tasks", "recipe_arc_easy", "--limit", "2", "--output_path", str(out)]) == 0
+    data = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert str(data["config"]["batch_size"]) == "2" and data["config"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "recipee"], "--model: unknown model 'recipee' (did you mean recipe?)"),
+    (["--model", "recipe", "--limit", "-1"], "--limit must be > 0 (a count, or a fraction below 1), got -1"),
+])
+def test_recipe_lm_eval_refuses_a_wrong_model_or_limit_in_one_line(args, message, model_dir):
+    """A typo'd --model or a --limit of -1 ended in lm-eval's traceback (after it built its task index)."""
+    from llm_recipe.cli.lmeval import main as lm_eval_main
+
+    with pytest.raises(RecipeError) as e:
+        lm_eval_main([*args, "--model_args", f"checkpoint={model_dir}", "--tasks", "recipe_arc_easy"])
+    assert str(e.value).startswith(message)
+
+
 def test_torchao_checkpoint_is_scored_quantized(model_dir, ours, tmp_path):
     """A folder from the torchao HF export loads with its quantized tensors (not silently as floats)."""
     from llm_recipe.components.models import load_model
