@@ -30,6 +30,14 @@ def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, lis
     for opt in ("module", "no_python", "run_path"):
         if getattr(ns, opt, False):
             raise RecipeError(f"torchrun option --{opt.replace('_', '-')} is not supported by `recipe run`")
+    n = str(ns.nproc_per_node)
+    if not (n.isdigit() and int(n) >= 1 or n in ("auto", "cpu", "gpu", "xpu")):  # torchrun: an assert or ValueError
+        raise RecipeError(f"--nproc-per-node must be a whole number >= 1 or auto / gpu / cpu, got {n!r}")
+    if n == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RecipeError("--nproc-per-node gpu: no CUDA GPU is visible here (use a number, or cpu)")
     return ns, ns.training_script, list(ns.training_script_args)
 
 

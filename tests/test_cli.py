@@ -500,3 +500,12 @@ def test_torchrun_keeps_its_other_signals_and_never_gets_an_empty_list(user, mon
     want = {None: {"SIGHUP", "SIGQUIT"}, "SIGINT,SIGTERM": {"SIGUSR2"}, "SIGTERM, SIGHUP": {"SIGHUP"}}[user]
     assert set(names) == want
     assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ  # put back as it was
+
+
+@pytest.mark.parametrize("n", ["0", "abc", "-2"])
+def test_a_wrong_process_count_is_one_line(n, tmp_path, capsys):
+    """`recipe run --nproc-per-node 0 ...` printed torchrun's bare AssertionError traceback (`abc`: a ValueError)."""
+    code, _, err = cli_captured(capsys, ["run", "--nproc-per-node", n, "full", "--config", "full/smollm2",
+                                         f"output_dir={tmp_path}/out"])
+    assert code == 1 and err.strip() == (f"recipe: error: --nproc-per-node must be a whole number >= 1 or auto / gpu "
+                                         f"/ cpu, got '{n}'") and not (tmp_path / "out").exists()
