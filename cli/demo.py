@@ -135,7 +135,7 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
     from ..components.assets import ensure_assets
     from ..components.checkpoint.atomic import atomic_write_bytes
     from ..components.config import config_values, load_recipe_config
-    from ..components.folders import prepared_run
+    from ..components.folders import check_output_dir, prepared_run
     from ..components.models import load_model, save_model
     from ..components.models.prune import student_layers
     from ..components.models.tokenizer import Tokenizer
@@ -148,6 +148,13 @@ def run_demo(output_dir: str = "outputs/demo", limit: int = 500, teacher_limit: 
 
     start = time.perf_counter()
     out = Path(output_dir).resolve()
+    try:  # before the first stage: a wrong folder failed with a traceback after the teacher's evaluation
+        check_output_dir(out, busy=False)
+        out.mkdir(parents=True, exist_ok=True)
+    except RecipeError as e:
+        raise RecipeError(f"--output-dir: {e}") from e
+    except OSError as e:
+        raise RecipeError(f"--output-dir {output_dir}: cannot create it ({e.strerror})") from e
     teacher_dir = ensure_assets()
     tokenizer = Tokenizer.from_dir(teacher_dir)
     name, recipe = load_recipe("kd")

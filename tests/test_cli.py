@@ -509,3 +509,12 @@ def test_a_wrong_process_count_is_one_line(n, tmp_path, capsys):
                                          f"output_dir={tmp_path}/out"])
     assert code == 1 and err.strip() == (f"recipe: error: --nproc-per-node must be a whole number >= 1 or auto / gpu "
                                          f"/ cpu, got '{n}'") and not (tmp_path / "out").exists()
+
+
+def test_demo_with_a_file_for_its_folder_is_refused_before_anything_runs(tmp_path, capsys):
+    """`recipe demo --output-dir FILE` evaluated the teacher for ~17 s, then ended in a NotADirectoryError traceback."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine\n")
+    code, out, err = cli_captured(capsys, ["demo", "--output-dir", str(f), "--steps", "1", "--limit", "2"])
+    assert code == 1 and err.strip() == f"recipe: error: --output-dir: {f} is a file, not a folder: choose another " \
+        "output_dir" and "teacher" not in out and f.read_text() == "mine\n"
