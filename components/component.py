@@ -169,7 +169,10 @@ def validate_component(node: Any, key: str, where: Where, spec: ComponentSpec | 
     if node is None:  # "no such component" (e.g. lr_scheduler: null); the recipe decides
         return
     allow, arg_specs = (spec.allow, spec.args) if spec is not None else (None, {})
-    if not isinstance(node, DictConfig) or COMPONENT_KEY not in node:
+    if isinstance(node, DictConfig) and COMPONENT_KEY not in node:
+        raise RecipeError(f"{where(key)}: key '{key}' has no '{COMPONENT_KEY}': name the class to build "
+                          f"({{{COMPONENT_KEY}: dotted.path, ...}})")
+    if not isinstance(node, DictConfig):
         raise RecipeError(
             f"{where(key)}: key '{key}' must be a mapping with '{COMPONENT_KEY}: dotted.path', got {value_desc(node)}"
         )

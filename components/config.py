@@ -216,6 +216,9 @@ def _apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
         key = key.strip()
         if not eq or not key or key.startswith("+"):
             raise RecipeError(f"bad override '{ov}': expected key.path=value or ~key.path")
+        if not value.strip():  # YAML reads it as null: `max_steps=` silently trained whole epochs
+            raise RecipeError(f"override '{ov}': no value; write {key}=null for null, {key}='\"\"' for an empty "
+                              f"string, or ~{key} for the recipe's default")
         try:
             OmegaConf.update(cfg, key, _override_value(ov, key, value), merge=False, force_add=True)
         except yaml.YAMLError as e:  # e.g. {split: train[1043:]}: YAML reads the brackets as a list

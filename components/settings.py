@@ -106,14 +106,15 @@ def parse_config(cls: type, node: DictConfig | None, where: Callable[[str], str]
     for f in config_fields(cls):
         key = f"{prefix}{f.name}"
         present = node is not None and f.name in node
+        required = f.default is MISSING and f.default_factory is MISSING
         value = node[f.name] if present else None
         if "section" in f.metadata:
             optional = f.metadata["optional"]
             values[f.name] = None if value is None and optional else parse_config(
                 f.metadata["section"], value, where, key + ".")
-        elif present:
+        elif present and (value is not None or not required):
             values[f.name] = _plain(value, f.metadata["spec"])
-        elif f.default is MISSING and f.default_factory is MISSING:
+        elif required:  # absent, or null (`optimizer: null` passed validate, then failed after the weights loaded)
             raise RecipeError(f"{where(key)}: key '{key}' is required ({_allowed(f)}): set it in the file or "
                               f"override {key}=...")
     return cls(**values)

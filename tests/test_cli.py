@@ -518,3 +518,12 @@ def test_demo_with_a_file_for_its_folder_is_refused_before_anything_runs(tmp_pat
     code, out, err = cli_captured(capsys, ["demo", "--output-dir", str(f), "--steps", "1", "--limit", "2"])
     assert code == 1 and err.strip() == f"recipe: error: --output-dir: {f} is a file, not a folder: choose another " \
         "output_dir" and "teacher" not in out and f.read_text() == "mine\n"
+
+
+def test_a_required_component_set_to_null_is_refused_by_validate(capsys):
+    """`optimizer: null` passed `recipe validate`; the run failed after the weights loaded ('NoneType' object is not
+    iterable in optim.py)."""
+    code, _, err = cli_captured(capsys, ["validate", "full/smollm2", "optimizer=null"])
+    assert code == 1 and err.strip() == ("recipe: error: override 'optimizer=null': key 'optimizer' is required (a "
+                                         "{_component_: dotted.path, ...} mapping): set it in the file or override "
+                                         "optimizer=...")

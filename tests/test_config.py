@@ -190,6 +190,16 @@ def test_component_must_be_a_component_node(tmp_path):
     with pytest.raises(RecipeError, match=r"key 'optimizer' must be a mapping with '_component_"):
         validate_config(load_config(str(path), ["optimizer=adam"]), SCHEMA, path)
     validate_config(load_config(str(path), ["optimizer=null"]), SCHEMA, path)  # null: recipe default
+    with pytest.raises(RecipeError, match=r"key 'optimizer' has no '_component_': name the class to build"):
+        validate_config(load_config(str(path), ["optimizer={}"]), SCHEMA, path)  # said "..., got a mapping"
+
+
+def test_an_override_without_a_value_is_refused():
+    """`max_steps=` was read as null by YAML: `recipe validate` said OK and the run trained whole epochs."""
+    with pytest.raises(RecipeError) as e:
+        load_config("full/smollm2", ["max_steps="])
+    assert str(e.value) == ("override 'max_steps=': no value; write max_steps=null for null, max_steps='\"\"' for "
+                            "an empty string, or ~max_steps for the recipe's default")
 
 
 def test_instantiate_nested_components_with_kwargs(tmp_path):
