@@ -12,7 +12,7 @@ import copy
 import importlib.resources
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +390,16 @@ def load_recipe_config(config: str, overrides: Sequence[str], config_type: Any, 
             config = f"{recipe}/{config}"
     cfg = load_config(config, overrides)
     validate_config(cfg, recipe_schema(config_type), overrides=overrides, recipe=recipe)
-    return typed_config(cfg, config_type) if is_config_type(config_type) else cfg
+    if not is_config_type(config_type):
+        return cfg
+    typed = typed_config(cfg, config_type)
+    # a recipe named after a section of its config (`recipe run lora` / `qat`: full.py with that section) needs it:
+    # `lora: null` silently trained every weight at LoRA's learning rate, and wrote no adapter
+    if recipe and recipe in {f.name for f in fields(typed)} and getattr(typed, recipe) is None:
+        where = config_source(typed).where(recipe)
+        raise RecipeError(f"{where}: key '{recipe}' is null, but `recipe run {recipe}` needs its section (without "
+                          f"it the run is `recipe run full`)")
+    return typed
 
 
 def typed_config(cfg: DictConfig, config_type: type) -> Any:

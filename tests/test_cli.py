@@ -527,3 +527,15 @@ def test_a_required_component_set_to_null_is_refused_by_validate(capsys):
     assert code == 1 and err.strip() == ("recipe: error: override 'optimizer=null': key 'optimizer' is required (a "
                                          "{_component_: dotted.path, ...} mapping): set it in the file or override "
                                          "optimizer=...")
+
+
+@pytest.mark.parametrize("recipe, config", [("lora", "lora/smollm2"), ("qat", "qat/smollm2")])
+def test_lora_or_qat_without_its_section_is_refused(recipe, config, tmp_path, capsys):
+    """`recipe run lora ... lora=null` trained every weight at LoRA's learning rate, wrote no adapter and exited 0
+    (`qat=null`: no fake quantization, no note)."""
+    code, _, err = cli_captured(capsys, ["run", recipe, "--config", config, f"{recipe}=null",
+                                         f"output_dir={tmp_path}/out"])
+    assert code == 1 and err.strip() == (f"recipe: error: override '{recipe}=null': key '{recipe}' is null, but "
+                                         f"`recipe run {recipe}` needs its section (without it the run is `recipe run "
+                                         f"full`)") and not (tmp_path / "out").exists()
+    assert cli_captured(capsys, ["validate", "full/smollm2", f"{recipe}=null"])[0] == 0
