@@ -16,7 +16,7 @@ from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.models.generation import generate
 from llm_recipe.components.models.loader import DTYPES
 from llm_recipe.components.quantization import load_checkpoint
-from llm_recipe.components.schema import DEVICE, Choice, Range
+from llm_recipe.components.schema import DEVICE, Choice, Pattern, Range
 from llm_recipe.components.settings import REQUIRED, section, setting
 from llm_recipe.components.train_config import SEED, ModelSection
 
@@ -26,7 +26,8 @@ class GenerateConfig:
     """The generate recipe's keys."""
 
     model: ModelSection = section(ModelSection, "the model that generates")
-    prompt: str = setting(REQUIRED, str, "the user message (or raw text when chat is false)")
+    prompt: str = setting(REQUIRED, Pattern(r"(?s).*\S.*", "some text (not empty)"),
+                          "the user message (or raw text when chat is false)")
     chat: bool = setting(True, bool, "wrap the prompt in the model's chat template (if it has one)")
     system: str | None = setting(None, (str, type(None)), "optional system message")
     max_new_tokens: int = setting(128, Range(int, ge=1), "stop after this many new tokens (or at an end-of-turn "

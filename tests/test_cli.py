@@ -539,3 +539,12 @@ def test_lora_or_qat_without_its_section_is_refused(recipe, config, tmp_path, ca
                                          f"`recipe run {recipe}` needs its section (without it the run is `recipe run "
                                          f"full`)") and not (tmp_path / "out").exists()
     assert cli_captured(capsys, ["validate", "full/smollm2", f"{recipe}=null"])[0] == 0
+
+
+@pytest.mark.parametrize("prompt", ['""', '"  "'])
+def test_generate_with_an_empty_prompt_is_refused(prompt, capsys):
+    """`prompt=""` with chat=false ended in an embedding's dtype traceback; with chat=true it generated from nothing."""
+    code, _, err = cli_captured(capsys, ["run", "generate", "--config", "generate/smollm2", f"prompt={prompt}"])
+    got = repr(prompt.strip('"'))
+    assert code == 1 and err.strip() == (f"recipe: error: override 'prompt={prompt}': key 'prompt' must be some text "
+                                         f"(not empty), got {got}")
