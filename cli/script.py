@@ -10,11 +10,12 @@ status.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..components.config import load_recipe_config, recipe_schema, shipped_configs
 from ..components.errors import RecipeError
@@ -34,6 +35,17 @@ def print_error(err: BaseException, debug: bool) -> None:
     print(f"recipe: error: {msg}", file=sys.stderr)
 
 
+class _RecipeArgParser(argparse.ArgumentParser):
+    """An option where an override belongs (`--max_steps 2`) gets the override's spelling in its error."""
+
+    def error(self, message: str) -> NoReturn:
+        options = re.findall(r"(?<![\w-])--([A-Za-z][\w.-]*)", message.partition("unrecognized arguments:")[2])
+        if options:
+            key = options[0].replace("-", "_")
+            message += f" (overrides are key.path=value, e.g. {key}=VALUE; `recipe keys` lists the keys)"
+        super().error(message)
+
+
 def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     """The `--config X [overrides] [--debug]` parser shared by recipe scripts and `recipe run`."""
     name = prog.rsplit(" ", 1)[-1]
@@ -41,7 +53,7 @@ def recipe_argparser(prog: str) -> argparse.ArgumentParser:
     # a CPU example runs on the embedded model where the recipe ships a config for it (not an 8B fp8 teacher)
     shipped = sorted(shipped, key=lambda c: "smollm2" not in c)
     example = f"{prog} --config {shipped[0]} device=cpu" if shipped else f"{prog} --config my_config.yaml device=cpu"
-    p = argparse.ArgumentParser(
+    p = _RecipeArgParser(
         prog=prog,
         description="Run a recipe with a config and key.path=value / ~key.path overrides (typed like YAML; "
         "~ deletes a key so the recipe's default applies).",

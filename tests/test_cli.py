@@ -548,3 +548,15 @@ def test_generate_with_an_empty_prompt_is_refused(prompt, capsys):
     got = repr(prompt.strip('"'))
     assert code == 1 and err.strip() == (f"recipe: error: override 'prompt={prompt}': key 'prompt' must be some text "
                                          f"(not empty), got {got}")
+
+
+def test_an_option_where_an_override_belongs_gets_the_overrides_spelling(capsys):
+    """`recipe run full --config X --max_steps 2` said only 'unrecognized arguments: --max_steps'."""
+    from llm_recipe.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--config", "full/smollm2", "--max_steps", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().endswith(
+        "unrecognized arguments: --max_steps (overrides are key.path=value, e.g. max_steps=VALUE; `recipe keys` "
+        "lists the keys)"), err
