@@ -55,6 +55,9 @@ def download(
         RevisionNotFoundError,
     )
 
+    endpoint = _endpoint()
+    if not endpoint.startswith(("http://", "https://")):  # httpx's UnsupportedProtocol traceback otherwise
+        raise RecipeError(f"HF_ENDPOINT {endpoint!r} must be a URL starting with https:// (or http://)")
     token = token or os.environ.get("HF_TOKEN") or None
     out = Path(output_dir).expanduser()
     page = f"{_endpoint()}/{repo_id}"

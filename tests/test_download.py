@@ -281,6 +281,13 @@ def test_missing_revision(hub, tmp_path):
     assert "revision 'v9' not found in 'org/tiny'" in err
 
 
+def test_an_endpoint_that_is_no_url_is_one_line(tmp_path):
+    """HF_ENDPOINT=notaurl ended in httpx's UnsupportedProtocol traceback."""
+    err = one_error_line(download("notaurl", tmp_path, "org/tiny", "--output-dir", str(tmp_path / "o")))
+    assert err == "recipe: error: HF_ENDPOINT 'notaurl' must be a URL starting with https:// (or http://)"
+    assert not (tmp_path / "o").exists()
+
+
 def test_unreachable_endpoint_says_offline(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
