@@ -23,6 +23,9 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transfer": ("a transfer set", ("transfer.json", "passages.jsonl", "chat.jsonl")),
     "eval": ("eval results", ("results.json",)),
 }
+# kind -> the file that says a folder really is its recipe's output folder (the names above alone are common words)
+RECORDS = {"training": "run.json", "kd_logits": "manifest.json", "quantize": "report.json",
+           "transfer": "transfer.json", "eval": "results.json"}
 RECIPE_KINDS = {"full": "training", "lora": "training", "qat": "training", "kd": "training",
                 "kd_logits": "kd_logits", "quantize": "quantize", "transfer": "transfer", "eval": "eval"}
 
@@ -48,12 +51,27 @@ def check_output_kind(recipe: str, output_dir: str | os.PathLike | None) -> None
     own = RECIPE_KINDS.get(recipe)
     if own is None or output_dir is None:
         return
+    _check_not_inside_outputs(recipe, Path(output_dir))
     for kind, names in kinds_in(output_dir).items():
         if kind != own:
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise RecipeError(f"{output_dir} holds {KINDS[kind][0]} ({shown}): recipe run {recipe} writes "
                               f"{KINDS[own][0]}, and two recipes' outputs in one folder would mix; choose another "
                               "output_dir (e.g. a subfolder)")
+
+
+def _check_not_inside_outputs(recipe: str, out: Path) -> None:
+    """RecipeError when `out` lies inside an output of a recipe's folder (a training run's model/, adapter/ or
+    checkpoints/, quantize's hf/): that run's resume or overwrite deletes or outdates whatever is written there
+    (eval results in a run's model/ vanished at its next resume=true, with no message)."""
+    path = out.expanduser().absolute()
+    for folder in path.parents:
+        child = path.relative_to(folder).parts[0]
+        for kind, names in kinds_in(folder).items():
+            if child in names and child != RECORDS[kind] and (folder / RECORDS[kind]).is_file():
+                raise RecipeError(f"{out} is inside {folder / child}, an output of {KINDS[kind][0]} in {folder}: "
+                                  f"that run's resume or overwrite would delete or outdate what recipe run {recipe} "
+                                  "writes there; choose an output_dir outside it")
 
 
 def free_folder(path: str, suffix: str) -> str:

@@ -252,6 +252,16 @@ def test_a_recipe_never_writes_into_another_recipes_output_dir(tmp_path, tiny_mo
     doc.expect("output-other-recipe", one_error(err), out=out, held="a training run",
                names="checkpoints, metrics.jsonl, model, ...", recipe="quantize", own="quantize exports")
     assert snapshot(out) == before
+    # nor inside the run's outputs: its next resume=true deleted eval results written into its model/
+    for recipe, config, inside, where in (("eval", "eval/smollm2", "model", out / "model" / "scores"),
+                                          ("quantize", "quantize/smollm2_8da4w", "checkpoints",
+                                           out / "checkpoints" / "step_000001")):
+        code, _, err = run(capsys, [f"model.checkpoint_dir={out / 'model'}", f"output_dir={where}", "device=cpu"],
+                           recipe=recipe, config=config)
+        assert code == 1
+        doc.expect("output-inside-outputs", one_error(err), out=where, inside=out / inside, held="a training run",
+                   folder=out, recipe=recipe)
+        assert snapshot(out) == before
 
     cache = tmp_path / "cache"  # what `recipe run kd_logits` leaves: a manifest and its shards
     cache.mkdir()
