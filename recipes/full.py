@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
+from llm_recipe.components.folders import check_context
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
@@ -70,6 +71,8 @@ class FullConfig(TrainConfig):
         """Checks across keys, at load: an fp8 LoRA base's device and dtype; a QAT conversion's device."""
         check_fp8_base_config(self.lora, self.device, self.dtype)
         check_qat_convert_config(self.qat, self.device, self.dtype)
+        check_context(self.dataset.max_seq_len, self.model.checkpoint_dir,
+                      config_source(self).where("dataset.max_seq_len"))
 
 
 CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)

@@ -19,6 +19,7 @@ from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
 from llm_recipe.components.errors import RecipeError
+from llm_recipe.components.folders import check_context
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.kd_settings import KDSettings
@@ -99,6 +100,8 @@ class KDConfig(TrainConfig):
         check_fp8_base_config(self.lora, self.device, self.dtype)
         check_qat_convert_config(self.qat, self.device, self.dtype)
         check_teacher_quant_config(self.teacher.quantize, self.device, self.dtype)
+        for folder in (self.student.checkpoint_dir, self.teacher.checkpoint_dir):
+            check_context(self.dataset.max_seq_len, folder, where("dataset.max_seq_len"))
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)
 

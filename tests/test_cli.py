@@ -560,3 +560,16 @@ def test_an_option_where_an_override_belongs_gets_the_overrides_spelling(capsys)
     assert e.value.code == 2 and err.strip().endswith(
         "unrecognized arguments: --max_steps (overrides are key.path=value, e.g. max_steps=VALUE; `recipe keys` "
         "lists the keys)"), err
+
+
+@pytest.mark.parametrize("config", ["full/smollm2", "kd/smollm2_demo"])
+def test_a_sequence_longer_than_the_models_context_is_refused_by_validate(config, capsys):
+    """`dataset.max_seq_len=100000000` (a few zeros too many) built a rotary table of 12+ GB and ended out of memory;
+    1000000 trained past SmolLM2's 8192-token context without a word."""
+    from llm_recipe.components.assets import embedded_model_dir
+
+    code, _, err = cli_captured(capsys, ["validate", config, "dataset.max_seq_len=1000000"])
+    assert code == 1 and err.strip() == (
+        "recipe: error: override 'dataset.max_seq_len=1000000': key 'dataset.max_seq_len' is 1000000, longer than "
+        f"the model's context in {embedded_model_dir()} (8192 tokens: config.json's max_position_embeddings)")
+    assert cli_captured(capsys, ["validate", config, "dataset.max_seq_len=8192"])[0] == 0
