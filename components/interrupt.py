@@ -68,7 +68,7 @@ def interrupted_message(err: BaseException) -> str:
         return ("interrupted during training (second Ctrl-C): the current step was not saved; resume=true "
                 "continues from the latest checkpoint")
     if _state["written"] is None:
-        return "interrupted during setup (nothing was written)"
+        return "interrupted during setup (no output yet: the same command starts again)"
     return (f"interrupted (Ctrl-C); outputs completed before it are kept (the last: {_state['written']}), "
             "nothing half-written is left")
 
