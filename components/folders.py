@@ -65,7 +65,12 @@ def check_model_dir(path: str | os.PathLike) -> None:
     if not p.is_dir():
         raise RecipeError(f"{path} is a file, not a model folder")
     if not (p / "config.json").is_file():
-        raise RecipeError(f"{path} is not a Hugging Face model folder: it has no config.json")
+        hint = ""
+        if (p / "run.json").is_file() and (p / "model" / "config.json").is_file():
+            hint = f"; it holds a training run: its model is {Path(path) / 'model'}"
+        elif (p / "adapter_config.json").is_file() and (p.parent / "model" / "config.json").is_file():
+            hint = f"; it is a PEFT adapter: the merged model is {Path(path).parent / 'model'}"
+        raise RecipeError(f"{path} is not a Hugging Face model folder: it has no config.json{hint}")
 
 
 def _nearest_existing(p: Path) -> Path:

@@ -157,3 +157,23 @@ def test_set_aside_puts_back_folders_links_and_names_with_underscores(tmp_path):
     (older / "manifest.json").write_text("{}")
     put_back(tmp_path, older, [])
     assert (tmp_path / "manifest.json").is_file()
+
+
+def test_a_training_runs_folder_or_its_adapter_as_a_model_folder_names_the_model(tmp_path):
+    """model.checkpoint_dir=<a run's output_dir> (or its adapter/) said only 'no config.json'."""
+    run = tmp_path / "lora2"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "run.json").write_text("{}")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(RecipeError) as e:
+        check_model_dir(run)
+    assert str(e.value) == f"{run} is not a Hugging Face model folder: it has no config.json; it holds a training " \
+        f"run: its model is {run / 'model'}"
+    with pytest.raises(RecipeError) as e:
+        check_model_dir(run / "adapter")
+    assert str(e.value).endswith(f"; it is a PEFT adapter: the merged model is {run / 'model'}")
+    with pytest.raises(RecipeError) as e:
+        check_model_dir(tmp_path)
+    assert str(e.value) == f"{tmp_path} is not a Hugging Face model folder: it has no config.json"
