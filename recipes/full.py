@@ -31,6 +31,7 @@ from llm_recipe.components.quantization import (
     set_fake_quant_enabled,
 )
 from llm_recipe.components.quantization.fp8_base import check_fp8_base_config
+from llm_recipe.components.quantization.schemes import check_group_size_config
 from llm_recipe.components.runs import discard_overwritten
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
@@ -71,8 +72,11 @@ class FullConfig(TrainConfig):
         """Checks across keys, at load: an fp8 LoRA base's device and dtype; a QAT conversion's device."""
         check_fp8_base_config(self.lora, self.device, self.dtype)
         check_qat_convert_config(self.qat, self.device, self.dtype)
-        check_context(self.dataset.max_seq_len, self.model.checkpoint_dir,
-                      config_source(self).where("dataset.max_seq_len"))
+        where = config_source(self).where
+        check_context(self.dataset.max_seq_len, self.model.checkpoint_dir, where("dataset.max_seq_len"))
+        if self.qat is not None:
+            check_group_size_config(self.qat.scheme, self.qat.group_size, self.model.checkpoint_dir,
+                                    "qat.group_size", where)
 
 
 CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys full`)

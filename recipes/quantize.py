@@ -38,7 +38,7 @@ from llm_recipe.components.quantization.export_gguf import (
     qtype_for_scheme,
 )
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
-from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES
+from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES, check_group_size_config
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
@@ -81,8 +81,9 @@ class QuantizeConfig:
 
     def check(self) -> None:
         """At load (`recipe validate` says it too): a .pte needs the one scheme that lowers to XNNPACK."""
+        where = config_source(self).where
+        check_group_size_config(self.scheme, self.group_size, self.model.checkpoint_dir, "group_size", where)
         if "pte" in self.formats and self.scheme != "8da4w":
-            where = config_source(self).where
             raise RecipeError(f"{where('formats')}: key 'formats': pte needs scheme 8da4w (the only one that lowers "
                               f"to XNNPACK here), but scheme is {self.scheme}; drop pte or set scheme: 8da4w")
 

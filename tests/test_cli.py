@@ -573,3 +573,14 @@ def test_a_sequence_longer_than_the_models_context_is_refused_by_validate(config
         "recipe: error: override 'dataset.max_seq_len=1000000': key 'dataset.max_seq_len' is 1000000, longer than "
         f"the model's context in {embedded_model_dir()} (8192 tokens: config.json's max_position_embeddings)")
     assert cli_captured(capsys, ["validate", config, "dataset.max_seq_len=8192"])[0] == 0
+
+
+@pytest.mark.parametrize("config, key", [("quantize/smollm2_8da4w", "group_size"), ("qat/smollm2", "qat.group_size")])
+def test_a_group_size_that_does_not_divide_the_model_is_refused_by_validate(config, key, capsys):
+    """`group_size=7` passed `recipe validate` and failed only after the weights loaded and a perplexity pass."""
+    from llm_recipe.components.assets import embedded_model_dir
+
+    code, _, err = cli_captured(capsys, ["validate", config, f"{key}=7"])
+    assert code == 1 and err.strip() == (
+        f"recipe: error: override '{key}=7': key '{key}': 7 does not divide the input width 576 of "
+        f"{embedded_model_dir()}'s linear layers (config.json); choose a divisor of 576 (e.g. 32)")

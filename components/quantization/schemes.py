@@ -135,6 +135,28 @@ def linear_filter(include_output: bool = False) -> Callable[[nn.Module, str], bo
     return keep
 
 
+def check_group_size_config(scheme: str, group_size: int, folder: str | None, key: str,
+                            where: Callable[[str], str]) -> None:
+    """At config load (`recipe validate` too): `group_size` (the config's `key`) against the widths a local model's
+    config.json gives, so that a wrong one fails in a second, not after the weights load and a perplexity pass."""
+    import json
+    from pathlib import Path
+
+    if folder is None or not scheme_info(scheme).grouped:
+        return
+    try:
+        cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
+        widths = {cfg["hidden_size"], cfg["intermediate_size"]}
+        if cfg.get("head_dim"):
+            widths.add(cfg["num_attention_heads"] * cfg["head_dim"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not here, or not a config we read: `check_group_size` checks the loaded model
+    for width in sorted(widths):
+        if isinstance(width, int) and width % group_size:
+            raise RecipeError(f"{where(key)}: key '{key}': {group_size} does not divide the input width {width} of "
+                              f"{folder}'s linear layers (config.json); choose a divisor of {width} (e.g. 32)")
+
+
 def check_group_size(model: nn.Module, scheme: str, group_size: int, include_output: bool = False) -> None:
     """Grouped schemes need every quantized layer's input width divisible by `group_size`; name the first
     layer that is not (torchao would otherwise skip or assert deep inside)."""
