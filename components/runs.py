@@ -268,8 +268,11 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     (`record_resume_changes` writes it to run.json once the checkpoint has loaded); without, only the check
     (`recipe run` before it launches torchrun). Another recipe's run, and changes of `SHAPE_KEYS`, are refused."""
     out = Path(cfg.output_dir)
-    recipe = run.get("recipe")
-    if isinstance(recipe, str) and recipe != recipe_of(cfg):
+    recipe, command = run.get("recipe"), run.get("command")
+    # full / lora / qat share full.py: their runs differ by command (a lora run resumed by `recipe run full` was
+    # refused only as a list of changed lora.* keys)
+    if (isinstance(recipe, str) and recipe != recipe_of(cfg)
+            or isinstance(command, str) and command != recipe_command(cfg)):
         raise RecipeError(f"resume=true, but {out} holds a run of `recipe run {_command(run)}` ({out / RUN_FILE}): a "
                           f"run resumes only with the recipe that started it; start a new {recipe_command(cfg)} run "
                           "in another output_dir")

@@ -222,6 +222,11 @@ def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, cap
     assert code == 1
     doc.expect("resume-other-recipe", one_error(err), out=out, recipe="lora", own="kd")
     assert snapshot(out) == before
+    # the same loop (full.py) without the lora section: another command, said as such (it listed lora.* changes)
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true"), "full", "full/smollm2")
+    assert code == 1
+    doc.expect("resume-other-recipe", one_error(err), out=out, recipe="lora", own="full")
+    assert snapshot(out) == before
 
     from llm_recipe.components.runtime import Runtime
 
