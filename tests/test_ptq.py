@@ -108,3 +108,8 @@ def test_sizes(tmp_path):
     assert "4.00x" in s["text"]
     with pytest.raises(RecipeError, match="no such file"):
         size_on_disk(tmp_path / "missing")
+    # a training checkpoint as the source: its optimizer state (recipe_state/) is no part of the model's size
+    (tmp_path / "before" / "recipe_state").mkdir()
+    (tmp_path / "before" / "recipe_state" / "optimizer.safetensors").write_bytes(b"o" * 3000)
+    assert size_on_disk(tmp_path / "before") == 5000
+    assert summarize_sizes(tmp_path / "before", tmp_path / "after.gguf")["before_bytes"] == 4000

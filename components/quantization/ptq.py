@@ -45,19 +45,21 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, include_
 
 
 def size_on_disk(path: str | os.PathLike) -> int:
-    """Bytes of a file, or of all files under a folder (a HF folder, a .gguf, a .pte)."""
+    """Bytes of a file, or of the files of a model folder (a HF folder, a .gguf, a .pte). A folder's subfolders are
+    not the model: a training checkpoint keeps its optimizer state in recipe_state/ (counted, a checkpoint read as
+    544.7 MiB against its model's 516.5)."""
     p = Path(path)
     if p.is_file():
         return p.stat().st_size
     if p.is_dir():
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
     raise RecipeError(f"{p}: no such file or folder")
 
 
 def _weights_bytes(path: Path) -> int:
     """Weight files only when `path` is a model folder (tokenizer and config are noise for a ratio)."""
     if path.is_dir():
-        files = [f for f in path.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".bin", ".gguf", ".pte")]
+        files = [f for f in path.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".gguf", ".pte")]
         if files:
             return sum(f.stat().st_size for f in files)
     return size_on_disk(path)
