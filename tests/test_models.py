@@ -221,3 +221,22 @@ def test_a_bf16_merge_is_peft_merge_rounded_once(dora, tmp_path):
             assert torch.equal(w, ref), f"{key}: {(w != ref).float().mean():.2%} of the weights differ"
         checked += 1
     assert checked == 5 * TINY["num_hidden_layers"]
+
+
+def test_a_quantized_folder_as_a_float_source_says_so(tiny_model_dir, tmp_path):
+    """Re-quantizing (or training from) a `recipe run quantize` hf/ export failed 15 s in with 'weights do not match
+    config.json (missing [...q_proj.weight], unexpected [...q_proj._weight_qdata])'."""
+    import json
+    import shutil
+
+    from llm_recipe.components.errors import RecipeError
+    from llm_recipe.components.models import load_model
+
+    q = tmp_path / "hf"
+    shutil.copytree(tiny_model_dir, q)
+    cfg = json.loads((q / "config.json").read_text())
+    (q / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "torchao"}}))
+    with pytest.raises(RecipeError) as e:
+        load_model(q)
+    assert str(e.value) == (f"{q} is already quantized (torchao: quantization_config in config.json): train or "
+                            "quantize from the float model it was made from (e.g. a run's model/)")

@@ -91,6 +91,11 @@ def load_model(
 ) -> tuple[TransformerDecoder, ModelArgs]:
     """Build the decoder for a HF folder and load its weights; LoRA params are freshly initialised."""
     args = read_model_args(ckpt_dir)
+    quantized = args.hf_config.get("quantization_config")
+    if quantized:  # was 'weights do not match config.json (missing ..., unexpected ..._weight_qdata)', 15 s in
+        method = quantized.get("quant_method", "a quantization") if isinstance(quantized, dict) else "a quantization"
+        raise RecipeError(f"{ckpt_dir} is already quantized ({method}: quantization_config in config.json): train or "
+                          "quantize from the float model it was made from (e.g. a run's model/)")
     check_weight_shapes(ckpt_dir, args)  # from the headers, before GBs are read and the model is built
     if keep_layers is not None:
         check_keep_layers(keep_layers, args.num_layers)
