@@ -230,7 +230,11 @@ def check_new_run(cfg: Any) -> None:
         return
     held = previous_run(cfg.output_dir)
     if held:
-        raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): resume=true continues it; "
+        run = read_run(cfg.output_dir) or {}
+        other = _command(run) if run.get("command", recipe_command(cfg)) != recipe_command(cfg) else None
+        # another command's run resumes only with that command (check_resume_config): do not offer resume=true here
+        resume = f"`recipe run {other} ... resume=true` continues it" if other else "resume=true continues it"
+        raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): {resume}; "
                           "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
 
 

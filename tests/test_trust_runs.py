@@ -227,6 +227,10 @@ def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, cap
     assert code == 1
     doc.expect("resume-other-recipe", one_error(err), out=out, recipe="lora", own="full")
     assert snapshot(out) == before
+    # a new run there: the refusal offers the command that can resume it (plain resume=true is refused, above)
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=3"), "full", "full/smollm2")
+    assert code == 1 and ": `recipe run lora ... resume=true` continues it; overwrite=true deletes" in one_error(err)
+    assert snapshot(out) == before
 
     from llm_recipe.components.runtime import Runtime
 
