@@ -291,7 +291,7 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           "with resume_with_changes=true; put them back, or start a new run (overwrite=true or "
                           "another output_dir)")
     if changed and not getattr(cfg, "resume_with_changes", False):
-        raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} started with "
+        raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} last ran with "
                           f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
                           "values: put them back, or add resume_with_changes=true to continue with the new ones "
                           "(or start a new run: overwrite=true or another output_dir)")
