@@ -60,7 +60,7 @@ def download(
         raise RecipeError(f"HF_ENDPOINT {endpoint!r} must be a URL starting with https:// (or http://)")
     token = token or os.environ.get("HF_TOKEN") or None
     out = Path(output_dir).expanduser()
-    page = f"{_endpoint()}/{repo_id}"
+    page = f"{endpoint}/{repo_id}"
     try:
         path = snapshot_download(
             repo_id,

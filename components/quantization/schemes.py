@@ -5,8 +5,10 @@ One table shared by PTQ, QAT and the exports, so a scheme name means the same nu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -139,9 +141,6 @@ def check_group_size_config(scheme: str, group_size: int, folder: str | None, ke
                             where: Callable[[str], str]) -> None:
     """At config load (`recipe validate` too): `group_size` (the config's `key`) against the widths a local model's
     config.json gives, so that a wrong one fails in a second, not after the weights load and a perplexity pass."""
-    import json
-    from pathlib import Path
-
     if folder is None or not scheme_info(scheme).grouped:
         return
     try:
