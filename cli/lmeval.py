@@ -84,10 +84,10 @@ def main(argv: list[str]) -> int:
         for key in ("device", "batch_size"):
             if key in model_args:
                 setattr(args, key, model_args.pop(key))
-    if getattr(args, "model", None) == "recipe" and isinstance(model_args, dict) and model_args.get("checkpoint"):
-        from ..components.quantization.load import check_checkpoint_dir
+        if model_args.get("checkpoint"):
+            from ..components.quantization.load import check_checkpoint_dir
 
-        check_checkpoint_dir(model_args["checkpoint"])  # a wrong folder fails now, before lm-eval builds its tasks
+            check_checkpoint_dir(model_args["checkpoint"])  # a wrong folder fails now, before lm-eval builds tasks
     if hasattr(args, "device") and args.device is None:  # lm-eval would ask for cuda:0, warn and fall back on a CPU
         import torch
 

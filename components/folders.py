@@ -39,22 +39,7 @@ LOCK_NAME = ".recipe.lock"
 # flock is not available on some network filesystems (e.g. Lustre without -o flock): fall back to the pid check
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-__all__ = ["LOCK_NAME", "check_context", "check_loggers", "check_model_dir", "check_output_dir", "lock_output_dir", "prepared_run"]
-
-
-def check_context(max_seq_len: int, folder: str | os.PathLike | None, where: str) -> None:
-    """RecipeError when `max_seq_len` (set at `where`) is longer than the context of the model in `folder`
-    (config.json's max_position_embeddings; a folder not here is checked by the run). Unchecked, a typo of a few
-    zeros built a rotary table of gigabytes and ended out of memory, or trained past the model's context silently."""
-    if folder is None:
-        return
-    try:
-        context = json.loads((Path(folder).expanduser() / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return  # no folder or no readable config.json: the model loader says so
-    if isinstance(context, int) and max_seq_len > context:
-        raise RecipeError(f"{where}: key 'dataset.max_seq_len' is {max_seq_len}, longer than the model's context in "
-                          f"{folder} ({context} tokens: config.json's max_position_embeddings)")
+__all__ = ["LOCK_NAME", "check_loggers", "check_model_dir", "check_output_dir", "lock_output_dir", "prepared_run"]
 
 
 def check_model_dir(path: str | os.PathLike) -> None:

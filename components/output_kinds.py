@@ -67,8 +67,8 @@ def _check_not_inside_outputs(recipe: str, out: Path) -> None:
     path = out.expanduser().absolute()
     for folder in path.parents:
         child = path.relative_to(folder).parts[0]
-        for kind, names in kinds_in(folder).items():
-            if child in names and child != RECORDS[kind] and (folder / RECORDS[kind]).is_file():
+        for kind, record in RECORDS.items():
+            if child != record and child in KINDS[kind][1] and (folder / record).is_file():
                 raise RecipeError(f"{out} is inside {folder / child}, an output of {KINDS[kind][0]} in {folder}: "
                                   f"that run's resume or overwrite would delete or outdate what recipe run {recipe} "
                                   "writes there; choose an output_dir outside it")

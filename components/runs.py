@@ -230,9 +230,8 @@ def check_new_run(cfg: Any) -> None:
         return
     held = previous_run(cfg.output_dir)
     if held:
-        run = read_run(cfg.output_dir) or {}
-        other = _command(run) if run.get("command", recipe_command(cfg)) != recipe_command(cfg) else None
         # another command's run resumes only with that command (check_resume_config): do not offer resume=true here
+        other = _other_command(read_run(cfg.output_dir) or {}, cfg)
         resume = f"`recipe run {other} ... resume=true` continues it" if other else "resume=true continues it"
         raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): {resume}; "
                           "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
@@ -265,6 +264,16 @@ def check_resume(cfg: Any, ckpt: Path) -> None:
         check_resume_config(cfg, run, ckpt.name)
 
 
+def _other_command(run: dict[str, Any], cfg: Any) -> str | None:
+    """The `recipe run` name of `run` (run.json) when another command than `cfg`'s started it, else None. full /
+    lora / qat share full.py, so their runs differ by command (a lora run resumed by `recipe run full` was refused
+    only as a list of changed lora.* keys)."""
+    recipe, command = run.get("recipe"), run.get("command")
+    if isinstance(recipe, str) and recipe != recipe_of(cfg) or isinstance(command, str) and command != recipe_command(cfg):
+        return _command(run)
+    return None
+
+
 def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     """The resumed config against the values `run` (run.json) started with (llm_recipe.components.resume_changes):
     changes to keys that change what the run computes are a RecipeError naming each key and both values unless
@@ -272,11 +281,7 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     (`record_resume_changes` writes it to run.json once the checkpoint has loaded); without, only the check
     (`recipe run` before it launches torchrun). Another recipe's run, and changes of `SHAPE_KEYS`, are refused."""
     out = Path(cfg.output_dir)
-    recipe, command = run.get("recipe"), run.get("command")
-    # full / lora / qat share full.py: their runs differ by command (a lora run resumed by `recipe run full` was
-    # refused only as a list of changed lora.* keys)
-    if (isinstance(recipe, str) and recipe != recipe_of(cfg)
-            or isinstance(command, str) and command != recipe_command(cfg)):
+    if _other_command(run, cfg):
         raise RecipeError(f"resume=true, but {out} holds a run of `recipe run {_command(run)}` ({out / RUN_FILE}): a "
                           f"run resumes only with the recipe that started it; start a new {recipe_command(cfg)} run "
                           "in another output_dir")

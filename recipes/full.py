@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
-from llm_recipe.components.folders import check_context
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
+from llm_recipe.components.models.args import check_context
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     QATSettings,

@@ -19,13 +19,13 @@ from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
 from llm_recipe.components.data.sources import check_data_files
 from llm_recipe.components.errors import RecipeError
-from llm_recipe.components.folders import check_context
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.kd_settings import KDSettings
 from llm_recipe.components.losses import LiveTeacher, kd_and_ce
 from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
+from llm_recipe.components.models.args import check_context
 from llm_recipe.components.models.prune import StudentSettings, check_student_layers, student_layers
 from llm_recipe.components.on_policy import HeldOut, OnPolicy, check_on_policy, load_prompt_set
 from llm_recipe.components.on_policy_prompts import PROMPTS_KEY

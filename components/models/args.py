@@ -141,6 +141,28 @@ def read_model_args(ckpt_dir: str | Path) -> ModelArgs:
     return ModelArgs.from_hf_config(cfg, source=str(path))
 
 
+def local_model_args(folder: str | Path | None) -> ModelArgs | None:
+    """`read_model_args` of a model folder on this machine, for the checks a config runs at load (`recipe validate`
+    too); None for a folder not here or a config.json it cannot read: the model loader says what is wrong."""
+    if folder is None or not (Path(folder).expanduser() / "config.json").is_file():
+        return None
+    try:
+        return read_model_args(Path(folder).expanduser())
+    except RecipeError:
+        return None
+
+
+def check_context(max_seq_len: int, folder: str | Path | None, where: str) -> None:
+    """RecipeError when `max_seq_len` (set at `where`) is longer than the context of the model in `folder`
+    (config.json's max_position_embeddings; a folder not here is checked by the run). Unchecked, a typo of a few
+    zeros built a rotary table of gigabytes and ended out of memory, or trained past the model's context silently."""
+    args = local_model_args(folder)
+    context = args.hf_config.get("max_position_embeddings") if args is not None else None
+    if isinstance(context, int) and max_seq_len > context:
+        raise RecipeError(f"{where}: key 'dataset.max_seq_len' is {max_seq_len}, longer than the model's context in "
+                          f"{folder} ({context} tokens: config.json's max_position_embeddings)")
+
+
 def expected_shapes(args: ModelArgs, hf_name: str) -> list[tuple[str, int]] | None:
     """What config.json says the shape of the HF tensor `hf_name` is, one `(config key(s), size)` per dimension,
     or None for a tensor it says nothing about."""

@@ -5,10 +5,8 @@ One table shared by PTQ, QAT and the exports, so a scheme name means the same nu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -141,17 +139,13 @@ def check_group_size_config(scheme: str, group_size: int, folder: str | None, ke
                             where: Callable[[str], str]) -> None:
     """At config load (`recipe validate` too): `group_size` (the config's `key`) against the widths a local model's
     config.json gives, so that a wrong one fails in a second, not after the weights load and a perplexity pass."""
-    if folder is None or not scheme_info(scheme).grouped:
-        return
-    try:
-        cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
-        widths = {cfg["hidden_size"], cfg["intermediate_size"]}
-        if cfg.get("head_dim"):
-            widths.add(cfg["num_attention_heads"] * cfg["head_dim"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # not here, or not a config we read: `check_group_size` checks the loaded model
-    for width in sorted(widths):
-        if isinstance(width, int) and width % group_size:
+    from ..models.args import local_model_args
+
+    args = local_model_args(folder) if scheme_info(scheme).grouped else None
+    if args is None:
+        return  # not grouped, or no model here: `check_group_size` checks the loaded model
+    for width in sorted({args.hidden_size, args.intermediate_size, args.num_heads * args.head_dim}):
+        if width % group_size:
             raise RecipeError(f"{where(key)}: key '{key}': {group_size} does not divide the input width {width} of "
                               f"{folder}'s linear layers (config.json); choose a divisor of {width} (e.g. 32)")
 
