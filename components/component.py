@@ -162,6 +162,17 @@ def _check_allowed(dotted: str, allow: tuple[str, ...] | None, key: str, where: 
                           f"{' or '.join(allow)}")
 
 
+def _default_type(sig: inspect.Signature, name: str) -> type | tuple[type, ...] | None:
+    """The plain type an argument's default has (bool, int, float or str), or None to check nothing: an argument
+    without a spec still refuses a value of another kind (`amsgrad: yes_please` was taken as true). null stays
+    allowed (the callable decides), and an int is a fine float."""
+    param = sig.parameters.get(name)
+    if param is None or param.default is param.empty:
+        return None
+    kind = type(param.default)
+    return (kind, type(None)) if kind in (bool, int, float, str) else None
+
+
 def validate_component(node: Any, key: str, where: Where, spec: ComponentSpec | None = None) -> None:
     """Check a `{_component_: dotted.path, **kwargs}` node against `spec` before anything is built: the path is
     allowed and imports, the arguments bind to its signature and pass their specs; nested nodes likewise.
@@ -201,8 +212,11 @@ def validate_component(node: Any, key: str, where: Where, spec: ComponentSpec | 
             raise RecipeError(f"{where(key)}: key '{key}': cannot bind to {dotted}: {e}") from e
     for k in names:
         child = node[k]
-        if arg_specs and k in arg_specs:
-            problem = spec_problem(arg_specs[k], child)
+        expected = arg_specs.get(k) if arg_specs else None
+        if expected is None and sig is not None:
+            expected = _default_type(sig, k)
+        if expected is not None:
+            problem = spec_problem(expected, child)
             if problem is not None:
                 raise RecipeError(f"{where(f'{key}.{k}')}: key '{key}.{k}' {problem}")
         nested = ComponentSpec(allow) if allow is not None else None  # nested components obey the same allow-list

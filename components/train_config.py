@@ -21,7 +21,8 @@ from .settings import REQUIRED, section, setting
 # optimizers whose range is known are checked, others bind to the signature only.
 OPTIMIZER = COMPONENT(allow=("torch.optim.", "torchao.optim.", "llm_recipe.components.optim."), lr=Range(float, gt=0),
                       weight_decay=Range(float, ge=0), eps=Range(float, gt=0),
-                      betas=ListOf(Range(float, ge=0, lt=1), min_len=2, max_len=2))
+                      betas=ListOf(Range(float, ge=0, lt=1), min_len=2, max_len=2),
+                      block_size=Range(int, ge=1), bucket_numel=Range(int, ge=1), minimal_size=Range(int, ge=0))
 
 
 # The run keys several recipes read, each declared once here.

@@ -288,3 +288,25 @@ def test_load_config_registers_our_resolvers_itself(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "True"
+
+
+def test_optimizer_argument_values_are_checked_before_anything_loads():
+    """Optimizer arguments were checked by name only: torchao AdamW8bit `block_size: 0` was a ZeroDivisionError
+    traceback after setup, and `amsgrad: yes_please` was taken as true. An argument without a range of its own
+    must have the kind of value its default has."""
+    from llm_recipe.components.config import load_recipe_config
+    from llm_recipe.recipes.full import CONFIG
+
+    def refused(*overrides: str) -> str:
+        with pytest.raises(RecipeError) as e:
+            load_recipe_config("lora/smollm2", list(overrides), CONFIG, recipe="lora")
+        return str(e.value)
+
+    assert refused("optimizer._component_=torchao.optim.AdamW8bit", "optimizer.block_size=0") == (
+        "override 'optimizer.block_size=0': key 'optimizer.block_size' must be an int >= 1, got 0")
+    assert refused("optimizer.amsgrad=yes_please") == (
+        "override 'optimizer.amsgrad=yes_please': key 'optimizer.amsgrad' must be bool or null, got str 'yes_please'")
+    assert "key 'optimizer.maximize' must be bool" in refused("optimizer.maximize=1")
+    cfg = load_recipe_config("lora/smollm2", ["optimizer.amsgrad=true", "optimizer.lr=1", "optimizer.fused=null"],
+                             CONFIG, recipe="lora")
+    assert cfg.optimizer["amsgrad"] is True and cfg.optimizer["lr"] == 1
