@@ -14,6 +14,7 @@ from pathlib import Path
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.checkpoint.atomic import atomic_write_bytes
+from llm_recipe.components.config import config_source
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.quantization import load_checkpoint
@@ -67,6 +68,13 @@ class TransferConfig:
     generation: Generation = section(Generation, "how the teacher samples")
     decontaminate: bool = setting(True, bool, "drop rows sharing a 13-word span with the eval pack")
     compile: bool = compile_key("compile the teacher's one-token decode step with CUDA graphs (GPU)")
+
+    def check(self) -> None:
+        """At load: some prompts to answer (0 passages and 0 chat questions loaded the teacher, then wrote nothing)."""
+        if self.prompts.passages == 0 and self.prompts.chat == 0:
+            where = config_source(self).where
+            raise RecipeError(f"{where('prompts.chat')}: prompts.passages and prompts.chat are both 0: nothing to "
+                              "generate; give either a count (null: all)")
 
 
 CONFIG = TransferConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys transfer`)
