@@ -29,11 +29,15 @@ FREE_KEYS = frozenset({
 # Keys whose change makes a checkpoint not fit the model or optimizer built now (other adapter shapes or targets,
 # another optimizer's state): refused even with resume_with_changes, before anything loads.
 SHAPE_KEYS = frozenset({"lora", "lora.rank", "lora.targets", "lora.use_dora", "optimizer._component_"})
+# Keys whose change alters the training rows, so the checkpoint's data position would not fit: kd.on_policy's
+# held-out prompts come out of the dataset (set or dropped, or another count). Refused like SHAPE_KEYS, before
+# anything loads (the data loader said so only after the weights had loaded, naming its example count).
+DATA_SHAPE_KEYS = frozenset({"kd.on_policy", "kd.on_policy.held_out"})
 # Keys that say how this command treats the folder, not what the run computes: never compared.
 _CONTROL_KEYS = frozenset({"output_dir", "resume", "overwrite", "resume_with_changes"})
 _NOT_SET = "<not set>"
 
-__all__ = ["FREE_KEYS", "SHAPE_KEYS", "config_changes", "describe_changes", "resolved_values"]
+__all__ = ["DATA_SHAPE_KEYS", "FREE_KEYS", "SHAPE_KEYS", "config_changes", "describe_changes", "resolved_values"]
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -80,9 +84,16 @@ def config_changes(recorded: dict[str, Any], cfg: Any) -> tuple[dict[str, tuple]
     return changed, free
 
 
+def _word(value: Any) -> str:
+    # a section's own key is <not set> when the section was given (its keys were recorded one by one)
+    return "a section" if value == _NOT_SET else yaml_word(value)
+
+
 def describe_changes(changes: dict[str, tuple], limit: int = 6) -> str:
     """`key: old -> new` for each change (YAML spellings: null, true), at most `limit`, then how many more."""
-    parts = [f"{k}: {yaml_word(old)} -> {yaml_word(new)}" for k, (old, new) in list(changes.items())[:limit]]
+    # a section set or dropped is one change: its own keys, then present on one side only, are not listed
+    changes = {k: v for k, v in changes.items() if not any(k.startswith(p + ".") for p in changes)}
+    parts = [f"{k}: {_word(old)} -> {_word(new)}" for k, (old, new) in list(changes.items())[:limit]]
     if len(changes) > limit:
         parts.append(f"and {len(changes) - limit} more")
     return ", ".join(parts)

@@ -35,7 +35,7 @@ from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
 from .launch import is_rank0
-from .resume_changes import SHAPE_KEYS, config_changes, describe_changes, resolved_values
+from .resume_changes import DATA_SHAPE_KEYS, SHAPE_KEYS, config_changes, describe_changes, resolved_values
 from .set_aside import discard, put_back, put_back_leftovers, set_aside, set_aside_folders
 
 RUN_FILE = "run.json"
@@ -295,6 +295,13 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           f"({out / RUN_FILE}): its checkpoint's adapters or optimizer state would not fit, even "
                           "with resume_with_changes=true; put them back, or start a new run (overwrite=true or "
                           "another output_dir)")
+    rows = {k: v for k, v in changed.items() if k in DATA_SHAPE_KEYS}
+    if rows:
+        raise RecipeError(f"resume=true, but {describe_changes(rows)} differ from the run in {out} "
+                          f"({out / RUN_FILE}): kd.on_policy's held-out prompts come out of the dataset, so the "
+                          "checkpoint's data position would not fit the rows trained on now, even with "
+                          "resume_with_changes=true; put them back, or start a new run (overwrite=true or another "
+                          "output_dir)")
     if changed and not getattr(cfg, "resume_with_changes", False):
         raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} last ran with "
                           f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "

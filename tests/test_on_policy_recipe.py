@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import on_policy_common as opc
 import pytest
 import recipes_common as rc
+import reliability_doc as doc
 import torch
 
 from llm_recipe.components.data.dataset import DatasetConfig
@@ -345,3 +346,20 @@ def test_teacher_embedding_on_the_host_changes_no_number(tmp_path, models, monke
         assert said == (where == "host")
     assert any(r["on_policy_batches"] for r in runs["host"][0])
     assert runs["host"] == runs["device"]
+
+
+def test_a_resume_that_changes_the_held_out_rows_is_refused_before_loading(tmp_path, models, capsys):
+    """kd.on_policy dropped (or its held_out changed) on a resume, even with resume_with_changes=true: the held-out
+    rows come out of the dataset, so the checkpoint's data position cannot fit. It failed after the weights loaded,
+    naming the data loader's example count; now one line at setup naming the key, the run left as it was."""
+    out = tmp_path / "run"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "max_steps=1", f"output_dir={out}"]) == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    resume = [*_kd(models), "max_steps=2", f"output_dir={out}", "resume=true", "resume_with_changes=true"]
+    for change, said in (("kd.on_policy=null", "kd.on_policy: a section -> null"),
+                         ("kd.on_policy.held_out=2", "kd.on_policy.held_out: 3 -> 2")):
+        code, _, err = rc.run_captured(capsys, "kd", "kd/smollm2_demo", [*resume, change])
+        assert code == 1
+        doc.expect("resume-rows-changed", rc.one_error(err), out=out, changes=said)
+        assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*resume, "kd.on_policy.fraction=0.25"]) == 0  # same rows
