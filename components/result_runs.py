@@ -70,8 +70,13 @@ def _differing(earlier: dict[str, Any], now: dict[str, Any], keys: list[str]) ->
             continue
         if key == "source_files":
             if earlier.get(SOURCE_KEY) == now.get(SOURCE_KEY):  # else the source's own line says it all
-                changed = sorted(n for n in {*(old or {}), *(new or {})} if (old or {}).get(n) != (new or {}).get(n))
-                diffs.append(f"the weights in {now[SOURCE_KEY]} changed since ({', '.join(changed[:3])})")
+                old, new = old or {}, new or {}
+                changed = sorted(n for n in {*old, *new} if old.get(n) != new.get(n))
+                # sizes and times, not contents, are compared (hashing gigabytes at every run is not free): a file
+                # of the same size written again is said as such (a byte-identical copy reads the same way)
+                rewritten = all(n in old and n in new and old[n][0] == new[n][0] for n in changed)
+                how = ": rewritten, same size" if rewritten else ""
+                diffs.append(f"the weights in {now[SOURCE_KEY]} changed since ({', '.join(changed[:3])}{how})")
         else:
             diffs.append(f"{key}: {json.dumps(old)} then, {json.dumps(new)} now")
     return diffs

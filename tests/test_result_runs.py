@@ -72,7 +72,15 @@ def test_quantize_keeps_one_quantization_per_folder(tmp_path, tiny_copy, capsys,
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     code, _, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]")
     assert code == 1
-    assert f"the weights in {tiny_copy.resolve()} changed since ({weights.name})" in one_error(err)
+    assert f"the weights in {tiny_copy.resolve()} changed since ({weights.name}: rewritten, same size)" in one_error(err)
+    assert snapshot(out) == before
+    # a file of another size: named alone (config.json is part of what the exports are computed from)
+    config = tiny_copy / "config.json"
+    config.write_text(config.read_text() + "\n")
+    code, _, err = quantize(capsys, tiny_copy, out, "scheme=8da4w", "formats=[gguf]")
+    assert code == 1
+    assert (f"the weights in {tiny_copy.resolve()} changed since (config.json, {weights.name})"
+            in one_error(err)), one_error(err)
     assert snapshot(out) == before
 
     # overwrite=true that fails during its run (an export error): the earlier outputs come back as they were
