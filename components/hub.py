@@ -9,13 +9,35 @@ from pathlib import Path
 
 from .errors import RecipeError
 
-__all__ = ["download"]
+__all__ = ["download", "hub_unreachable"]
 
 
 def _endpoint() -> str:
     from huggingface_hub import constants
 
     return constants.ENDPOINT
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub (HF_ENDPOINT) cannot be reached, when its host name does not resolve (no network), else None.
+    huggingface_hub retries a request that fails so for ~30 s, printing each try; callers check first and say it
+    in one line. Not checked when HF_HUB_OFFLINE is set (no request is made) or a proxy resolves names."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                                                                    "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(_endpoint())
+    if not url.hostname:
+        return None
+    try:
+        socket.getaddrinfo(url.hostname, url.port or (80 if url.scheme == "http" else 443), type=socket.SOCK_STREAM)
+    except OSError:
+        return f"{_endpoint()} is unreachable (its name does not resolve: no network?)"
+    return None
 
 
 def _offline_error(repo_id: str) -> RecipeError:

@@ -536,6 +536,49 @@ def test_missing_data_file_finds_local_files_that_are_not_there(tmp_path, monkey
         load_rows("json", data_files=["a.jsonl", "gone.jsonl"])  # the loader says the same, without the location
 
 
+def test_a_hub_dataset_without_network_is_one_line_before_anything_loads(tmp_path, monkeypatch):
+    """A Hub dataset with no network: huggingface_hub retried for ~30 s, printing each try twice, then failed.
+    The recipes' first check (`check_data_files`) now says it at once, naming the key and both ways out; local
+    sources, packaged builders and HF_HUB_OFFLINE (no request made: the cache answers) are not checked."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from llm_recipe.components.data.dataset import DatasetConfig
+    from llm_recipe.components.data.sources import check_data_files
+
+    asked = []
+
+    def no_dns(host, *a, **k):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(RecipeError) as e:
+        check_data_files(DatasetConfig(source="someorg/someset"), lambda key: "cfg.yaml:3")
+    assert str(e.value) == (
+        f"cfg.yaml:3: key 'dataset.source': 'someorg/someset' is a Hugging Face Hub dataset, but {constants.ENDPOINT} "
+        "is unreachable (its name does not resolve: no network?): set HF_HUB_OFFLINE=1 to load it from your Hugging "
+        "Face cache, or point dataset.source at a local file or folder")
+    assert asked
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    asked.clear()
+    for local in (DatasetConfig(source="a.jsonl"), DatasetConfig(source="json", data_files="a.jsonl"),
+                  DatasetConfig(source="transfer:chat")):
+        check_data_files(local)
+    assert not asked
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    check_data_files(DatasetConfig(source="someorg/someset"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the proxy resolves names, not this machine
+    check_data_files(DatasetConfig(source="someorg/someset"))
+    assert not asked
+
+
 def test_a_source_datasets_cannot_load_is_one_line_without_python_none(monkeypatch):
     """No `name=None` in the message: null is what a config would say, and an unset name is no news."""
     import datasets

@@ -269,3 +269,20 @@ def check_data_files(dataset: Any, where: Callable[[str], str] | None = None, ke
         name = f"{key}.{missing[0]}"
         at = f"{where(name)}: " if where is not None else ""
         raise RecipeError(f"{at}key '{name}': {missing[1]}")
+    if _is_hub_name(dataset.source):
+        from ..hub import hub_unreachable
+
+        why = hub_unreachable()
+        if why is not None:  # datasets would retry for ~30 s, printing every try, then fail the same way
+            at = f"{where(f'{key}.source')}: " if where is not None else ""
+            raise RecipeError(f"{at}key '{key}.source': '{dataset.source}' is a Hugging Face Hub dataset, but {why}: "
+                              f"set HF_HUB_OFFLINE=1 to load it from your Hugging Face cache, or point {key}.source "
+                              "at a local file or folder")
+
+
+def _is_hub_name(source: Any) -> bool:
+    """Whether `load_rows` would ask the Hub for `source`: not a local file or folder, a packaged builder
+    (`json` with data_files) or a shipped `transfer:` set."""
+    if not isinstance(source, str) or not source or source in _LOCAL_BUILDERS or source.startswith(TRANSFER_PREFIX):
+        return False
+    return not source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists()
