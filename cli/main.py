@@ -165,6 +165,11 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
     schema = recipe_schema(recipe_config(module))
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
     check_output_kind(name, getattr(cfg, "output_dir", None))
+    if isinstance(getattr(cfg, "device", None), str):  # a CPU host's device=cuda: one line, not one per rank
+        from ..components.runtime import check_device
+
+        n = str(torchrun_ns.nproc_per_node)
+        check_device(cfg.device, getattr(cfg, "dtype", "fp32"), int(n) if n.isdigit() else 1)
     with prepared_run(cfg, schema, lock=False):
         if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import (

@@ -259,20 +259,12 @@ class Runtime:
         self.distributed = False
 
 
-def setup_runtime(
-    device: str = "auto", dtype: str = "bf16", seed: int = 0, deterministic: bool | None = None
-) -> Runtime:
-    """Pick device and dtype, join the torchrun process group if launched by torchrun, seed every RNG.
-
-    `device`: "auto" (cuda when available), "cpu", "cuda" or "cuda:N". `deterministic` (default: on for CPU)
-    turns on `torch.use_deterministic_algorithms(True, warn_only=True)`.
-    """
+def check_device(device: str, dtype: str, processes: int = 1) -> torch.device:
+    """The device `device` names (auto: cuda when available) after checking that it exists here, that `dtype`
+    runs on it and, for `processes` ranks of one node on CUDA, that each has a GPU. A RecipeError names the value.
+    `recipe run` calls it before torchrun starts the ranks (one line, not one per rank); `setup_runtime` in each."""
     if dtype not in DTYPES:
         raise RecipeError(f"dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -284,6 +276,32 @@ def setup_runtime(
             raise RecipeError(f"device={device!r} but CUDA is not available here: use device=cpu or auto")
         if dev.type not in ("cpu", "cuda"):
             raise RecipeError(f"device={device!r} is not supported: use auto, cpu or cuda")
+    if dev.type == "cuda" and processes > torch.cuda.device_count():
+        raise RecipeError(f"{processes} processes on device={device!r}, but only {torch.cuda.device_count()} GPU(s) "
+                          "are visible: one GPU per process (--nproc-per-node)")
+    torch_dtype = DTYPES[dtype]
+    if dev.type == "cuda" and torch_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise RecipeError(
+            f"dtype=bf16 but {torch.cuda.get_device_name(dev)} has no bf16 support: use dtype=fp32 (or fp16)"
+        )
+    if dev.type == "cpu" and torch_dtype is torch.float16:
+        raise RecipeError("dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
+    return dev
+
+
+def setup_runtime(
+    device: str = "auto", dtype: str = "bf16", seed: int = 0, deterministic: bool | None = None
+) -> Runtime:
+    """Pick device and dtype, join the torchrun process group if launched by torchrun, seed every RNG.
+
+    `device`: "auto" (cuda when available), "cpu", "cuda" or "cuda:N". `deterministic` (default: on for CPU)
+    turns on `torch.use_deterministic_algorithms(True, warn_only=True)`.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    dev = check_device(device, dtype)
     if dev.type == "cuda":
         index = local_rank if world_size > 1 or dev.index is None else dev.index
         if index >= torch.cuda.device_count():
@@ -294,12 +312,6 @@ def setup_runtime(
         torch.cuda.set_device(dev)
 
     torch_dtype = DTYPES[dtype]
-    if dev.type == "cuda" and torch_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise RecipeError(
-            f"dtype=bf16 but {torch.cuda.get_device_name(dev)} has no bf16 support: use dtype=fp32 (or fp16)"
-        )
-    if dev.type == "cpu" and torch_dtype is torch.float16:
-        raise RecipeError("dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
     if dev.type == "cpu" and torch_dtype is torch.bfloat16:
         if rank == 0:
             log.warning("dtype=bf16 on CPU: running in fp32 instead (bf16 is emulated and slower on CPU)")

@@ -511,6 +511,28 @@ def test_a_wrong_process_count_is_one_line(n, tmp_path, capsys):
                                          f"/ cpu, got '{n}'") and not (tmp_path / "out").exists()
 
 
+def test_a_device_the_host_lacks_is_one_line_before_torchrun_starts(tmp_path, capsys, monkeypatch):
+    """device=cuda on a CPU host under torchrun: each rank said it after ~20 s of start-up, then torchrun's own
+    failure lines. Now `recipe run` says it once, before any rank starts; also more ranks than GPUs."""
+    import torch
+
+    def run(*overrides: str) -> tuple[int, str]:
+        code, _, err = cli_captured(capsys, ["run", "--nproc-per-node", "2", "--standalone", "full", "--config",
+                                             "full/smollm2", f"output_dir={tmp_path}/out", *overrides])
+        return code, err.strip()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run("device=cuda") == (1, "recipe: error: device='cuda' but CUDA is not available here: use device=cpu "
+                                     "or auto")
+    assert run("device=cpu", "dtype=fp16") == (1, "recipe: error: dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or "
+                                                  "bf16) on CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert run("device=cuda") == (1, "recipe: error: 2 processes on device='cuda', but only 1 GPU(s) are visible: "
+                                     "one GPU per process (--nproc-per-node)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_demo_with_a_file_for_its_folder_is_refused_before_anything_runs(tmp_path, capsys):
     """`recipe demo --output-dir FILE` evaluated the teacher for ~17 s, then ended in a NotADirectoryError traceback."""
     f = tmp_path / "notes.txt"
