@@ -4,6 +4,7 @@ when workers fail (which rank first, and how), and Ctrl-C / SIGTERM passed on to
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..components.errors import RecipeError
-from ..components.interrupt import FORWARDED, FORWARDED_ENV, STOPPED_FILE
+from ..components.interrupt import FORWARDED, FORWARDED_ENV, REPORT_PREFIX, STOPPED_FILE
 
 
 def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, list[str]]:
@@ -41,6 +42,11 @@ def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, lis
     return ns, ns.training_script, list(ns.training_script_args)
 
 
+def _stopped_ranks(failures: dict) -> list[int]:
+    """The ranks torchrun stopped (SIGTERM) because another one failed."""
+    return sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGTERM)
+
+
 def _workers_failed_message(failures: dict) -> str:
     """One line for torchrun's ChildFailedError: which ranks failed and how, apart from the ranks torchrun then
     stopped (SIGTERM), so a rank killed by a signal is not lost among the ranks stopped because of it."""
@@ -53,7 +59,7 @@ def _workers_failed_message(failures: dict) -> str:
         hint = " (the kernel's out-of-memory killer sends it when host memory runs out)" if name == "SIGKILL" else ""
         return f"{'were' if plural else 'was'} killed by {name}{hint}"
 
-    stopped = sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGTERM)
+    stopped = _stopped_ranks(failures)
     causes = {r: f for r, f in failures.items() if r not in stopped} or failures
     by_code: dict[int, list[int]] = {}
     for r, f in sorted(causes.items()):
@@ -165,6 +171,22 @@ class ForwardStop:
         except (OSError, ValueError):
             return None
 
+    def print_reports(self) -> set[int]:
+        """Print the last lines the ranks of this node left (`to_launcher`), each distinct line once, in rank order;
+        returns the ranks that left one."""
+        lines: dict[str, None] = {}
+        ranks: set[int] = set()
+        for f in sorted(Path(self._folder).glob(f"{REPORT_PREFIX}*")):
+            try:
+                text = f.read_text()
+                ranks.add(int(f.name[len(REPORT_PREFIX):]))
+            except (OSError, ValueError):
+                continue
+            lines.update(dict.fromkeys(ln for ln in text.splitlines() if ln.strip()))
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        return ranks
+
     def startup_only(self, failures: dict) -> bool:
         """Every worker was stopped by the forwarded signal before its handlers were in place (imports)."""
         early = {-int(s) for s in FORWARDED} | {-int(signal.SIGINT)}
@@ -184,21 +206,35 @@ def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) 
     ns.training_script_args = script_args
     # torchrun sets OMP_NUM_THREADS=1 when it is unset; a user's own value is kept (workers inherit it)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(ns.nproc_per_node)))
+    # torchrun logs a line for each worker it stops and each that failed (its exit code, pid and a pointer to
+    # torch's error docs), beside the ranks' own lines and ours below that says the same: kept with --debug only
+    worker_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = worker_log.level
+    if "--debug" not in script_args:
+        worker_log.setLevel(logging.CRITICAL)
     with ForwardStop(ns) as stop:
         try:
             run(ns)
-        except ChildFailedError as e:  # each failed rank already printed its own `recipe: error: ...` line
+        except ChildFailedError as e:
+            said = stop.print_reports()  # the ranks' own lines, each once
+            # a rank killed by a signal says nothing: then the summary names it
+            explained = all(r in said for r in e.failures if r not in _stopped_ranks(e.failures))
             if stop.received is None:
+                if said and explained:  # every rank that failed said why
+                    return 1
                 raise RecipeError(_workers_failed_message(e.failures)) from e
             if stop.startup_only(e.failures):
                 print(f"recipe: interrupted ({stop.name()}) while the workers started: no step ran", file=sys.stderr)
-            else:
+            elif not (said and explained):
                 print(f"recipe: interrupted ({stop.name()}): {_workers_failed_message(e.failures)}", file=sys.stderr)
             return stop.exit_status()
         except KeyboardInterrupt:
             print(f"recipe: interrupted ({stop.name()}) with no worker running", file=sys.stderr)
             return stop.exit_status()
+        finally:
+            worker_log.setLevel(level)
         # the workers ended well: finished, or stopped at a checkpoint (rank 0 said which step)
+        stop.print_reports()
         stopped = stop.stopped_status()
     if stopped is not None:
         if stop.received is None:  # asked on another node (or a worker was signalled): rank 0's line is there

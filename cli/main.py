@@ -170,6 +170,9 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
 
         n = str(torchrun_ns.nproc_per_node)
         check_device(cfg.device, getattr(cfg, "dtype", "fp32"), int(n) if n.isdigit() else 1)
+    from ..components.data.sources import check_config_data_files
+
+    check_config_data_files(cfg, config_source(cfg).where)  # a missing data file: once, not once per rank
     with prepared_run(cfg, schema, lock=False):
         if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import (

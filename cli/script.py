@@ -20,7 +20,13 @@ from typing import Any, NoReturn
 from ..components.config import load_recipe_config, recipe_schema, shipped_configs
 from ..components.errors import RecipeError
 from ..components.folders import prepared_run
-from ..components.interrupt import exit_status, interrupted_message, reset, take_forwarded_signals
+from ..components.interrupt import (
+    exit_status,
+    interrupted_message,
+    reset,
+    take_forwarded_signals,
+    to_launcher,
+)
 from ..components.oom import is_out_of_memory, out_of_memory_message
 from ..components.output_kinds import check_output_kind
 
@@ -32,7 +38,8 @@ def print_error(err: BaseException, debug: bool) -> None:
     if debug:
         traceback.print_exception(err)
     msg = " ".join(str(err).split("\n"))
-    print(f"recipe: error: {msg}", file=sys.stderr)
+    if debug or not to_launcher(f"recipe: error: {msg}"):  # a rank of `recipe run`: its launcher prints it once
+        print(f"recipe: error: {msg}", file=sys.stderr)
 
 
 class _RecipeArgParser(argparse.ArgumentParser):
@@ -131,5 +138,7 @@ def run_recipe_script(
         if getattr(e, "main", True):  # under torchrun rank 0 says where the ranks stopped
             from tqdm import tqdm  # on a line of its own, not after a progress bar the Ctrl-C cut mid-line
 
-            tqdm.write(f"recipe: {interrupted_message(e)}", file=sys.stderr)
+            line = f"recipe: {interrupted_message(e)}"
+            if args.debug or not to_launcher(line):
+                tqdm.write(line, file=sys.stderr)
         raise SystemExit(exit_status(e)) from None

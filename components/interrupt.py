@@ -23,9 +23,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORWARDED", "FORWARDED_ENV", "STOPPED_FILE", "StopRequest", "TrainingInterrupted", "exit_status",
-           "interrupted_message", "note_continues", "note_training", "note_written", "reset",
-           "take_forwarded_signals"]
+__all__ = ["FORWARDED", "FORWARDED_ENV", "REPORT_PREFIX", "STOPPED_FILE", "StopRequest", "TrainingInterrupted",
+           "exit_status", "interrupted_message", "note_continues", "note_training", "note_written", "reset",
+           "take_forwarded_signals", "to_launcher"]
 
 # Set by `recipe run` for its torchrun workers (cli/launch.py): it passes a user's SIGINT / SIGTERM on as
 # `FORWARDED` (the workers' own SIGTERM stays torchrun's way to stop them) and exits 128 + the signal itself, so a
@@ -33,6 +33,7 @@ __all__ = ["FORWARDED", "FORWARDED_ENV", "STOPPED_FILE", "StopRequest", "Trainin
 FORWARDED_ENV = "LLM_RECIPE_FORWARDS_SIGNALS"  # the launcher's folder for this run (its workers on this node)
 STOPPED_FILE = "stopped"  # in it: the exit status of the ranks that stopped at a checkpoint
 FORWARDED = {signal.SIGUSR1: signal.SIGINT, signal.SIGUSR2: signal.SIGTERM}  # what a worker gets -> what it means
+REPORT_PREFIX = "report."  # in it: a rank's last line (`recipe: error: ...`), for the launcher to print once
 
 # What this run has done so far, for the line a Ctrl-C prints (`interrupted_message`).
 _state: dict[str, Any] = {"training": False, "written": None, "continues": None}
@@ -85,6 +86,22 @@ def take_forwarded_signals() -> None:
 def _terminate(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)
+
+
+def to_launcher(line: str) -> bool:
+    """A worker of `recipe run` with several ranks leaves its last line (`recipe: error: ...`, `recipe: interrupted
+    ...`) in the launcher's folder instead of printing it: the launcher prints each distinct line once (every rank
+    failing the same check printed it once per rank, between torchrun's own lines). False, and nothing written,
+    elsewhere: the caller prints the line."""
+    folder = os.environ.get(FORWARDED_ENV)
+    if not folder or int(os.environ.get("WORLD_SIZE", "1")) < 2 or not os.path.isdir(folder):
+        return False
+    try:
+        with open(os.path.join(folder, f"{REPORT_PREFIX}{int(os.environ.get('RANK', '0')):06d}"), "a") as f:
+            f.write(line.replace("\n", " ") + "\n")
+    except OSError:
+        return False
+    return True
 
 
 def exit_status(err: KeyboardInterrupt) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
-from llm_recipe.components.data.sources import check_data_files
+from llm_recipe.components.data.sources import check_config_data_files
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
 from llm_recipe.components.metrics import MetricLogger, check_finite
@@ -84,7 +84,7 @@ CONFIG = FullConfig  # the keys this recipe reads: their types, defaults, ranges
 
 def main(cfg: FullConfig) -> None:
     # Local data files the config names must be there: one line now, not after the weights load.
-    check_data_files(cfg.dataset, config_source(cfg).where)
+    check_config_data_files(cfg, config_source(cfg).where)
     setup = SetupLog()  # says what setup is doing and how long each part takes, from launch on
     with setup.phase("device"):  # CUDA and, under torchrun, the process group
         rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)

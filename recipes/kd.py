@@ -17,7 +17,7 @@ import torch
 
 from llm_recipe.cli.script import run_recipe_script
 from llm_recipe.components.config import config_source
-from llm_recipe.components.data.sources import check_data_files
+from llm_recipe.components.data.sources import check_config_data_files
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.fsdp import accumulate
 from llm_recipe.components.interrupt import StopRequest
@@ -28,7 +28,6 @@ from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.models.args import check_context
 from llm_recipe.components.models.prune import StudentSettings, check_student_layers, student_layers
 from llm_recipe.components.on_policy import HeldOut, OnPolicy, check_on_policy, load_prompt_set
-from llm_recipe.components.on_policy_prompts import PROMPTS_KEY
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     KD_QAT_KEYS,
@@ -111,10 +110,8 @@ CONFIG = KDConfig  # the keys this recipe reads: their types, defaults, ranges a
 
 def main(cfg: KDConfig) -> None:
     # Local data files the config names must be there: one line now, not after the weights load.
-    check_data_files(cfg.dataset, config_source(cfg).where)
+    check_config_data_files(cfg, config_source(cfg).where)
     on_policy, qat = cfg.kd.on_policy, cfg.qat
-    if on_policy is not None and on_policy.prompts is not None:
-        check_data_files(on_policy.prompts, config_source(cfg).where, key=PROMPTS_KEY)
     setup = SetupLog()  # says what setup is doing and how long each part takes, from launch on
     with setup.phase("device"):  # CUDA and, under torchrun, the process group
         rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)

@@ -30,7 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from llm_recipe.cli.script import run_recipe_script
+from llm_recipe.components.config import config_source
 from llm_recipe.components.data.dataset import DatasetConfig, TokenizedDataset, build_dataset, loss_tokens
+from llm_recipe.components.data.sources import check_config_data_files
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.logits_cache import (
     CacheWriter,
@@ -163,6 +165,7 @@ def _closing_command(cfg: KDLogitsConfig, kd, header: dict, tokenizer_dir: str) 
 
 
 def main(cfg: KDLogitsConfig) -> None:
+    check_config_data_files(cfg, config_source(cfg).where)  # a missing file or offline Hub set: one line, now
     kd = _kd_config(cfg.kd_config)
     rt = setup_runtime(cfg.device, cfg.dtype, cfg.seed)
     teacher_dir = cfg.teacher.checkpoint_dir

@@ -223,7 +223,8 @@ def test_qat_two_processes_match_one(pair, tiny_model_dir, tmp_path):
 
 def test_qlora_unshardable_nf4_is_one_line_error(tmp_path, tiny_model_dir):
     """The tiny model's 64x64 NF4 weights hold one double-quantization factor each, which FSDP2 cannot split
-    over 2 ranks: a one-line error naming the weight, not an AssertionError from inside torchao."""
+    over 2 ranks: a one-line error naming the weight, not an AssertionError from inside torchao. Said once: every
+    rank failed the same way and printed it, between torchrun's lines for each worker and a summary line."""
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", *TWO, "lora", "--config", "lora/smollm2",
                            *TRAIN, f"model.checkpoint_dir={tiny_model_dir}", LORA, "lora.quantize_base=true",
                            f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=rc.cli_env(), capture_output=True,
@@ -232,6 +233,8 @@ def test_qlora_unshardable_nf4_is_one_line_error(tmp_path, tiny_model_dir):
     lines = [ln for ln in proc.stderr.splitlines() if "recipe: error:" in ln and "NF4 weight" in ln]
     assert lines and "layers.0.attn.q_proj.weight" in lines[0] and "block_size*scaler_block_size" in lines[0]
     assert "AssertionError" not in proc.stderr
+    assert proc.stderr.count("recipe: error:") == 1 and proc.stderr.splitlines()[-1] == lines[0], proc.stderr[-3000:]
+    assert "closing signal" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _worker_pid(launcher: int, rank: int) -> int | None:

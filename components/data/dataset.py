@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
+from ..launch import is_rank0
 from ..schema import Choice, Range
 from ..settings import REQUIRED, check_fields, setting
 from .collate import PackedDataset, collate
@@ -129,7 +130,7 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         if prompt_only or any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
             items.append(item)
     dropped = len(rows) - len(items)
-    if dropped:
+    if dropped and is_rank0():  # every rank builds the same rows: said once
         log.warning("dataset: dropped %d of %d rows with no target tokens within max_seq_len=%d",
                     dropped, len(rows), max_seq_len)
     if not items:

@@ -280,6 +280,26 @@ def check_data_files(dataset: Any, where: Callable[[str], str] | None = None, ke
                               "at a local file or folder")
 
 
+def check_config_data_files(cfg: Any, where: Callable[[str], str] | None = None) -> None:
+    """`check_data_files` for every dataset section of a typed config (`dataset`, `kd.on_policy.prompts`, ...): the
+    recipes call it first in `main`, and `recipe run` before torchrun starts any rank (one line, not one per rank
+    after 20 s of start-up)."""
+    from dataclasses import fields, is_dataclass
+
+    from .dataset import DatasetConfig
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, DatasetConfig):
+                check_data_files(value, where, key=f"{prefix}{f.name}")
+            elif is_dataclass(value) and not isinstance(value, type):
+                walk(value, f"{prefix}{f.name}.")
+
+    if is_dataclass(cfg) and not isinstance(cfg, type):
+        walk(cfg, "")
+
+
 def _is_hub_name(source: Any) -> bool:
     """Whether `load_rows` would ask the Hub for `source`: not a local file or folder, a packaged builder
     (`json` with data_files) or a shipped `transfer:` set."""
