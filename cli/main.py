@@ -22,7 +22,7 @@ from ..components.config import (
     shipped_configs,
 )
 from ..components.errors import RecipeError, read_utf8
-from ..components.folders import check_loggers, prepared_run
+from ..components.folders import check_loggers, create_output_dirs, prepared_run
 from ..components.output_kinds import check_output_kind
 from .launch import launch_torchrun, split_run_args
 from .parser import build_parser
@@ -159,21 +159,30 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
         with recipe_folder_importable(recipe):  # a user's recipe may import modules next to it while it runs
             run_recipe_script(recipe_config(module), module.main, argv=script_args, name=name)
         return 0
-    # Validate (and check the folders) once here so a bad config fails in one line instead of once per rank;
-    # rank 0 takes the output folder's lock.
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
-    schema = recipe_schema(recipe_config(module))
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
+    check_before_launch(name, cfg, recipe_schema(recipe_config(module)), torchrun_ns)
+    file = recipe_file(recipe)[1]
+    if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
+        script_args = [*script_args, "--config", str(config_source(cfg).file)]
+    return launch_torchrun(torchrun_ns, file, script_args)
+
+
+def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argparse.Namespace) -> None:
+    """What every rank would check at its start, checked once here before torchrun starts them, so a bad config,
+    device, data file or output folder is one line now, not one per rank after their start-up: the output folder's
+    kind, the device and dtype for this many ranks per node, the data files, the folders and, for training, the
+    run the folder holds (new or resumed with the same values); then the output folders are created."""
     check_output_kind(name, getattr(cfg, "output_dir", None))
-    if isinstance(getattr(cfg, "device", None), str):  # a CPU host's device=cuda: one line, not one per rank
+    if isinstance(getattr(cfg, "device", None), str):
         from ..components.runtime import check_device
 
         n = str(torchrun_ns.nproc_per_node)
         check_device(cfg.device, getattr(cfg, "dtype", "fp32"), int(n) if n.isdigit() else 1)
     from ..components.data.sources import check_config_data_files
 
-    check_config_data_files(cfg, config_source(cfg).where)  # a missing data file: once, not once per rank
-    with prepared_run(cfg, schema, lock=False):
+    check_config_data_files(cfg, config_source(cfg).where)
+    with prepared_run(cfg, schema, lock=False):  # rank 0 takes the output folder's lock
         if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
             from ..components.runs import (
                 check_new_run,
@@ -185,12 +194,10 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
             recover_killed_overwrite(cfg.output_dir)  # once, before any rank looks at the folder
             check_new_run(cfg)
             run = read_run(cfg.output_dir) if cfg.resume else None
-            if run is not None:  # a resume with other values fails here once, not once per rank
+            if run is not None:
                 check_resume_config(cfg, run, at=None)
-    file = recipe_file(recipe)[1]
-    if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
-        script_args = [*script_args, "--config", str(config_source(cfg).file)]
-    return launch_torchrun(torchrun_ns, file, script_args)
+        if int(getattr(torchrun_ns, "node_rank", 0) or 0) == 0:  # the node whose rank 0 writes there
+            create_output_dirs(cfg, schema)
 
 
 def cmd_download(args: argparse.Namespace) -> int:

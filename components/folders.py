@@ -190,6 +190,20 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
         os.close(fd)
 
 
+def create_output_dirs(cfg: Any, schema: Mapping[str, Any]) -> None:
+    """Create every `OutputDir` folder a config names (`recipe run` before torchrun starts the ranks: a folder that
+    cannot be made, `/sys/x`, is one line naming the key, not one per rank after their start-up)."""
+    src = config_source(cfg)
+    values = cfg if isinstance(cfg, DictConfig) else asdict(cfg)
+    for key, _, value in walk_specs(values, dict(schema), (OutputDir,)):
+        if value is None:
+            continue
+        try:
+            Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecipeError(f"{src.where(key)}: key '{key}': cannot create {value}: {e.strerror}") from e
+
+
 # ----------------------------------------------------------------------------------------------- a run
 
 

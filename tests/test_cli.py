@@ -533,6 +533,34 @@ def test_a_device_the_host_lacks_is_one_line_before_torchrun_starts(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+def test_a_missing_data_file_or_uncreatable_folder_is_one_line_before_torchrun_starts(tmp_path, capsys, monkeypatch):
+    """Under torchrun each rank found these after ~20 s of start-up and printed them once per rank, between
+    torchrun's lines; now `recipe run` says them once before launching anything."""
+    from llm_recipe.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main, "launch_torchrun", lambda *a: pytest.fail("launched"))
+    base = ["run", "--nproc-per-node", "2", "--standalone", "full", "--config", "full/smollm2", "device=cpu"]
+    code, _, err = cli_captured(capsys, [*base, f"dataset.source={tmp_path}/gone.jsonl", f"output_dir={tmp_path}/o"])
+    assert code == 1 and err.strip() == (f"recipe: error: override 'dataset.source={tmp_path}/gone.jsonl': key "
+                                         f"'dataset.source': no such file or directory: {tmp_path}/gone.jsonl")
+    assert not (tmp_path / "o").exists()
+    import errno
+    import pathlib
+
+    blocked, mkdir = tmp_path / "sys" / "nope", pathlib.Path.mkdir  # as /sys/nope for root: the check passes,
+    (tmp_path / "sys").mkdir()                                      # mkdir does not
+
+    def no_mkdir(self, *a, **k):
+        if self == blocked:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return mkdir(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", no_mkdir)
+    code, _, err = cli_captured(capsys, [*base, f"output_dir={blocked}"])
+    assert code == 1 and err.strip() == (f"recipe: error: override 'output_dir={blocked}': key 'output_dir': cannot "
+                                         f"create {blocked}: Operation not permitted")
+
+
 def test_demo_with_a_file_for_its_folder_is_refused_before_anything_runs(tmp_path, capsys):
     """`recipe demo --output-dir FILE` evaluated the teacher for ~17 s, then ended in a NotADirectoryError traceback."""
     f = tmp_path / "notes.txt"
