@@ -226,7 +226,10 @@ def check_new_run(cfg: Any) -> None:
     """RecipeError when a new run (`resume: false`, no `overwrite: true`) would write into a folder holding an
     earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun.
     `cfg`: a training recipe's typed config (components/train_config.py: TrainConfig)."""
-    if cfg.resume or cfg.overwrite:
+    if cfg.resume:
+        return
+    if cfg.overwrite:
+        _check_inputs_survive(cfg)
         return
     held = previous_run(cfg.output_dir)
     if held:
@@ -235,6 +238,24 @@ def check_new_run(cfg: Any) -> None:
         resume = f"`recipe run {other} ... resume=true` continues it" if other else "resume=true continues it"
         raise RecipeError(f"{cfg.output_dir} already holds a run ({', '.join(held)}): {resume}; "
                           "overwrite=true deletes its outputs and starts a new run; or choose another output_dir")
+
+
+def _check_inputs_survive(cfg: Any) -> None:
+    """overwrite=true deletes the earlier run's outputs: a model folder the new run reads from among them (training
+    from the earlier run's `model/`) was moved aside before it loaded, and the run failed on a folder that was there
+    a moment before ("no config.json"). Refused before anything moves, naming the key."""
+    from dataclasses import asdict
+
+    from .config import config_source, recipe_schema
+    from .schema import ModelDir, walk_specs
+
+    out = Path(cfg.output_dir)
+    outputs = [p.resolve() for p in _run_outputs(out)]
+    for key, _, value in walk_specs(asdict(cfg), recipe_schema(type(cfg)), (ModelDir,)):
+        if value and any(Path(value).resolve().is_relative_to(o) for o in outputs):
+            raise RecipeError(f"{config_source(cfg).where(key)}: key '{key}': {value} is among the outputs of the "
+                              f"earlier run in {out}, which overwrite=true deletes: copy it elsewhere first and "
+                              "read it from there, or choose another output_dir")
 
 
 def start_run(cfg: Any) -> None:

@@ -393,3 +393,21 @@ def test_torchrun_launch_is_refused_once_before_any_worker_starts(tmp_path, tiny
     assert code == 1
     doc.expect("output-holds-run", one_error(err), out=out)
     assert "worker" not in err and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_overwrite_refuses_to_train_from_the_outputs_it_deletes(tmp_path, tiny_model_dir, capsys):
+    """`overwrite=true model.checkpoint_dir=<out>/model`: the earlier run's model/ was set aside before the weights
+    loaded, and the run failed on "no config.json" in a folder that was there a moment before. Refused first,
+    naming the key, with the earlier run left as it was; a model folder elsewhere in output_dir is not an output."""
+    out = tmp_path / "run"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=1"))[0] == 0
+    before = snapshot(out)
+    code, _, err = run(capsys, args(out / "model", out, "max_steps=1", "overwrite=true"))
+    assert code == 1 and one_error(err) == (
+        f"recipe: error: override 'model.checkpoint_dir={out / 'model'}': key 'model.checkpoint_dir': "
+        f"{out / 'model'} is among the outputs of the earlier run in {out}, which overwrite=true deletes: copy it "
+        "elsewhere first and read it from there, or choose another output_dir")
+    assert snapshot(out) == before
+    shutil.copytree(tiny_model_dir, out / "base")  # the user's own folder inside output_dir: kept, so allowed
+    assert run(capsys, args(out / "base", out, "max_steps=1", "overwrite=true"))[0] == 0
+    assert (out / "base" / "config.json").is_file() and (out / "model" / "config.json").is_file()
