@@ -4,14 +4,16 @@ when workers fail (which rank first, and how), and Ctrl-C / SIGTERM passed on to
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..components.errors import RecipeError
 from ..components.interrupt import FORWARDED, FORWARDED_ENV, REPORT_PREFIX, STOPPED_FILE
@@ -27,6 +29,7 @@ def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, lis
 
     parser = get_args_parser()
     parser.prog = "recipe run"
+    parser.error = functools.partial(_torchrun_usage_error, parser)  # one line, not torchrun's 20-line usage
     ns = parser.parse_args(argv)
     for opt in ("module", "no_python", "run_path"):
         if getattr(ns, opt, False):
@@ -40,6 +43,23 @@ def split_run_args(argv: list[str]) -> tuple[argparse.Namespace | None, str, lis
         if not torch.cuda.is_available():
             raise RecipeError("--nproc-per-node gpu: no CUDA GPU is visible here (use a number, or cpu)")
     return ns, ns.training_script, list(ns.training_script_args)
+
+
+def _torchrun_usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A wrong torchrun option: one `recipe: error:` line (with the nearest option for a typo), exit 2 as argparse."""
+    import difflib
+
+    hint = ""
+    unknown = re.findall(r"(?<!\S)(--?[\w-]+)", message.partition("unrecognized arguments:")[2])
+    if unknown and unknown[0] in ("--config", "--debug"):  # the recipe's own: the recipe name went to an option
+        hint = " (the recipe's name was read as the value of the option before it: is that option's value missing?)"
+    elif unknown:
+        options = [o for a in parser._actions for o in a.option_strings]
+        close = difflib.get_close_matches(unknown[0], options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+    print(f"recipe: error: torchrun options: {message}{hint}; they come before the recipe (`recipe run --help`)",
+          file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _stopped_ranks(failures: dict) -> list[int]:

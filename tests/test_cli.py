@@ -561,6 +561,18 @@ def test_a_missing_data_file_or_uncreatable_folder_is_one_line_before_torchrun_s
                                          f"create {blocked}: Operation not permitted")
 
 
+def test_a_wrong_torchrun_option_is_one_line(capsys):
+    """A typo in a torchrun option printed torchrun's 20-line usage; now one line, with the option meant."""
+    for argv, said in ((["--nproc-per-node", "2", "--standlone", "full"], "unrecognized arguments: --standlone (did "
+                        "you mean --standalone?)"),
+                       (["--nproc-per-node", "full", "--config", "full/smollm2"], "unrecognized arguments: --config "
+                        "(the recipe's name was read as the value of the option before it: is that option's value "
+                        "missing?)")):
+        code, _, err = cli_captured(capsys, ["run", *argv])
+        assert code == 2 and err == (f"recipe: error: torchrun options: {said}; they come before the recipe "
+                                     "(`recipe run --help`)\n")
+
+
 def test_demo_with_a_file_for_its_folder_is_refused_before_anything_runs(tmp_path, capsys):
     """`recipe demo --output-dir FILE` evaluated the teacher for ~17 s, then ended in a NotADirectoryError traceback."""
     f = tmp_path / "notes.txt"
