@@ -184,6 +184,7 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
     check_config_data_files(cfg, config_source(cfg).where)
     with prepared_run(cfg, schema, lock=False):  # rank 0 takes the output folder's lock
         if "resume" in schema and getattr(cfg, "output_dir", None) is not None:  # training: one run per folder
+            from ..components.checkpoint.state import latest_checkpoint
             from ..components.runs import (
                 check_new_run,
                 check_resume_config,
@@ -194,7 +195,7 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
             recover_killed_overwrite(cfg.output_dir)  # once, before any rank looks at the folder
             check_new_run(cfg)
             run = read_run(cfg.output_dir) if cfg.resume else None
-            if run is not None:
+            if run is not None and latest_checkpoint(cfg.output_dir) is not None:  # none: the ranks say so
                 check_resume_config(cfg, run, at=None)
         if int(getattr(torchrun_ns, "node_rank", 0) or 0) == 0:  # the node whose rank 0 writes there
             create_output_dirs(cfg, schema)

@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -264,7 +265,19 @@ def start_run(cfg: Any) -> None:
         return
     check_new_run(cfg)
     out = Path(cfg.output_dir)
-    _set_aside_outputs(out)
+    if cfg.overwrite:
+        _set_aside_outputs(out)
+    else:  # check_new_run found nothing trained: what a run stopped in setup left goes (run.json quietly)
+        left = _run_outputs(out)
+        named = sorted(p.name for p in left if p.name not in (RUN_FILE, "metrics.jsonl", "loss.png"))
+        if named:
+            print(f"note: deleted what a run stopped before its first step left in {out}: {', '.join(named)}",
+                  flush=True)
+        for p in left:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     _write_run(out, cfg)
 
 

@@ -411,3 +411,20 @@ def test_overwrite_refuses_to_train_from_the_outputs_it_deletes(tmp_path, tiny_m
     shutil.copytree(tiny_model_dir, out / "base")  # the user's own folder inside output_dir: kept, so allowed
     assert run(capsys, args(out / "base", out, "max_steps=1", "overwrite=true"))[0] == 0
     assert (out / "base" / "config.json").is_file() and (out / "model" / "config.json").is_file()
+
+
+def test_a_run_stopped_in_setup_leaves_nothing_that_gets_in_the_way(tmp_path, tiny_model_dir, capsys):
+    """A run refused during setup (here a dataset file that does not parse) had written run.json: the corrected
+    command then said "overwrite=true: deleted the earlier run's run.json" without overwrite=true, and resume=true
+    there listed "changed values" of a run that never trained a step instead of saying there is no checkpoint."""
+    out = tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n{broken\n')
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=1", f"dataset.source={bad}", "dataset.format=text"))
+    assert code == 1 and f"{bad}:2: invalid JSON" in one_error(err)
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=1", "resume=true"))
+    assert code == 1 and one_error(err).startswith(f"recipe: error: resume=true but {out}/checkpoints has no complete "
+                                                   "checkpoint"), err
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=1"))
+    assert code == 0, err
+    assert "overwrite=true" not in stdout + err
