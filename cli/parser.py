@@ -223,11 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(with standard errors), quantize the student (8da4w) and export a GGUF; print one summary table.",
         epilog="examples:\n  recipe demo\n  recipe demo --limit 1000 --output-dir outputs/demo1000",
     )
-    p.add_argument("--output-dir", default="outputs/demo", help="where everything is written")
+    p.add_argument("--output-dir", default="outputs/demo", help="where everything is written (default: %(default)s)")
     p.add_argument("--limit", type=_count, default=500,
-                   help="LAMBADA items scoring the pruned and the distilled student")
+                   help="LAMBADA items scoring the pruned and the distilled student (default: %(default)s)")
     p.add_argument("--teacher-limit", type=_count, default=50,
-                   help="LAMBADA items scoring the teacher and the quantized student")
+                   help="LAMBADA items scoring the teacher and the quantized student (default: %(default)s)")
     p.add_argument("--steps", type=_count, default=None, help="KD optimizer steps (default: the config's)")
     _add_debug(p)
     return parser
