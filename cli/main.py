@@ -191,12 +191,19 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
                 read_run,
                 recover_killed_overwrite,
             )
+            from ..components.train_state import check_process_count, saved_process_count
 
             recover_killed_overwrite(cfg.output_dir)  # once, before any rank looks at the folder
             check_new_run(cfg)
             run = read_run(cfg.output_dir) if cfg.resume else None
-            if run is not None and latest_checkpoint(cfg.output_dir) is not None:  # none: the ranks say so
+            ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
+            if run is not None and ckpt is not None:  # no checkpoint: the ranks say so
                 check_resume_config(cfg, run, at=None)
+            low, _, high = str(torchrun_ns.nnodes).partition(":")  # torchrun's N or MIN:MAX (default 1:1)
+            nodes, per_node = (low if high in ("", low) else ""), str(torchrun_ns.nproc_per_node)
+            saved = saved_process_count(ckpt) if ckpt is not None else None
+            if saved is not None and nodes.isdigit() and per_node.isdigit():  # another count: before any rank loads
+                check_process_count(ckpt, {"loader": {"world_size": saved}}, int(nodes) * int(per_node))
         if int(getattr(torchrun_ns, "node_rank", 0) or 0) == 0:  # the node whose rank 0 writes there
             create_output_dirs(cfg, schema)
 

@@ -24,6 +24,7 @@ from .checkpoint.sharded import (
     save_sharded_checkpoint,
 )
 from .checkpoint.state import (
+    STATE_DIR,
     capture_rng,
     latest_checkpoint,
     load_recipe_state,
@@ -94,6 +95,16 @@ def check_process_count(ckpt: Path, state: dict, world_size: int) -> None:
     raise RecipeError(f"{ckpt} was written by a run on {saved} process{'es' if saved > 1 else ''} and this one has "
                       f"{world_size}: resume=true continues on the same count; relaunch {how}, or start a new run "
                       "in another output_dir")
+
+
+def saved_process_count(ckpt: Path) -> int | None:
+    """The process count a checkpoint was written on, from its state.json alone (no tensors: `recipe run` checks it
+    before torchrun starts the ranks), or None when it does not say."""
+    try:
+        count = json.loads((ckpt / STATE_DIR / "state.json").read_text())["state"]["loader"]["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 @dataclass
