@@ -22,7 +22,7 @@ from ..components.config import (
     shipped_configs,
 )
 from ..components.errors import RecipeError, read_utf8
-from ..components.folders import check_loggers, create_output_dirs, prepared_run
+from ..components.folders import check_loggers, create_output_dirs, prepared_run, remove_if_empty
 from ..components.output_kinds import check_output_kind
 from .launch import launch_torchrun, split_run_args
 from .parser import build_parser
@@ -161,18 +161,22 @@ def cmd_run(run_argv: list[str], debug: bool, parser: argparse.ArgumentParser) -
         return 0
     ns = recipe_argparser(f"recipe run {name}").parse_intermixed_args(script_args)
     cfg = load_recipe_config(ns.config, ns.overrides, recipe_config(module), recipe=name)
-    check_before_launch(name, cfg, recipe_schema(recipe_config(module)), torchrun_ns)
+    made = check_before_launch(name, cfg, recipe_schema(recipe_config(module)), torchrun_ns)
     file = recipe_file(recipe)[1]
     if file.stem != name:  # an alias (lora runs full.py): workers would look a bare config name up as the file's
         script_args = [*script_args, "--config", str(config_source(cfg).file)]
-    return launch_torchrun(torchrun_ns, file, script_args)
+    try:
+        return launch_torchrun(torchrun_ns, file, script_args)
+    finally:
+        remove_if_empty(made)  # the ranks refused before writing anything: no empty folder left
 
 
-def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argparse.Namespace) -> None:
+def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argparse.Namespace) -> list[Path]:
     """What every rank would check at its start, checked once here before torchrun starts them, so a bad config,
     device, data file or output folder is one line now, not one per rank after their start-up: the output folder's
     kind, the device and dtype for this many ranks per node, the data files, the folders and, for training, the
-    run the folder holds (new or resumed with the same values); then the output folders are created."""
+    run the folder holds (new or resumed with the same values); then the output folders are created (returned:
+    those it made)."""
     check_output_kind(name, getattr(cfg, "output_dir", None))
     if isinstance(getattr(cfg, "device", None), str):
         from ..components.runtime import check_device
@@ -205,7 +209,8 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
             if saved is not None and nodes.isdigit() and per_node.isdigit():  # another count: before any rank loads
                 check_process_count(ckpt, {"loader": {"world_size": saved}}, int(nodes) * int(per_node))
         if int(getattr(torchrun_ns, "node_rank", 0) or 0) == 0:  # the node whose rank 0 writes there
-            create_output_dirs(cfg, schema)
+            return create_output_dirs(cfg, schema)
+    return []
 
 
 def cmd_download(args: argparse.Namespace) -> int:

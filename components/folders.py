@@ -140,6 +140,7 @@ def _live_owner(lock_path: Path) -> dict[str, Any] | None:
 def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
     """Hold `output_dir/.recipe.lock` for the duration (creating the folder); RecipeError if a live run holds it."""
     out = Path(output_dir).expanduser()
+    created = not out.exists()  # a run refused before it wrote anything leaves no empty folder behind
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -188,20 +189,36 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
             if _read_owner(lock_path) == me:
                 os.unlink(lock_path)
         os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty
 
 
-def create_output_dirs(cfg: Any, schema: Mapping[str, Any]) -> None:
+def create_output_dirs(cfg: Any, schema: Mapping[str, Any]) -> list[Path]:
     """Create every `OutputDir` folder a config names (`recipe run` before torchrun starts the ranks: a folder that
-    cannot be made, `/sys/x`, is one line naming the key, not one per rank after their start-up)."""
+    cannot be made, `/sys/x`, is one line naming the key, not one per rank after their start-up); returns those it
+    made, for `remove_if_empty` after a launch that wrote nothing."""
     src = config_source(cfg)
     values = cfg if isinstance(cfg, DictConfig) else asdict(cfg)
+    made = []
     for key, _, value in walk_specs(values, dict(schema), (OutputDir,)):
         if value is None:
             continue
+        folder = Path(value).expanduser()
+        if not folder.exists():
+            made.append(folder)
         try:
-            Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RecipeError(f"{src.where(key)}: key '{key}': cannot create {value}: {e.strerror}") from e
+    return made
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove each of `folders` that is empty (a run refused before it wrote anything leaves no folder behind)."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 # ----------------------------------------------------------------------------------------------- a run

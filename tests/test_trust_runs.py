@@ -428,3 +428,11 @@ def test_a_run_stopped_in_setup_leaves_nothing_that_gets_in_the_way(tmp_path, ti
     code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=1"))
     assert code == 0, err
     assert "overwrite=true" not in stdout + err
+
+
+def test_a_refused_run_leaves_no_empty_folder(tmp_path, tiny_model_dir, capsys):
+    """resume=true into a folder that does not exist is refused (no checkpoint); it left the empty folder."""
+    out = tmp_path / "never"
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=1", "resume=true"))
+    assert code == 1 and "has no complete checkpoint" in one_error(err)
+    assert not out.exists()
