@@ -236,6 +236,9 @@ def launch_torchrun(ns: argparse.Namespace, file: Path, script_args: list[str]) 
         try:
             run(ns)
         except ChildFailedError as e:
+            # a rank killed or stopped mid-step leaves its progress bar's line open (torchrun's own log line used to
+            # end it): our lines start on a line of their own
+            print(file=sys.stderr, flush=True)
             said = stop.print_reports()  # the ranks' own lines, each once
             # a rank killed by a signal says nothing: then the summary names it
             explained = all(r in said for r in e.failures if r not in _stopped_ranks(e.failures))

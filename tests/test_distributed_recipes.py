@@ -404,14 +404,17 @@ def signal_the_launcher(tiny_model_dir: Path, tmp_path: Path, signum: int, devic
         "same count; relaunch as `recipe run --nproc-per-node 2 --standalone <recipe> ...` (one machine), or start "
         "a new run in another output_dir"), one.stderr[-2000:]
     assert "Warning" not in one.stderr
-    # on 3: the launcher says it before any rank starts (each rank said it after loading, between torchrun's lines)
+    # on 3: the launcher says it before any rank starts (each rank said it after loading, between torchrun's lines);
+    # on a 2-GPU machine 3 ranks on cuda are refused first, for want of a third GPU
     three = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "3", "--standalone",
                             recipe, "--config", config, *args, "resume=true"], cwd=tmp_path, env=rc.cli_env(),
                            capture_output=True, text=True, timeout=300)
-    assert three.returncode == 1 and three.stderr.strip() == (
-        f"recipe: error: {ckpt} was written by a run on 2 processes and this one has 3: resume=true continues on the "
-        "same count; relaunch as `recipe run --nproc-per-node 2 --standalone <recipe> ...` (one machine), or start "
-        "a new run in another output_dir"), three.stderr[-2000:]
+    said = (f"recipe: error: {ckpt} was written by a run on 2 processes and this one has 3: resume=true continues on "
+            "the same count; relaunch as `recipe run --nproc-per-node 2 --standalone <recipe> ...` (one machine), or "
+            "start a new run in another output_dir") if device == "cpu" or torch.cuda.device_count() >= 3 else (
+            "recipe: error: 3 processes on device='cuda', but only 2 GPU(s) are visible: one GPU per process "
+            "(--nproc-per-node)")
+    assert three.returncode == 1 and three.stderr.strip() == said, three.stderr[-2000:]
     time.sleep(1)  # let the workers' ports close before the next rendezvous
     run(recipe, config, [*args, "resume=true", f"max_steps={step + 1}"], tmp_path, TWO)
     assert [r["step"] for r in rc.read_metrics(out)] == list(range(1, step + 2))
