@@ -190,8 +190,7 @@ def lock_output_dir(output_dir: str | os.PathLike) -> Iterator[Path]:
                 os.unlink(lock_path)
         os.close(fd)
         if created:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only when empty
+            remove_if_empty([out])
 
 
 def create_output_dirs(cfg: Any, schema: Mapping[str, Any]) -> list[Path]:

@@ -27,7 +27,6 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from .checkpoint.state import STATE_DIR, list_checkpoints
 from .errors import RecipeError
 from .launch import is_rank0
 from .resume_changes import DATA_SHAPE_KEYS, SHAPE_KEYS, config_changes, describe_changes, resolved_values
-from .set_aside import discard, put_back, put_back_leftovers, set_aside, set_aside_folders
+from .set_aside import delete, discard, put_back, put_back_leftovers, set_aside, set_aside_folders
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
@@ -273,11 +272,7 @@ def start_run(cfg: Any) -> None:
         if named:
             print(f"note: deleted what a run stopped before its first step left in {out}: {', '.join(named)}",
                   flush=True)
-        for p in left:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+        delete(left)
     _write_run(out, cfg)
 
 

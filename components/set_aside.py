@@ -26,14 +26,19 @@ def set_aside(out: Path, paths: Iterable[Path], prefix: str) -> Path | None:
     return aside
 
 
-def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
-    """Delete `written` (what the stopped run wrote under the old names), move what `aside` holds back to its
-    names in `out`, and remove `aside`."""
-    for p in written:
+def delete(paths: Iterable[Path]) -> None:
+    """Delete each of `paths`: a folder with what it holds, a file or a link itself."""
+    for p in paths:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
+
+
+def put_back(out: Path, aside: Path, written: Iterable[Path]) -> None:
+    """Delete `written` (what the stopped run wrote under the old names), move what `aside` holds back to its
+    names in `out`, and remove `aside`."""
+    delete(written)
     for item in aside.iterdir():
         os.rename(item, out / _original_name(item))
     aside.rmdir()
