@@ -195,7 +195,7 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
                 read_run,
                 recover_killed_overwrite,
             )
-            from ..components.train_state import check_process_count, saved_process_count
+            from ..components.train_state import check_process_count, check_run_length, saved_process_count
 
             recover_killed_overwrite(cfg.output_dir)  # once, before any rank looks at the folder
             check_new_run(cfg)
@@ -203,6 +203,8 @@ def check_before_launch(name: str, cfg: object, schema: dict, torchrun_ns: argpa
             ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
             if run is not None and ckpt is not None:  # no checkpoint: the ranks say so
                 check_resume_config(cfg, run, at=None)
+            if ckpt is not None:
+                check_run_length(cfg, ckpt)
             low, _, high = str(torchrun_ns.nnodes).partition(":")  # torchrun's N or MIN:MAX (default 1:1)
             nodes, per_node = (low if high in ("", low) else ""), str(torchrun_ns.nproc_per_node)
             saved = saved_process_count(ckpt) if ckpt is not None else None

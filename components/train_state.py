@@ -67,6 +67,7 @@ def start_or_resume_run(cfg: TrainConfig) -> Path | None:
         raise RecipeError(f"resume=true but {cfg.output_dir}/checkpoints has no complete checkpoint; "
                           f"run {fresh} to start fresh")
     verify_manifest(ckpt)
+    check_run_length(cfg, ckpt)  # before check_resume prints the changed values it accepts
     check_resume(cfg, ckpt)
     if is_rank0():
         print(f"resuming from {ckpt} (file checksums verified)", flush=True)
@@ -97,14 +98,40 @@ def check_process_count(ckpt: Path, state: dict, world_size: int) -> None:
                       "in another output_dir")
 
 
-def saved_process_count(ckpt: Path) -> int | None:
-    """The process count a checkpoint was written on, from its state.json alone (no tensors: `recipe run` checks it
-    before torchrun starts the ranks), or None when it does not say."""
+def _saved_int(ckpt: Path, *keys: str) -> int | None:
+    """An integer of a checkpoint's recipe state read from its state.json alone (no tensors: `recipe run` checks
+    it before torchrun starts the ranks), or None when it does not say."""
     try:
-        count = json.loads((ckpt / STATE_DIR / "state.json").read_text())["state"]["loader"]["world_size"]
+        value = json.loads((ckpt / STATE_DIR / "state.json").read_text())["state"]
+        for key in keys:
+            value = value[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def saved_process_count(ckpt: Path) -> int | None:
+    """The process count a checkpoint was written on (its state.json), or None when it does not say."""
+    return _saved_int(ckpt, "loader", "world_size")
+
+
+def check_run_length(cfg: TrainConfig, ckpt: Path, steps: int | None = None) -> None:
+    """A resumed run may keep or extend its length, not end before its checkpoint: a `max_steps` (or, with
+    `steps`, the steps `epochs` gives) below the checkpoint's step is one line, before anything loads (the run
+    would have written its step-N model again as the final one of a shorter run, and run.json would say so)."""
+    step = _saved_int(ckpt, "step")
+    steps = cfg.max_steps if steps is None else steps
+    if step is None or steps is None or steps >= step:
+        return
+    from .config import config_source
+
+    if cfg.max_steps is not None:
+        what = f"{config_source(cfg).where('max_steps')}: key 'max_steps': {steps} is"
+    else:
+        what = f"max_steps: null with epochs={cfg.epochs} gives {steps} step{'s' if steps != 1 else ''},"
+    raise RecipeError(f"{what} fewer than the {step} steps the run has already trained ({ckpt}): a resumed run "
+                      f"continues to max_steps >= {step}; to stop at an earlier step, start a new run (overwrite=true "
+                      "or another output_dir)")
 
 
 @dataclass
@@ -182,6 +209,7 @@ class TrainState:
         base_lrs = list(self.scheduler.base_lrs)
         state = load_recipe_state(ckpt)
         check_process_count(ckpt, state, self.rt.world_size)
+        check_run_length(self.cfg, ckpt, steps)  # `epochs`' step count is known once the data has loaded
         try:
             self._load_weights_and_optimizer(ckpt, state)
         except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another shape: one line, not a traceback

@@ -95,6 +95,18 @@ def test_extending_a_finished_run_continues_with_the_next_batches(tmp_path, tiny
                                               "resume=true"]) == 0
     assert [r["loss"] for r in rc.read_metrics(extended)] == [r["loss"] for r in rc.read_metrics(ref)]
     rc.assert_same_weights(extended / "model", ref / "model")
+    # a shorter max_steps than the run has trained is refused before anything loads: run.json and the final model
+    # stay the 6-step run's (it used to rewrite the step-6 model as a "4-step" run's final one, run.json saying 4)
+    run_json = (extended / "run.json").read_text()
+    model = {p: p.stat().st_mtime_ns for p in (extended / "model").rglob("*") if p.is_file()}
+    proc = rc.run_cli("full", config, [*overrides, "max_steps=4", f"output_dir={extended}", "resume=true"],
+                      cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = rc.error_lines(proc)
+    assert "override 'max_steps=4': key 'max_steps': 4 is fewer than the 6 steps" in line, line
+    assert "step_000006" in line and "max_steps >= 6" in line, line
+    assert (extended / "run.json").read_text() == run_json
+    assert {p: p.stat().st_mtime_ns for p in (extended / "model").rglob("*") if p.is_file()} == model
 
 
 def test_resume_without_checkpoint_is_one_line_error(tmp_path, tiny_model_dir):
