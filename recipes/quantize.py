@@ -169,7 +169,7 @@ def _quantize_and_export(cfg: QuantizeConfig, src: Path, out: Path, formats: lis
         from llm_recipe.components.quantization.export_pte import export_pte
 
         with log.phase("pte export (ExecuTorch's lowering: minutes on a CPU)"):
-            path = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len)
+            path = export_pte(model, out / "model.pte", max_seq_len=cfg.pte_max_seq_len, log=log)
         exports["pte"] = {"path": str(path), "size_bytes": size_on_disk(path), "max_seq_len": cfg.pte_max_seq_len}
     report["exports"] = exports
     return report

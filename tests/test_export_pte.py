@@ -1,6 +1,9 @@
 """ExecuTorch export: executorch.runtime runs the .pte, prefill and KV-cached decode match our eager 8da4w model."""
 
+import contextlib
 import copy
+import io
+import re
 import warnings
 
 import pytest
@@ -18,6 +21,7 @@ from llm_recipe.components.quantization.export_pte import (  # noqa: E402
     export_pte,
     round_scales_like_xnnpack,
 )
+from llm_recipe.components.setup_log import SetupLog  # noqa: E402
 
 
 def rel(a, b):
@@ -58,14 +62,25 @@ def tiny_pte(tmp_path_factory):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.1)
-    with warnings.catch_warnings(record=True) as caught:
+    said = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(said):
         warnings.simplefilter("always")
-        path = export_pte(model, tmp_path_factory.mktemp("pte") / "tiny.pte", max_seq_len=64)
-    return model, path, [f"{w.category.__name__}: {w.message}" for w in caught]
+        path = export_pte(model, tmp_path_factory.mktemp("pte") / "tiny.pte", max_seq_len=64,
+                          log=SetupLog(is_main=True, prefix="quantize"))
+    return model, path, [f"{w.category.__name__}: {w.message}" for w in caught], said.getvalue()
+
+
+def test_each_part_of_the_export_says_when_it_starts_and_ends(tiny_pte):
+    """The lowering alone takes ~10 minutes for SmolLM2 on a 2-core CPU: the log names each part as it runs."""
+    said = tiny_pte[3].splitlines()
+    parts = ["pte: tracing (torch.export)", "pte: lowering to XNNPACK", "pte: the ExecuTorch program"]
+    assert [ln.split(" ...")[0] for ln in said if ln.endswith(" ...")] == [f"quantize: {p}" for p in parts]
+    for line, part in zip([ln for ln in said if not ln.endswith(" ...")], parts, strict=True):
+        assert re.fullmatch(rf"quantize: {re.escape(part)}: \d+\.\d s", line), line
 
 
 def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tiny_pte):
-    model, path, _ = tiny_pte
+    model, path, _, _ = tiny_pte
     model = copy.deepcopy(model)
     float_copy = copy.deepcopy(model)
     assert not any(type(p).__name__ != "Parameter" for p in model.parameters())  # caller's model untouched
@@ -81,7 +96,7 @@ def test_tiny_8da4w_pte_prefill_and_decode_match_eager(tiny_pte):
 def test_export_hides_only_warnings_a_user_cannot_act_on(tiny_pte):
     """torch's pytree FutureWarning (9 blocks), ExecuTorch's advice to run the pass we run, the attribute we set
     during export: none reaches the user; the file still loads and runs."""
-    model, path, caught = tiny_pte
+    model, path, caught, _ = tiny_pte
     noise = ("LeafSpec", "Mutation on a buffer", "assigned during export")
     assert [w for w in caught if any(n in w for n in noise)] == []
     logits = PteRunner(path)(torch.tensor([[1, 2, 3]]), torch.arange(3))

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..checkpoint.atomic import atomic_write_bytes
 from ..errors import RecipeError
+from ..setup_log import SetupLog
 from .ptq import quantize_model
 from .schemes import _is_torchao_tensor
 
@@ -139,10 +140,16 @@ def export_pte(
     max_seq_len: int = 128,
     group_size: int = 32,
     example_len: int = 4,
+    log: SetupLog | None = None,
 ) -> Path:
     """Write an XNNPACK `.pte` of the 8da4w-quantized `model` (quantized here on a copy if it is not yet).
 
-    The caller's model is not modified. Only batch size 1 is exported (on-device generation)."""
+    The caller's model is not modified. Only batch size 1 is exported (on-device generation). With `log`, each of
+    the export's three parts (tracing, XNNPACK lowering, the ExecuTorch program) says when it starts and how long
+    it took: together they take minutes on a CPU."""
+    def part(what: str) -> contextlib.AbstractContextManager:
+        return log.phase(what) if log is not None else contextlib.nullcontext()
+
     require_executorch()
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -166,13 +173,17 @@ def export_pte(
     tokens = torch.randint(0, vocab, (1, example_len))
     seq = Dim("seq", min=1, max=max_seq_len)
     with torch.no_grad(), _quiet_export():
-        program = export(wrapper, (tokens, torch.arange(example_len)),
-                         dynamic_shapes={"tokens": {1: seq}, "input_pos": {0: seq}}, strict=False)
-        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
-                                           compile_config=EdgeCompileConfig(_check_ir_validity=False))
-        # Zero-initialise the caches in the file: masked slots are multiplied by 0 in attention, and 0 * NaN
-        # from uninitialised memory would still poison the output.
-        et = edge.to_executorch(ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(["k_cache", "v_cache"])]))
+        with part("pte: tracing (torch.export)"):
+            program = export(wrapper, (tokens, torch.arange(example_len)),
+                             dynamic_shapes={"tokens": {1: seq}, "input_pos": {0: seq}}, strict=False)
+        with part("pte: lowering to XNNPACK"):
+            edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
+                                               compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        with part("pte: the ExecuTorch program"):
+            # Zero-initialise the caches in the file: masked slots are multiplied by 0 in attention, and 0 * NaN
+            # from uninitialised memory would still poison the output.
+            et = edge.to_executorch(ExecutorchBackendConfig(
+                passes=[InitializedMutableBufferPass(["k_cache", "v_cache"])]))
     out_path = Path(out_path)
     atomic_write_bytes(out_path, et.buffer)
     return out_path
