@@ -12,7 +12,7 @@ def read_utf8(path, display: str | None = None) -> str:
 
     data = Path(path).read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark (Excel, Notepad) is not part of the text
     except UnicodeDecodeError as e:
         raise utf8_error(display or str(path), data, e) from None
 

@@ -76,6 +76,7 @@ from .on_policy_prompts import (
     load_prompt_set,
     on_policy_index,
     prompts_of,
+    reads_training_rows,
     row_prompts,
 )
 from .runs import ON_POLICY_EVAL_FILE
@@ -308,6 +309,8 @@ class OnPolicy:
         if prompt_set is None and s.prompts is not None:
             prompt_set = load_prompt_set(s, cfg.dataset.max_seq_len, tokenizer)
         self.prompt_set = prompt_set
+        # a prompt set read from the training rows themselves: its held-out rows are trained on off-policy
+        self.held_in_training = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
@@ -328,6 +331,12 @@ class OnPolicy:
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
+                if self.held_in_training and prompt_set.held:
+                    print(f"note: {PROMPTS_KEY} reads the training rows (dataset: the same source and split): its "
+                          f"{len(prompt_set.held)} held-out prompts are trained on off-policy, so their end-of-run "
+                          "score is not of unseen prompts; for that, give the prompts rows of their own, or slice "
+                          "them off with the two splits (e.g. dataset.split='train[:-100]', "
+                          f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
         self._held = held if held is not None else HeldOut(s, prompt_set)
         self._batches_logged = 0
         self._reset()
@@ -444,7 +453,8 @@ class OnPolicy:
         if self.prompt_set is not None:
             prompts = self.prompt_set.held
             chosen = (f"the last kd.on_policy.held_out rows of {PROMPTS_KEY} ({self.prompt_set.origin}), never "
-                      "sampled in training")
+                      + ("sampled in training, but trained on off-policy (the prompts are the training rows)"
+                         if self.held_in_training else "sampled in training"))
         elif self.held:
             prompts = prompts_of(self._held.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
                                  self.s.max_new_tokens)

@@ -146,6 +146,26 @@ class PromptSet:
         return rows * (max(map(len, self.train + self.held)) + max_new_tokens)
 
 
+def reads_training_rows(prompts: Any, dataset: Any) -> bool:
+    """Whether a prompt set (`kd.on_policy.prompts`) reads the training rows themselves: the same source (a file
+    spelled two ways counts as one), split, config name and data files, and no `limit` on the training rows that
+    would stop before the prompt set's last (held-out) rows."""
+    import os
+
+    from .data.sources import resolve_source
+
+    def same_source(a: str, b: str) -> bool:
+        a, b = resolve_source(a), resolve_source(b)
+        try:
+            return a == b or os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+        except OSError:
+            return False
+
+    return (same_source(prompts.source, dataset.source) and prompts.split == dataset.split
+            and prompts.name == dataset.name and prompts.data_files == dataset.data_files
+            and (dataset.limit is None or prompts.limit is not None and prompts.limit <= dataset.limit))
+
+
 def _prompt_rows(s: Any, tokenizer: Any) -> TokenizedDataset:
     """The prompt set's rows tokenized whole and unpacked, instruct/chat rows with or without a response
     (`prompt_only`); its errors (a missing column, an empty prompt, an empty split) as one line naming

@@ -95,6 +95,8 @@ def main(cfg: FullConfig) -> None:
     with setup.phase("tokenizer and run folder"):
         tokenizer = load_tokenizer(base_dir)
         resume_from = start_or_resume_run(cfg)
+    with setup.phase("data"):  # before the weights: a bad row is one line in seconds, not after an 8B model loads
+        loader = build_train_loader(cfg, tokenizer, rt)
     base_quant = lora.quantize_base if lora is not None else None  # NF4 on a CPU: about a minute for SmolLM2
     with setup.phase(f"weights (quantizing the base to {base_quant})" if base_quant else "weights"):
         source = resume_weights(resume_from) if lora is None else None
@@ -108,8 +110,7 @@ def main(cfg: FullConfig) -> None:
         rt.prepare_model(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                          micro_batch_tokens=micro_batch_tokens(cfg))
 
-    with setup.phase("data and optimizer"):
-        loader = build_train_loader(cfg, tokenizer, rt)
+    with setup.phase("optimizer"):
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -287,11 +288,27 @@ def test_bad_row_locations_csv_parquet_and_invalid_json(tmp_path, tok):
     with pytest.raises(RecipeError, match=rf"^{tmp_path / 'd.csv'}:4: column 'text' is empty"):
         build_dataset(tok, str(tmp_path / "d.csv"))
     pq.write_table(pa.Table.from_pylist([{"text": "ok"}, {"text": None}]), tmp_path / "d.parquet")
-    with pytest.raises(RecipeError, match=rf"^{tmp_path / 'd.parquet'}:row 1: missing column 'text'"):
+    with pytest.raises(RecipeError, match=rf"^{tmp_path / 'd.parquet'}:row 2: column 'text' has no value$"):
         build_dataset(tok, str(tmp_path / "d.parquet"))
+    # a quoted field over two lines: the bad record is named by its own first line (7), not by its count + 1 (6)
+    with open(tmp_path / "m.csv", "w", newline="", encoding="utf-8") as f:
+        f.write('instruction,output\na,b\n"two\nlines",c\nd,e\n\ne,f\ng\n')
+    with pytest.raises(RecipeError, match=rf"^{tmp_path / 'm.csv'}:8: column 'output' has no value$"):
+        build_dataset(tok, str(tmp_path / "m.csv"), format="instruct")
+    # a JSON list's rows count from 1, as a user counts them
+    (tmp_path / "l.json").write_text('[{"text": "a"}, {"text": "b"}, {"body": "c"}]')
+    with pytest.raises(RecipeError, match=rf"^{tmp_path / 'l.json'}:row 3: missing column 'text'; row has body$"):
+        build_dataset(tok, str(tmp_path / "l.json"))
     p = write_jsonl(tmp_path / "j.jsonl", ['{"text": "ok"}', '{"text": "broken'])
     with pytest.raises(RecipeError, match=rf"^{p}:2: invalid JSON"):
         load_rows(str(p))
+    (tmp_path / "c.jsonl").write_text('{"text": "tab\tinside"}\n')  # json's message ends in "at" itself
+    with pytest.raises(RecipeError, match=r":1: invalid JSON \(Invalid control character at column 14\)$"):
+        load_rows(str(tmp_path / "c.jsonl"))
+    # a byte-order mark (Excel's "CSV UTF-8", Notepad) starts the file, not its first column or row
+    for name, body in [("b.csv", "text\nfirst\n"), ("b.jsonl", '{"text": "first"}\n'), ("b.json", '[{"text": "first"}]')]:
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert [r["text"] for r in load_rows(str(tmp_path / name))] == ["first"], name
     with pytest.raises(RecipeError, match="no such file"):
         load_rows(str(tmp_path / "missing.jsonl"))
     with pytest.raises(RecipeError, match="dataset.format: must be one of .*, got 'alpaca'"):
@@ -592,3 +609,53 @@ def test_a_source_datasets_cannot_load_is_one_line_without_python_none(monkeypat
     assert str(e.value) == "dataset source 'someorg/someset' (split train) could not be loaded: ValueError: no such dataset"
     with pytest.raises(RecipeError, match=r"\(name wiki, split test\)"):
         load_rows("someorg/someset", split="test", name="wiki")
+
+
+def test_a_source_that_cannot_be_rows_is_said_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
+    """What `check_data_files` says before any weights load: a file type the readers do not know (with the route
+    for plain text), a model folder named as the data, a missing relative path (with the folder it is relative
+    to; it used to be taken for a Hub dataset when its suffix was not a data file's), a reversed column_map."""
+    from llm_recipe.components.data.dataset import DatasetConfig
+    from llm_recipe.components.data.sources import check_data_files
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("one document\n")
+
+    def said(**keys):
+        with pytest.raises(RecipeError) as e:
+            check_data_files(DatasetConfig(**keys))
+        return str(e.value)
+
+    assert said(source="notes.txt") == ("key 'dataset.source': notes.txt: unsupported file type '.txt'; use .json, "
+                                        ".jsonl, .csv or .parquet (plain text, a document per line: "
+                                        "dataset.source=text dataset.data_files=notes.txt)")
+    assert said(source=str(tiny_model_dir)) == (f"key 'dataset.source': {tiny_model_dir} is a model folder "
+                                                "(config.json, *.safetensors), not a dataset")
+    assert said(source="data/train.txt") == ("key 'dataset.source': no such file or directory: data/train.txt "
+                                             f"(relative to the current directory, {tmp_path})")
+    assert said(source="a/b/c").startswith("key 'dataset.source': no such file or directory: a/b/c")
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "a", "response": "b"}\n')
+    line = said(source="rows.jsonl", format="instruct", column_map={"response": "output"})
+    assert line.startswith("key 'dataset.column_map': 'response' is not a column the instruct format reads "
+                           "(instruction, input, output)") and line.endswith("reversed? {output: response}"), line
+
+
+def test_rows_cut_at_max_seq_len_are_said_with_the_tokens_lost(tmp_path, tok, caplog):
+    """Packing fills rows with whole documents and cuts a longer one at max_seq_len: the tokens past it are not
+    trained on, and the log says how many (it was silent: 96% of a long-document set went unseen)."""
+    p = write_jsonl(tmp_path / "long.jsonl", [{"text": "word " * 200}, {"text": "short one"}])
+    with caplog.at_level("WARNING"):
+        ds = build_dataset(tok, str(p), max_seq_len=32, packed=True)
+    assert sum(len(x["tokens"]) for x in ds) <= 2 * 32
+    (msg,) = [r.getMessage() for r in caplog.records if "longer than max_seq_len" in r.getMessage()]
+    m = re.fullmatch(r"dataset: 1 of 2 rows are longer than max_seq_len=32 and were cut there: ([\d,]+) of the "
+                     r"data's ([\d,]+) target tokens \((\d+)%\) are not trained on; raise dataset.max_seq_len to "
+                     r"keep them", msg)
+    assert m, msg
+    lost, total = (int(g.replace(",", "")) for g in m.groups()[:2])
+    short = build_dataset(tok, str(p), max_seq_len=4096, limit=None).num_loss_tokens()  # both rows whole
+    assert total == short and lost == total - build_dataset(tok, str(p), max_seq_len=32).num_loss_tokens()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_dataset(tok, str(p), max_seq_len=4096)
+    assert not [r for r in caplog.records if "longer than" in r.getMessage()]

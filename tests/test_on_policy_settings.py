@@ -295,3 +295,23 @@ def test_a_kd_option_the_loss_does_not_read_names_the_key_and_who_reads_it(capsy
     """It said `kd loss 'forward_kl' does not take beta; its options are: ` (an empty list) without the key."""
     code, _, err = rc.cli_captured(capsys, ["validate", "kd/smollm2_demo", override])
     assert code == 1 and rc.one_error(err) == f"recipe: error: {message}"
+
+
+def test_a_prompt_set_read_from_the_training_rows_is_known_as_such(tmp_path, monkeypatch):
+    """`kd.on_policy.prompts` naming the training rows themselves (the same file, even spelled another way, split
+    and files; no limit on the training rows that stops before the held-out ones): its held-out prompts are trained
+    on off-policy, which the run says (its held-out score used to say "never sampled in training" and nothing more).
+    Two slices of one file, or another file, are rows of their own."""
+    from llm_recipe.components.on_policy_prompts import reads_training_rows
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "other.jsonl").write_text('{"text": "b"}\n')
+    train = DatasetConfig(source="rows.jsonl")
+    assert reads_training_rows(DatasetConfig(source=str(tmp_path / "rows.jsonl")), train)
+    assert reads_training_rows(DatasetConfig(source="./rows.jsonl", limit=5), DatasetConfig(source="rows.jsonl", limit=5))
+    assert not reads_training_rows(DatasetConfig(source="rows.jsonl"), DatasetConfig(source="rows.jsonl", limit=5))
+    assert not reads_training_rows(DatasetConfig(source="other.jsonl"), train)
+    assert not reads_training_rows(DatasetConfig(source="rows.jsonl", split="train[-10:]"),
+                                   DatasetConfig(source="rows.jsonl", split="train[:-10]"))
+    assert reads_training_rows(DatasetConfig(source="transfer:chat"), DatasetConfig(source="transfer:chat"))

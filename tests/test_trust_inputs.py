@@ -97,6 +97,20 @@ def test_a_data_file_that_is_not_there_fails_before_any_weights_load(recipe, con
                                     f"directory: {missing}")
 
 
+@pytest.mark.parametrize("recipe,config", [("full", "full/smollm2"), ("lora", "lora/smollm2")])
+def test_a_bad_data_row_fails_before_the_weights_load(recipe, config, tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """full / lora / qat tokenized their rows after the weights loaded (minutes for an 8B QLoRA base): a bad row
+    is now one line before them, as kd's."""
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "response": "d"}\n')
+    code, out, err = doc.run_cli(["run", recipe, "--config", config, f"model.checkpoint_dir={tiny_model_dir}",
+                                  f"output_dir={tmp_path}/out", f"dataset.source={rows}", "dataset.format=instruct",
+                                  *SMALL], capsys)
+    assert "setup: data ..." in out and "setup: weights" not in out, out
+    assert one_error(code, err) == f"recipe: error: {rows}:2: missing column 'output'; row has instruction, response"
+
+
 # ----------------------------------------------------------------------------------------------- config.json vs weights
 
 

@@ -116,6 +116,7 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
     if len(rows) == 0:
         raise RecipeError(f"dataset source '{source}' split '{split}' has no rows")
     items = []
+    truncated, lost, targets = 0, 0, 0  # rows cut at max_seq_len, and the target tokens cut off with them
     for i in range(len(rows)):
         row = rows[i]
         if not isinstance(row, Mapping):
@@ -125,6 +126,11 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         except RowError as e:
             raise RecipeError(f"{rows.where(i)}: {e}") from None
         item = {"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
+        n_targets = sum(lab != IGNORE_INDEX for lab in ex["labels"][1:])
+        targets += n_targets
+        if len(ex["tokens"]) > max_seq_len:
+            truncated += 1
+            lost += n_targets - sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
         # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many); a prompt-only
         # row has none by design.
         if prompt_only or any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
@@ -133,6 +139,10 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
     if dropped and is_rank0():  # every rank builds the same rows: said once
         log.warning("dataset: dropped %d of %d rows with no target tokens within max_seq_len=%d",
                     dropped, len(rows), max_seq_len)
+    if lost and is_rank0():  # rows are cut, not split (packing fills rows with whole documents): said, not silent
+        log.warning("dataset: %d of %d rows are longer than max_seq_len=%d and were cut there: %s of the data's %s "
+                    "target tokens (%.0f%%) are not trained on; raise dataset.max_seq_len to keep them",
+                    truncated, len(rows), max_seq_len, f"{lost:,}", f"{targets:,}", 100 * lost / max(targets, 1))
     if not items:
         raise RecipeError(f"dataset '{source}': no row has a target token within max_seq_len={max_seq_len}; "
                           "raise dataset.max_seq_len")

@@ -131,8 +131,10 @@ def _column(row: Mapping, column_map: Mapping[str, str], key: str, required: boo
     col = column_map.get(key, key)
     if col not in row or row[col] is None:
         if required:
-            raise RowError(f"missing column '{col}'" + (f" (mapped from '{key}')" if col != key else "")
-                           + f"; row has {', '.join(map(str, row)) or 'no columns'}")
+            mapped = f" (mapped from '{key}')" if col != key else ""
+            if col in row:  # a table's empty cell (parquet, a HF dataset) or a JSON null
+                raise RowError(f"column '{col}'{mapped} has no value")
+            raise RowError(f"missing column '{col}'{mapped}; row has {', '.join(map(str, row)) or 'no columns'}")
         return None
     return row[col]
 
@@ -290,9 +292,31 @@ class ChatFormat:
 FORMATS = ("text", "instruct", "chat")
 
 
+# The columns each format reads: the keys a `column_map` may name (format's name -> the user's column)
+FORMAT_COLUMNS = {"text": ("text",), "instruct": ("instruction", "input", "output"),
+                  "chat": ("messages", "conversations")}
+
+
+def column_map_problem(format: str, column_map: Mapping[str, str] | None) -> str | None:
+    """Why `column_map` cannot be meant for `format`, or None: a key the format does not read (a reversed mapping,
+    `{response: output}`, was ignored and the run then failed on a missing 'output' column)."""
+    reads = FORMAT_COLUMNS.get(format)
+    unknown = [k for k in (column_map or {}) if reads is not None and k not in reads]
+    if not unknown:
+        return None
+    key, value = unknown[0], column_map[unknown[0]]
+    hint = f"; reversed? {{{value}: {key}}}" if value in reads else ""
+    return (f"'{key}' is not a column the {format} format reads ({', '.join(reads)}): column_map maps the "
+            f"format's name to your column's ({{{reads[-1]}: my_column}} reads '{reads[-1]}' from column "
+            f"'my_column'){hint}")
+
+
 def make_format(format: str, tokenizer: Tokenizer, column_map: Mapping[str, str] | None = None,
                 train_on_input: bool = False, use_chat_template: bool = False, prompt_only: bool = False) -> Any:
     """The row -> tokens callable for a format name (`prompt_only`: instruct/chat rows may lack a response)."""
+    problem = column_map_problem(format, column_map)
+    if problem is not None:
+        raise RecipeError(f"dataset.column_map: {problem}")
     if format == "text":
         return TextFormat(tokenizer, column_map)
     if format == "instruct":

@@ -19,6 +19,9 @@ from ..errors import RecipeError, read_utf8, utf8_error
 
 TRANSFER_PREFIX = "transfer:"
 _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+# suffixes of files a user may name by mistake (not Hub dataset names, which have no suffix of this kind)
+_OTHER_FILE_SUFFIXES = (".txt", ".text", ".md", ".tsv", ".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow", ".xml",
+                        ".yaml", ".yml", ".xlsx")
 # `datasets`' packaged builders: with one of them as the source, `data_files` are local paths (relative to the cwd)
 _LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
                    "audiofolder", "videofolder")
@@ -46,11 +49,12 @@ class Rows(Sequence):
             yield self._rows[i]
 
     def where(self, i: int) -> str:
-        """Location of row i: `file:line` (JSONL/CSV) or `source:row N` (N = index in the unsliced source)."""
+        """Location of row i: `file:line` (JSONL/CSV) or `source:row N` (N counts the unsliced source's rows from
+        1, as a user counts them in a JSON list or a table)."""
         j = self._index[i]
         if self._locations is not None:
             return self._locations[j]
-        return f"{self.origin}:row {j}"
+        return f"{self.origin}:row {j + 1}"
 
     def source_index(self, i: int) -> int:
         """Row i's position in the unsliced source (what a split slice or a `select` kept it as)."""
@@ -104,7 +108,7 @@ def _read_jsonl(path: Path) -> Rows:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark (Excel, Notepad)
             except UnicodeDecodeError as e:
                 raise utf8_error(str(path), raw, e, first_line=lineno) from None
             if not line.strip():
@@ -112,7 +116,7 @@ def _read_jsonl(path: Path) -> Rows:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise RecipeError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise RecipeError(f"{path}:{lineno}: invalid JSON ({_json_problem(e)})") from None
             if not isinstance(obj, dict):
                 raise RecipeError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
             rows.append(obj)
@@ -127,7 +131,7 @@ def _read_json(path: Path) -> Rows:
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several objects, one per line: JSON Lines in a .json file
             return _read_jsonl(path)
-        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        raise RecipeError(f"{path}:{e.lineno}: invalid JSON ({_json_problem(e)})") from None
     if isinstance(obj, dict):
         # {"data": [...]} or {"train": [...], ...}: take the one list of objects if unambiguous
         lists = [k for k, v in obj.items() if isinstance(v, list)]
@@ -141,7 +145,7 @@ def _read_json(path: Path) -> Rows:
         raise RecipeError(f"{path}: expected a JSON list of objects or JSON Lines, got {type(obj).__name__}")
     for i, r in enumerate(obj):
         if not isinstance(r, dict):
-            raise RecipeError(f"{path}:row {i}: expected a JSON object, got {type(r).__name__}")
+            raise RecipeError(f"{path}:row {i + 1}: expected a JSON object, got {type(r).__name__}")
     return Rows(obj, str(path))
 
 
@@ -150,10 +154,21 @@ def _read_csv(path: Path) -> Rows:
         reader = csv.DictReader(f)
         rows, locs = [], []
         for row in reader:
-            # csv line numbers count physical lines; report the record's first line (header is line 1)
+            # the record's first physical line (the header is line 1): the reader is at its last, and a quoted field
+            # may hold line breaks
             rows.append(dict(row))
-            locs.append(f"{path}:{len(rows) + 1}")
+            locs.append(f"{path}:{reader.line_num - _record_lines(row) + 1}")
     return Rows(rows, str(path), locs)
+
+
+def _record_lines(row: dict) -> int:
+    """Physical lines a CSV record spans: one more than the line breaks inside its quoted fields."""
+    return 1 + sum(v.count("\n") for v in row.values() if isinstance(v, str))
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """json's message and column: `Expecting ',' delimiter at column 12` (some messages end in "at" already)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
 
 
 def _read_parquet(path: Path) -> Rows:
@@ -180,8 +195,10 @@ def _load_hf(source: str, split_name: str, name: str | None, data_files: Any) ->
         ds = datasets.load_dataset(source, name=name, split=split_name, data_files=data_files)
     except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ValueError...)
         config = f"name {name}, " if name is not None else ""
+        why = [f"{type(x).__name__}: {str(x).splitlines()[0]}" for x in (e, e.__cause__ or e.__context__)
+               if x is not None and str(x).strip()]  # datasets' "An error occurred while generating" names no cause
         raise RecipeError(f"dataset source '{source}' ({config}split {split_name}) could not be loaded: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                          f"{'; caused by '.join(why) or type(e).__name__}") from e
     return Rows(ds, source)
 
 
@@ -235,17 +252,25 @@ def _data_file_entries(data_files: Any) -> list[str]:
 
 
 def missing_data_file(source: str, data_files: Any = None) -> tuple[str, str] | None:
-    """`(key, problem)` when a dataset section names a local file that is not there, else None; no file is read.
+    """`(key, problem)` when a dataset section names a local file that is not there or cannot be read as rows (a
+    suffix the readers do not know, a model folder), else None; no file is read.
 
-    `source` is checked when it is a path (starts with /, ./, ../ or ~, or ends in .json/.jsonl/.csv/.parquet);
+    `source` is checked when it looks like a path (`_looks_like_path`: /, ./, ../ or ~, a file suffix, two '/');
     `data_files` entries when they are local (the source a packaged builder such as `json`, or a folder here;
     a Hub dataset's own files and URLs are the loader's to find): a path must exist, a glob match a file. What
     `load_rows` raises after the weights load, a recipe can say before (`check_data_files`)."""
     if not isinstance(source, str) or not source:
         return None
     path = Path(resolve_source(source)).expanduser()
-    if (source.startswith(("/", "./", "../", "~")) or path.suffix.lower() in _DATA_SUFFIXES) and not path.exists():
-        return "source", f"no such file or directory: {path}"
+    if _looks_like_path(source) and not path.exists():
+        here = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        return "source", f"no such file or directory: {path}{here}"
+    if path.is_file() and data_files is None and path.suffix.lower() not in _DATA_SUFFIXES:
+        return "source", (f"{path}: unsupported file type '{path.suffix}'; use .json, .jsonl, .csv or .parquet"
+                          + (f" (plain text, a document per line: dataset.source=text dataset.data_files={source})"
+                             if path.suffix.lower() in (".txt", ".text", ".md") else ""))
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "source", f"{path} is a model folder (config.json, *.safetensors), not a dataset"
     base = path if path.is_dir() else Path.cwd() if source in _LOCAL_BUILDERS else None
     for entry in _data_file_entries(data_files):
         if base is None or "://" in entry:
@@ -269,6 +294,12 @@ def check_data_files(dataset: Any, where: Callable[[str], str] | None = None, ke
         name = f"{key}.{missing[0]}"
         at = f"{where(name)}: " if where is not None else ""
         raise RecipeError(f"{at}key '{name}': {missing[1]}")
+    from .formats import column_map_problem
+
+    problem = column_map_problem(dataset.format, dataset.column_map)
+    if problem is not None:
+        at = f"{where(f'{key}.column_map')}: " if where is not None else ""
+        raise RecipeError(f"{at}key '{key}.column_map': {problem}")
     if _is_hub_name(dataset.source):
         from ..hub import hub_unreachable
 
@@ -300,9 +331,17 @@ def check_config_data_files(cfg: Any, where: Callable[[str], str] | None = None)
         walk(cfg, "")
 
 
+def _looks_like_path(source: str) -> bool:
+    """A local path rather than a Hub name: starts with /, ./, ../ or ~, ends in a file suffix (a Hub name is
+    `name` or `owner/name`), or has more than one '/'."""
+    suffix = Path(source).suffix.lower()
+    return (source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
+            or suffix in _DATA_SUFFIXES or suffix in _OTHER_FILE_SUFFIXES)
+
+
 def _is_hub_name(source: Any) -> bool:
     """Whether `load_rows` would ask the Hub for `source`: not a local file or folder, a packaged builder
     (`json` with data_files) or a shipped `transfer:` set."""
     if not isinstance(source, str) or not source or source in _LOCAL_BUILDERS or source.startswith(TRANSFER_PREFIX):
         return False
-    return not source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists()
+    return not _looks_like_path(source) and not Path(source).expanduser().exists()
