@@ -33,6 +33,7 @@ from typing import Any
 
 from .checkpoint.atomic import atomic_write_bytes
 from .checkpoint.state import STATE_DIR, list_checkpoints
+from .data.identity import data_changes, data_identity
 from .errors import RecipeError
 from .launch import is_rank0
 from .resume_changes import DATA_SHAPE_KEYS, SHAPE_KEYS, config_changes, describe_changes, resolved_values
@@ -40,6 +41,7 @@ from .set_aside import delete, discard, put_back, put_back_leftovers, set_aside,
 
 RUN_FILE = "run.json"
 RUN_ID_KEY = "run_id"
+DATA_KEY = "data_files"  # run.json: a fingerprint of each local data file the run reads (components/data/identity.py)
 # What a training run writes into output_dir, all deleted by overwrite=true (the lock and files we do not
 # write stay). The first five are trained state: a new run into a folder holding one of them is refused.
 ON_POLICY_EVAL_FILE = "on_policy_eval.json"  # kd.on_policy's held-out score (components/on_policy.py)
@@ -175,7 +177,7 @@ def _write_run(out: Path, cfg: Any, run_id: str | None = None) -> str:
     record = {RUN_ID_KEY: run_id, "recipe": recipe_of(cfg), "command": recipe_command(cfg),
               "config": config_source(cfg).display,
               "config_sha256": _config_sha256(cfg),
-              "started": _now(), "values": resolved_values(cfg)}
+              "started": _now(), "values": resolved_values(cfg), DATA_KEY: data_identity(cfg)}
     _save_run(out, record)
     return run_id
 
@@ -318,6 +320,7 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     if not isinstance(recorded, dict):  # run.json of a run started before per-key records: nothing to compare
         return
     changed, free = config_changes(recorded, cfg)
+    data = _data_changes(run, cfg)
     shaped = {k: v for k, v in changed.items() if k in SHAPE_KEYS}
     if shaped:
         raise RecipeError(f"resume=true, but {describe_changes(shaped)} differ from the run in {out} "
@@ -331,6 +334,14 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           "checkpoint's data position would not fit the rows trained on now, even with "
                           "resume_with_changes=true; put them back, or start a new run (overwrite=true or another "
                           "output_dir)")
+    if data and not getattr(cfg, "resume_with_changes", False):
+        raise RecipeError(f"resume=true, but the data files changed since the run in {out} started ({out / RUN_FILE}): "
+                          f"{', '.join(data[:3])}{f' and {len(data) - 3} more' if len(data) > 3 else ''}; the "
+                          "checkpoint's data position counts rows of the data it trained on: put the files back, or "
+                          "add resume_with_changes=true to continue on the new rows from that position (or start a "
+                          "new run: overwrite=true or another output_dir)")
+    if data and at is not None and is_rank0():
+        print(f"resuming with changed data files: {', '.join(data)}", flush=True)
     if changed and not getattr(cfg, "resume_with_changes", False):
         raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} last ran with "
                           f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
@@ -339,6 +350,13 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
     if (changed or free) and at is not None and is_rank0():
         print(f"resuming with changed values: {describe_changes(dict(sorted({**changed, **free}.items())))}",
               flush=True)
+
+
+def _data_changes(run: dict[str, Any], cfg: Any) -> list[str]:
+    """The local data files that differ from those run.json recorded at the run's start (components/data/identity.py;
+    nothing for a run.json written before data files were recorded)."""
+    recorded = run.get(DATA_KEY)
+    return data_changes(recorded, data_identity(cfg)) if isinstance(recorded, dict) else []
 
 
 def record_resume_changes(cfg: Any, at: str) -> None:
@@ -351,9 +369,13 @@ def record_resume_changes(cfg: Any, at: str) -> None:
     if not isinstance(recorded, dict) or not is_rank0():
         return
     changed, free = config_changes(recorded, cfg)
-    if changed or free:
+    data = _data_changes(run, cfg)
+    if changed or free or data:
         both = dict(sorted({**changed, **free}.items()))
         run["values"] = resolved_values(cfg)
-        run.setdefault("resumed_with_changes", []).append(
-            {"from": at, "at": _now(), "changes": {k: list(v) for k, v in both.items()}})
+        entry = {"from": at, "at": _now(), "changes": {k: list(v) for k, v in both.items()}}
+        if data:
+            run[DATA_KEY] = data_identity(cfg)
+            entry["data_files"] = data
+        run.setdefault("resumed_with_changes", []).append(entry)
         _save_run(out, run)

@@ -200,6 +200,36 @@ def test_resume_with_other_values_is_refused_unless_accepted(tmp_path, tiny_mode
     assert record["resumed_with_changes"][-1]["changes"]["optimizer.lr"] == [2e-4, 2e-5]
 
 
+def test_resume_on_changed_data_files_is_refused_unless_accepted(tmp_path, tiny_model_dir, capsys):
+    """The data file edited between a run and its resume (rows added, removed or rewritten) made the checkpoint's
+    data position count other rows, and the resume said nothing: run.json now fingerprints each local data file
+    (its bytes), so a changed file is refused before anything loads, naming it; the same bytes written again pass;
+    resume_with_changes=true continues and records the change."""
+    out, rows = tmp_path / "out", tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"text": "row {i} of the first file"}}\n' for i in range(8)))
+    data = [f"dataset.source={rows}", "dataset.format=text", "lr_scheduler.name=constant"]
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=1", *data))[0] == 0
+    assert list(json.loads((out / "run.json").read_text())["data_files"]) == [str(rows.resolve())]
+    rows.write_text(rows.read_text())  # the same bytes again (a new modification time): the same data
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=2", "resume=true", *data))[0] == 0
+    rows.write_text(rows.read_text().replace("first", "second"))
+    before = snapshot(out)
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", *data))
+    assert code == 1 and "resuming from" not in stdout and snapshot(out) == before
+    assert one_error(err) == (f"recipe: error: resume=true, but the data files changed since the run in {out} started "
+                              f"({out}/run.json): {rows.resolve()} (other contents); the checkpoint's data position "
+                              "counts rows of the data it trained on: put the files back, or add "
+                              "resume_with_changes=true to continue on the new rows from that position (or start a "
+                              "new run: overwrite=true or another output_dir)")
+    code, stdout, err = run(capsys, args(tiny_model_dir, out, "max_steps=3", "resume=true", "resume_with_changes=true",
+                                         *data))
+    assert code == 0, err
+    assert f"resuming with changed data files: {rows.resolve()} (other contents)" in stdout
+    record = json.loads((out / "run.json").read_text())
+    assert record["resumed_with_changes"][-1]["data_files"] == [f"{rows.resolve()} (other contents)"]
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true", *data))[0] == 0  # the new data now
+
+
 def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """A resume whose checkpoint could not fit is refused in one line and leaves the run as it was, run.json
     included, so the unchanged command still resumes it: a changed LoRA rank (even with resume_with_changes=true),

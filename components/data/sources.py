@@ -23,7 +23,7 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 _OTHER_FILE_SUFFIXES = (".txt", ".text", ".md", ".tsv", ".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow", ".xml",
                         ".yaml", ".yml", ".xlsx")
 # `datasets`' packaged builders: with one of them as the source, `data_files` are local paths (relative to the cwd)
-_LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
                    "audiofolder", "videofolder")
 _SPLIT_RE = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*([^:\]]*)\s*:\s*([^\]]*)\s*\])?\s*$")
 
@@ -240,14 +240,14 @@ def load_rows(source: str, split: str = "train", name: str | None = None, data_f
     return slice_rows(rows, split)
 
 
-def _data_file_entries(data_files: Any) -> list[str]:
+def data_file_entries(data_files: Any) -> list[str]:
     """The paths or patterns of a `data_files` value: a string, a list of them, or a split -> either mapping."""
     if isinstance(data_files, str):
         return [data_files]
     if isinstance(data_files, dict):
-        return [e for v in data_files.values() for e in _data_file_entries(v)]
+        return [e for v in data_files.values() for e in data_file_entries(v)]
     if isinstance(data_files, (list, tuple)):
-        return [e for v in data_files for e in _data_file_entries(v)]
+        return [e for v in data_files for e in data_file_entries(v)]
     return []
 
 
@@ -271,8 +271,8 @@ def missing_data_file(source: str, data_files: Any = None) -> tuple[str, str] | 
                              if path.suffix.lower() in (".txt", ".text", ".md") else ""))
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "source", f"{path} is a model folder (config.json, *.safetensors), not a dataset"
-    base = path if path.is_dir() else Path.cwd() if source in _LOCAL_BUILDERS else None
-    for entry in _data_file_entries(data_files):
+    base = path if path.is_dir() else Path.cwd() if source in LOCAL_BUILDERS else None
+    for entry in data_file_entries(data_files):
         if base is None or "://" in entry:
             continue
         full = base / Path(entry).expanduser()
@@ -342,6 +342,6 @@ def _looks_like_path(source: str) -> bool:
 def _is_hub_name(source: Any) -> bool:
     """Whether `load_rows` would ask the Hub for `source`: not a local file or folder, a packaged builder
     (`json` with data_files) or a shipped `transfer:` set."""
-    if not isinstance(source, str) or not source or source in _LOCAL_BUILDERS or source.startswith(TRANSFER_PREFIX):
+    if not isinstance(source, str) or not source or source in LOCAL_BUILDERS or source.startswith(TRANSFER_PREFIX):
         return False
     return not _looks_like_path(source) and not Path(source).expanduser().exists()

@@ -1,0 +1,86 @@
+"""What a run's local data files are, so that a resumed run can tell that they changed under it.
+
+run.json records, for every local file a config's dataset sections read (the `dataset:` rows, an on-policy prompt
+set), a fingerprint: the sha256 of its bytes for files up to `HASHED_BYTES` (a rewrite with the same content is the
+same data), its size and modification time above (hashing gigabytes at every start is not free). A resume whose
+files differ would continue the checkpoint's data position in other rows: components/runs.py refuses it unless
+`resume_with_changes: true`. Hub datasets are not fingerprinted (their revision is the Hub's to say).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from .sources import LOCAL_BUILDERS, data_file_entries, resolve_source
+
+HASHED_BYTES = 256 << 20  # files up to this size are fingerprinted by content
+_MAX_FILES = 10_000  # a folder source with more files is fingerprinted by its first ones (sorted)
+
+__all__ = ["HASHED_BYTES", "data_changes", "data_identity"]
+
+
+def _fingerprint(path: Path) -> str:
+    size = path.stat().st_size
+    if size > HASHED_BYTES:
+        return f"size {size}, modified {path.stat().st_mtime_ns}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256 {digest.hexdigest()}"
+
+
+def _files(dataset: Any) -> list[Path]:
+    """The local files a `DatasetConfig` reads: its source file, a source folder's files, and local data_files."""
+    source = dataset.source
+    if not isinstance(source, str) or not source:
+        return []
+    path = Path(resolve_source(source)).expanduser()
+    found: list[Path] = []
+    if path.is_file():
+        found.append(path)
+    elif path.is_dir():
+        found += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))[:_MAX_FILES]
+    base = path if path.is_dir() else Path.cwd() if source in LOCAL_BUILDERS else None
+    for entry in data_file_entries(dataset.data_files):
+        if base is None or "://" in entry:
+            continue
+        full = base / Path(entry).expanduser()
+        matches = glob.glob(str(full), recursive=True) if glob.has_magic(entry) else [str(full)]
+        found += sorted(Path(m) for m in matches if Path(m).is_file())
+    return found
+
+
+def data_identity(cfg: Any) -> dict[str, str]:
+    """`{resolved path: fingerprint}` of every local file the config's dataset sections read (any nesting)."""
+    from .dataset import DatasetConfig
+
+    sections: list[Any] = []
+
+    def walk(obj: Any) -> None:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, DatasetConfig):
+                sections.append(value)
+            elif is_dataclass(value) and not isinstance(value, type):
+                walk(value)
+
+    if is_dataclass(cfg) and not isinstance(cfg, type):
+        walk(cfg)
+    return {str(p.resolve()): _fingerprint(p) for d in sections for p in _files(d) if p.exists()}
+
+
+def data_changes(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What differs between two `data_identity` records, a phrase per file: `PATH (other contents)`, `(gone)`,
+    `(new)`."""
+    out = []
+    for path in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(path), now.get(path)
+        if old == new:
+            continue
+        out.append(f"{path} ({'new' if old is None else 'gone' if new is None else 'other contents'})")
+    return out
