@@ -38,7 +38,13 @@ from llm_recipe.components.quantization.export_gguf import (
     qtype_for_scheme,
 )
 from llm_recipe.components.quantization.export_hf import export_hf_torchao
-from llm_recipe.components.quantization.schemes import BF16_ONLY, GROUPED_SCHEMES, check_group_size_config
+from llm_recipe.components.quantization.schemes import (
+    BF16_ONLY,
+    GROUPED_SCHEMES,
+    check_group_size_config,
+    cpu_only,
+    scheme_info,
+)
 from llm_recipe.components.result_runs import RECORD_KEY, check_rerun, run_identity, writing_run
 from llm_recipe.components.schema import DEVICE, Choice, ListOf, Range
 from llm_recipe.components.settings import section, setting
@@ -83,6 +89,11 @@ class QuantizeConfig:
         """At load (`recipe validate` says it too): a .pte needs the one scheme that lowers to XNNPACK."""
         where = config_source(self).where
         check_group_size_config(self.scheme, self.group_size, self.model.checkpoint_dir, "group_size", where)
+        cpu, needs = cpu_only(self.device), scheme_info(self.scheme).needs  # at load, not once the run starts
+        if cpu is not None and needs != "any":
+            gpu = "a CUDA GPU" + (" with compute capability >= 8.9 (Ada/Hopper)" if needs == "cuda_sm89" else "")
+            raise RecipeError(f"{where('scheme')}: key 'scheme': {self.scheme} needs {gpu}, but {cpu}; use 8da4w, "
+                              "int8_weight_only or float8_weight_only on a CPU, or run with device: cuda")
         if "pte" in self.formats and self.scheme != "8da4w":
             raise RecipeError(f"{where('formats')}: key 'formats': pte needs scheme 8da4w (the only one that lowers "
                               f"to XNNPACK here), but scheme is {self.scheme}; drop pte or set scheme: 8da4w")

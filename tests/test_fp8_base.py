@@ -283,8 +283,15 @@ def test_validate_refuses_an_fp8_base_on_cpu_or_outside_bf16_before_anything_loa
             given = [f"model.checkpoint_dir={tiny_model_dir}"]
         else:
             given = [f"teacher.checkpoint_dir={tiny_model_dir}", "student.prune.keep=2", "lora={rank: 8}"]
-        with pytest.raises(RecipeError, match="needs a CUDA GPU .* but the model is on cpu"):
+        with pytest.raises(RecipeError, match="needs a CUDA GPU .* but device: cpu;"):
             load_recipe_config(config, [*given, "device=cpu", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+        if torch.cuda.is_available():  # the shipped device: auto; the GPU's capability is checked when placed
+            with pytest.raises(RecipeError, match="needs dtype: bf16, got dtype: fp32"):
+                load_recipe_config(config, [*given, "dtype=fp32", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+            load_recipe_config(config, [*given, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
+        else:  # auto without a GPU: said at load too (it used to fail once the weights had loaded)
+            with pytest.raises(RecipeError, match="needs a CUDA GPU .* but device: auto found no GPU;"):
+                load_recipe_config(config, [*given, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
         with pytest.raises(RecipeError, match="needs dtype: bf16, got dtype: fp32"):
-            load_recipe_config(config, [*given, "dtype=fp32", "lora.quantize_base=fp8"], cfg_type, recipe=recipe)
-        load_recipe_config(config, [*given, "lora.quantize_base=fp8"], cfg_type, recipe=recipe)  # auto: checked on the GPU
+            load_recipe_config(config, [*given, "device=cuda", "dtype=fp32", "lora.quantize_base=fp8"], cfg_type,
+                               recipe=recipe)

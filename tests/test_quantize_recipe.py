@@ -48,9 +48,10 @@ def test_gguf_type_follows_the_scheme(tmp_path, tiny_model_dir, caplog, scheme, 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-@pytest.mark.parametrize("scheme, match", [("int4_weight_only", "scheme 'int4_weight_only' needs a CUDA GPU"),
-                                           ("float8_dynamic", "scheme 'float8_dynamic' needs a CUDA GPU with "
-                                                              "compute capability >= 8.9")])
+@pytest.mark.parametrize("scheme, match", [("int4_weight_only", "key 'scheme': int4_weight_only needs a CUDA GPU, "
+                                                                 "but device: cpu"),
+                                           ("float8_dynamic", "key 'scheme': float8_dynamic needs a CUDA GPU with "
+                                                              "compute capability >= 8.9 (Ada/Hopper), but device: cpu")])
 def test_scheme_the_device_cannot_run_fails_before_the_weights_load(tmp_path, tiny_model_dir, monkeypatch, capsys,
                                                                      scheme, match):
     from llm_recipe.recipes import quantize

@@ -65,8 +65,12 @@ def check_fp8_base_config(lora: Any, device: str, dtype: str) -> None:
     A GPU's capability and the process count are checked when the model is placed (`check_fp8_base`)."""
     if lora is None or lora.quantize_base != "fp8":
         return
-    if device == "cpu":
-        raise _needs_sm89("cpu")
+    from .schemes import cpu_only
+
+    cpu = cpu_only(device)  # `device: auto` on a machine with no GPU too, not after the weights load
+    if cpu is not None:
+        raise RecipeError(f"{KEY} needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) for fp8 matmuls, "
+                          f"but {cpu}; use lora.quantize_base: nf4 or false")
     if dtype != "bf16":
         raise RecipeError(f"{KEY} needs dtype: bf16, got dtype: {dtype}")
 
