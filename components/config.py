@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -411,5 +412,25 @@ def typed_config(cfg: DictConfig, config_type: type) -> Any:
     typed.__dict__[_VALUES_ATTR] = OmegaConf.to_container(cfg, resolve=True)
     check = getattr(typed, "check", None)
     if callable(check):
-        check()
+        try:
+            check()
+        except RecipeError as e:
+            raise RecipeError(_located(str(e), src)) from None
     return typed
+
+
+_LEADING_KEY = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*)(?:=|:)")
+
+
+def _located(message: str, src: ConfigSource) -> str:
+    """A cross-key check's message (`kd.beta=0.3: kd.loss=forward_kl does not read it`) with the file line of the
+    key it starts with in front, as the one-key checks have; messages with a location already, keys an override
+    set (the message repeats what the user typed) or keys without a line of their own are left as they are."""
+    m = _LEADING_KEY.match(message)
+    if m is None or m.group(1) not in src.lines or message.startswith(("override '", f"{src.display}:")):
+        return message  # a default (no line of its own) is not pointed at its section's line
+    key = m.group(1)
+    if any((k := ov.lstrip("~").split("=", 1)[0].strip()) == key or k.startswith(key + ".") for ov in src.overrides):
+        return message  # set (in part) on the command line: the file's line is not where the mistake is
+    where = src.where(key)
+    return f"{where}: {message}" if re.search(r":\d+$", where) else message

@@ -310,3 +310,21 @@ def test_optimizer_argument_values_are_checked_before_anything_loads():
     cfg = load_recipe_config("lora/smollm2", ["optimizer.amsgrad=true", "optimizer.lr=1", "optimizer.fused=null"],
                              CONFIG, recipe="lora")
     assert cfg.optimizer["amsgrad"] is True and cfg.optimizer["lr"] == 1
+
+
+def test_a_cross_key_check_names_the_file_line_of_its_key(tmp_path):
+    """Checks across keys (a kd.beta the loss does not read, two ways of choosing the student's layers) said the
+    keys but not where in the user's file they are, as the one-key checks do; an override is named as typed."""
+    from llm_recipe.components.config import load_recipe_config
+    from llm_recipe.recipes.kd import CONFIG as KD
+
+    text = (Path(__file__).parents[1] / "configs" / "kd" / "smollm2_demo.yaml").read_text()
+    assert "  beta: null" in text
+    (tmp_path / "mine.yaml").write_text(text.replace("  beta: null", "  beta: 0.3", 1))
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith("  beta: null"))
+    with pytest.raises(RecipeError) as e:
+        load_recipe_config(str(tmp_path / "mine.yaml"), [], KD, recipe="kd")
+    assert str(e.value).startswith(f"{tmp_path / 'mine.yaml'}:{line}: kd.beta=0.3: kd.loss=forward_kl does not read it")
+    with pytest.raises(RecipeError) as e:
+        load_recipe_config("kd/smollm2_demo", ["kd.beta=0.3"], KD, recipe="kd")
+    assert str(e.value).startswith("kd.beta=0.3: kd.loss=forward_kl does not read it")  # the override, as typed
