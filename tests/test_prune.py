@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -128,11 +129,20 @@ def test_kd_recipe_prunes_by_importance(tmp_path, idle_layer_model, capsys):
     printed = capsys.readouterr().out
     assert "student: 3 of 4 teacher layers kept: [0, 1, 3]" in printed
     assert "loss drop" in printed and "block influence" in printed  # the score table is printed
+    assert "calibration_tokens=96, but the dataset has only" not in printed  # 8 rows of 48 tokens: enough
     saved = json.loads((out / "layer_importance.json").read_text())
     assert saved["kept"] == [0, 1, 3] and saved["method"] == "loss_drop" and len(saved["layers"]) == 4
     assert all(math.isfinite(r["loss_drop"]) for r in saved["layers"])
     assert (out / "layer_importance.txt").read_text().startswith("layer importance on")
     assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == 3
+    # asked for more calibration tokens than the data has: scored on what there is, and said
+    code = rc.run_in_process("kd", "kd/smollm2_demo", [
+        *rc.KD_COMMON, f"teacher.checkpoint_dir={idle_layer_model}", "student.checkpoint_dir=null",
+        f"output_dir={tmp_path / 'few'}", "max_steps=1", "dataset.limit=1",
+        "student.prune={method: loss_drop, keep: 3, calibration_tokens: 4096}"])
+    assert code == 0
+    assert re.search(r"note: student.prune.calibration_tokens=4096, but the dataset has only \d+ tokens: the layers "
+                     r"are scored on those", capsys.readouterr().out)
     # Out-of-range settings fail before any work, naming the key.
     code = rc.run_in_process("kd", "kd/smollm2_demo", [
         *rc.KD_COMMON, f"teacher.checkpoint_dir={idle_layer_model}", f"output_dir={tmp_path / 'bad'}",

@@ -201,7 +201,12 @@ def importance_keep(model_dir: str | Path, prune: PruneSettings | Mapping, datas
     check_tokenizer_fits(model_dir, tokenizer)
     ds = data if data is not None else build_dataset(tokenizer, **dataset)
     model, _ = load_model(model_dir, dtype=dtype, device=device, max_seq_len=dataset.get("max_seq_len"))
-    scores = score_layers(model, calibration_batches(ds, tokens, batch_size, tokenizer.pad_id, device))
+    batches = calibration_batches(ds, tokens, batch_size, tokenizer.pad_id, device)
+    found = sum(len(item["tokens"]) for item in ds)
+    if found < tokens:  # a small dataset scores the layers on what it has: said, the choice is noisier
+        log(f"note: student.prune.calibration_tokens={tokens}, but the dataset has only {found} tokens: the layers "
+            "are scored on those (a noisier choice; more rows or student.keep_layers / every make it firmer)")
+    scores = score_layers(model, batches)
     del model
     kept = keep_by_importance(scores, keep, method)
     if out_dir is not None:
