@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -168,6 +169,14 @@ def _default_type(sig: inspect.Signature, name: str) -> type | tuple[type, ...] 
     allowed (the callable decides), and an int is a fine float."""
     param = sig.parameters.get(name)
     if param is None or param.default is param.empty:
+        return None
+    if param.default is None:  # `fused: bool | None = None`: the annotation says the kind (a string under
+        # `from __future__ import annotations`; torch's own optimizers annotate `Optional[bool]`)
+        words = set(re.findall(r"[A-Za-z_]+", str(param.annotation)))
+        plain = {"bool": bool, "int": int, "float": float, "str": str}
+        kinds = words & set(plain)
+        if len(kinds) == 1 and words <= kinds | {"None", "Optional", "NoneType", "typing"}:
+            return (plain[kinds.pop()], type(None))
         return None
     kind = type(param.default)
     return (kind, type(None)) if kind in (bool, int, float, str) else None

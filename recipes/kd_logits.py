@@ -44,6 +44,7 @@ from llm_recipe.components.logits_cache import (
     teacher_rows,
 )
 from llm_recipe.components.logits_cache.hint import kd_command
+from llm_recipe.components.logits_cache.manifest import DATASET_FIELDS
 from llm_recipe.components.losses.sampled import teacher_samples
 from llm_recipe.components.losses.topk import teacher_topk
 from llm_recipe.components.models import load_model, read_model_args
@@ -114,7 +115,10 @@ class KDLogitsConfig:
     tokenizer_dir: str | None = setting(None, ModelDir(optional=True), "tokenizes the transfer set: the kd run's "
                                         "student folder (null: the teacher's)")
     teacher: Teacher = section(Teacher, "the teacher")
-    dataset: DatasetConfig = section(DatasetConfig, "the kd run's dataset section")
+    # only the keys that decide the cached rows: shuffle and bucket order a training run's batches, which a cache
+    # build never draws, so a kd_logits config that sets them is refused (unknown key) instead of silently ignored
+    dataset: DatasetConfig = section(DatasetConfig, "the kd run's dataset section (the keys that decide its rows)",
+                                     only=DATASET_FIELDS)
     cache: Cache = section(Cache, "what the cache keeps")
 
     def check(self) -> None:

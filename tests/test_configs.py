@@ -1,4 +1,4 @@
-"""Every shipped config validates against its recipe, and every leaf key carries a comment for the user."""
+"""Every shipped config validates against its recipe, and every key and section carries a comment for the user."""
 
 import re
 import subprocess
@@ -40,6 +40,8 @@ def test_every_leaf_key_is_commented(path):
         is_section = rest.strip() == "" and nxt.startswith(indent + " ")
         if not is_section and key != "_component_":
             assert "#" in rest, f"{path}:{i + 1}: key '{key}' has no comment"
+        if is_section:  # a section header says what the section is (`dataset:   # training rows: ...`)
+            assert "#" in rest, f"{path}:{i + 1}: section '{key}' has no comment"
 
 
 def test_validate_cli_reports_unknown_key_with_line(tmp_path):
@@ -65,3 +67,16 @@ def test_eval_limit_is_a_fraction_below_one_and_a_whole_count_above(limit, ok):
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert r.stderr.strip().splitlines()[-1] == ("recipe: error: limit: 2.5 is not a whole number of items per "
                                                       "task (below 1 it is a fraction of each task)")
+
+
+@pytest.mark.parametrize("override", ["dataset.shuffle=true", "dataset.bucket=false"])
+def test_kd_logits_refuses_the_dataset_keys_it_does_not_read(override):
+    # shuffle/bucket only order a training run's batches: a cache build reads neither, so it refuses them
+    r = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "validate", "kd_logits/smollm2_demo", override],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    key = override.split("=")[0]
+    assert r.stderr.strip().splitlines() == [
+        f"recipe: error: override '{override}': unknown key '{key}' (recipe kd_logits reads: dataset.source, "
+        "dataset.format, dataset.split, dataset.name, dataset.data_files, dataset.column_map, dataset.max_seq_len, "
+        "dataset.train_on_input, dataset.use_chat_template, dataset.packed, dataset.limit)"]

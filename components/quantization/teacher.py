@@ -29,7 +29,7 @@ def quantize_setting():
     """The `teacher.quantize` key (kd and kd_logits each have a teacher section; one definition)."""
     return setting(None, Choice(AUTO, *TEACHER_QUANT, optional=True),
                    "null (the run dtype) | fp8 (sm89+ GPU: fp8 matmuls) | int8_weight_only | auto (fp8 where it can "
-                   "run: a GPU with fp8 matmuls and an unsharded teacher; else null; the log says which)")
+                   "run: a GPU with fp8 matmuls, dtype bf16 and an unsharded teacher; else null; the log says which)")
 
 
 def max_drift_setting():
