@@ -25,7 +25,8 @@
 #                                          # model through the CLI, then their GPU tests
 #   bash bench/device_kd.sh regress [TESTS]  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh
 #                                          # install, part; REGRESS_FLOWS=0: the tests alone):
-#                                          # `recipe demo`, Ctrl-C + resume=true on one GPU, then the one-GPU GPU tests
+#                                          # `recipe demo`, Ctrl-C + resume=true on one GPU, the shipped full/qat
+#                                          # SmolLM2 configs, then the one-GPU GPU tests
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
 #                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
 #                                          # then the CUDA tests TESTS (default: the loss's)
@@ -327,6 +328,10 @@ import json, sys
 last = {k: [json.loads(l) for l in open(f"{sys.argv[1]}/{k}/metrics.jsonl") if l.strip()][-1] for k in ("whole", "cut")}
 print(json.dumps({k: (v["step"], v["loss"]) for k, v in last.items()}))
 PY
+    for c in full qat; do  # the shipped SmolLM2 full and QAT configs as a user runs them: do their updates move bf16 weights?
+        eval "$R run $c --config $c/smollm2 output_dir=$U/$c" >$U/$c.log 2>&1; echo "{\"step\": \"$c\", \"rc\": $?}" | tee -a $U/steps.jsonl
+        python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; print(sys.argv[2], 'loss', r[0]['loss'], '->', r[-1]['loss'], 'steps', len(r))" $U/$c/metrics.jsonl $c 2>&1 | tee -a $U/steps.jsonl
+    done
     for f in $U/*.log; do echo "== $f"; grep -vE "it/s\]|s/it\]|^\s*$" "$f" | tail -14; done
     [[ -n ${OUT:-} ]] && cp $U/*.log $U/steps.jsonl "$OUT/"
     fi
