@@ -24,7 +24,7 @@
 #                                          # GPU-only quantize schemes, eval, lm_eval and generate on the embedded
 #                                          # model through the CLI, then their GPU tests
 #   bash bench/device_kd.sh regress [TESTS]  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh
-#                                          # install, part; REGRESS_FLOWS=0: the tests alone):
+#                                          # install, part; REGRESS_FLOWS=0: the tests alone; REGRESS_DEMO=0: no demo):
 #                                          # `recipe demo`, Ctrl-C + resume=true on one GPU, the shipped full/qat
 #                                          # SmolLM2 configs, then the one-GPU GPU tests
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
@@ -315,7 +315,9 @@ regress)  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh ins
     U=/tmp/regress && rm -rf $U && mkdir -p $U
     if [[ ${REGRESS_FLOWS:-1} == 1 ]]; then  # REGRESS_FLOWS=0: the tests alone
     R="PYTHONPATH=/tmp/stub:/tmp/site python3 -m llm_recipe.cli.main"
+    if [[ ${REGRESS_DEMO:-1} == 1 ]]; then
     t0=$SECONDS; eval "$R demo --output-dir $U/demo" >$U/demo.log 2>&1; echo "{\"step\": \"demo\", \"rc\": $?, \"s\": $((SECONDS - t0))}" | tee -a $U/steps.jsonl
+    fi
     L="run lora --config lora/smollm2 device=cuda max_steps=60 save_every_n_steps=null"
     eval "$R $L output_dir=$U/whole" >$U/whole.log 2>&1; echo "{\"step\": \"whole\", \"rc\": $?}" | tee -a $U/steps.jsonl
     eval "$R $L output_dir=$U/cut" >$U/cut.log 2>&1 & pid=$!
@@ -323,14 +325,18 @@ regress)  # carry .carry/b .carry/pytest .carry/hub1 (after device_study2.sh ins
     pkill -INT -f "output_dir=$U/cut" ; wait $pid; echo "{\"step\": \"ctrl_c\", \"rc\": $?}" | tee -a $U/steps.jsonl
     ls $U/cut/checkpoints | tee -a $U/steps.jsonl
     eval "$R $L output_dir=$U/cut resume=true" >$U/resume.log 2>&1; echo "{\"step\": \"resume\", \"rc\": $?}" | tee -a $U/steps.jsonl
-    python3 - $U <<'PY'
+    (python3 - $U <<'PY'
 import json, sys
 last = {k: [json.loads(l) for l in open(f"{sys.argv[1]}/{k}/metrics.jsonl") if l.strip()][-1] for k in ("whole", "cut")}
 print(json.dumps({k: (v["step"], v["loss"]) for k, v in last.items()}))
 PY
-    for c in full qat; do  # the shipped SmolLM2 full and QAT configs as a user runs them: do their updates move bf16 weights?
-        eval "$R run $c --config $c/smollm2 output_dir=$U/$c" >$U/$c.log 2>&1; echo "{\"step\": \"$c\", \"rc\": $?}" | tee -a $U/steps.jsonl
-        python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; print(sys.argv[2], 'loss', r[0]['loss'], '->', r[-1]['loss'], 'steps', len(r))" $U/$c/metrics.jsonl $c 2>&1 | tee -a $U/steps.jsonl
+    ) | tee -a $U/steps.jsonl
+    # the shipped SmolLM2 full and QAT configs as a user runs them, and full with torch's AdamW on the bf16 weights
+    # (what it shipped before): the same batches, so the losses compare step by step
+    for c in full qat full_torch_adamw; do
+        cfg=${c%%_*}; more=""; [[ $c == full_torch_adamw ]] && more="optimizer._component_=torch.optim.AdamW"
+        eval "$R run $cfg --config $cfg/smollm2 output_dir=$U/$c $more" >$U/$c.log 2>&1; echo "{\"step\": \"$c\", \"rc\": $?}" | tee -a $U/steps.jsonl
+        python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; print(sys.argv[2], 'losses', [round(x['loss'], 3) for x in r])" $U/$c/metrics.jsonl $c 2>&1 | tee -a $U/steps.jsonl
     done
     for f in $U/*.log; do echo "== $f"; grep -vE "it/s\]|s/it\]|^\s*$" "$f" | tail -14; done
     [[ -n ${OUT:-} ]] && cp $U/*.log $U/steps.jsonl "$OUT/"

@@ -265,8 +265,9 @@ def warn_if_bf16_updates_round_away(optimizer: torch.optim.Optimizer, threshold:
     if worst >= threshold:
         log.warning(
             "bf16 weights: an update of lr=%.1e rounds away for %.0f%% of the trainable weights, so most optimizer "
-            "steps leave them unchanged; use dtype=fp32, or optimizer._component_=torchao.optim._AdamW with "
-            "optimizer.bf16_stochastic_round=true (docs/kd_study.md)", worst_lr, 100 * worst,
+            "steps leave them unchanged; use optimizer._component_=llm_recipe.components.optim.MasterWeightAdamW "
+            "(fp32 master weights, 12 bytes per weight: the GPU configs' choice), or dtype=fp32, or for less memory "
+            "torchao.optim.AdamW8bit with optimizer.bf16_stochastic_round=true", worst_lr, 100 * worst,
         )
     return worst
 

@@ -235,6 +235,8 @@ def test_bf16_rounded_away_fraction_follows_bf16_resolution():
 
 
 def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
+    import torchao.optim  # noqa: F401  (imported first: its import-time warnings are not the ones checked below)
+
     from llm_recipe.components.optim import warn_if_bf16_updates_round_away
 
     model = nn.Linear(64, 64).to(torch.bfloat16)
@@ -244,6 +246,8 @@ def test_warns_when_bf16_updates_round_away_unless_stochastic_rounding(caplog):
         opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 2e-5}, model.parameters(), CPU)
         assert warn_if_bf16_updates_round_away(opt) > 0.9
     assert "lr=2.0e-05 rounds away" in caplog.text and "bf16_stochastic_round=true" in caplog.text
+    # the fix it names first is the one the GPU configs ship (it named torchao's slower _AdamW)
+    assert "use optimizer._component_=llm_recipe.components.optim.MasterWeightAdamW" in caplog.text
     # The warning is true: one real step leaves the weights exactly where they were.
     before = model.weight.detach().clone()
     model(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
