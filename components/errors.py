@@ -10,9 +10,9 @@ def read_utf8(path, display: str | None = None) -> str:
     RecipeError naming the file, line and column instead of a UnicodeDecodeError. OSErrors pass through."""
     from pathlib import Path
 
-    data = Path(path).read_bytes()
+    data = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Excel, Notepad): not text
     try:
-        return data.decode("utf-8-sig")  # a leading byte-order mark (Excel, Notepad) is not part of the text
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise utf8_error(display or str(path), data, e) from None
 

@@ -334,6 +334,11 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           "checkpoint's data position would not fit the rows trained on now, even with "
                           "resume_with_changes=true; put them back, or start a new run (overwrite=true or another "
                           "output_dir)")
+    if changed and not getattr(cfg, "resume_with_changes", False):
+        raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} last ran with "
+                          f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
+                          "values: put them back, or add resume_with_changes=true to continue with the new ones "
+                          "(or start a new run: overwrite=true or another output_dir)")
     if data and not getattr(cfg, "resume_with_changes", False):
         raise RecipeError(f"resume=true, but the data files changed since the run in {out} started ({out / RUN_FILE}): "
                           f"{', '.join(data[:3])}{f' and {len(data) - 3} more' if len(data) > 3 else ''}; the "
@@ -342,11 +347,6 @@ def check_resume_config(cfg: Any, run: dict[str, Any], at: str | None) -> None:
                           "new run: overwrite=true or another output_dir)")
     if data and at is not None and is_rank0():
         print(f"resuming with changed data files: {', '.join(data)}", flush=True)
-    if changed and not getattr(cfg, "resume_with_changes", False):
-        raise RecipeError(f"resume=true, but these values differ from the ones the run in {out} last ran with "
-                          f"({out / RUN_FILE}): {describe_changes(changed)}; a resumed run continues with its own "
-                          "values: put them back, or add resume_with_changes=true to continue with the new ones "
-                          "(or start a new run: overwrite=true or another output_dir)")
     if (changed or free) and at is not None and is_rank0():
         print(f"resuming with changed values: {describe_changes(dict(sorted({**changed, **free}.items())))}",
               flush=True)
@@ -356,7 +356,9 @@ def _data_changes(run: dict[str, Any], cfg: Any) -> list[str]:
     """The local data files that differ from those run.json recorded at the run's start (components/data/identity.py;
     nothing for a run.json written before data files were recorded)."""
     recorded = run.get(DATA_KEY)
-    return data_changes(recorded, data_identity(cfg)) if isinstance(recorded, dict) else []
+    if not isinstance(recorded, dict) or not is_rank0():  # rank 0 checks (and `recipe run` before torchrun starts)
+        return []
+    return data_changes(recorded, data_identity(cfg))
 
 
 def record_resume_changes(cfg: Any, at: str) -> None:

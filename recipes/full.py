@@ -37,7 +37,12 @@ from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.settings import section
 from llm_recipe.components.setup_log import SetupLog
 from llm_recipe.components.train_config import ModelSection, TrainConfig
-from llm_recipe.components.train_state import TrainState, resume_weights, start_or_resume_run
+from llm_recipe.components.train_state import (
+    TrainState,
+    check_run_length,
+    resume_weights,
+    start_or_resume_run,
+)
 from llm_recipe.components.training import (
     Throughput,
     build_train_loader,
@@ -97,6 +102,8 @@ def main(cfg: FullConfig) -> None:
         resume_from = start_or_resume_run(cfg)
     with setup.phase("data"):  # before the weights: a bad row is one line in seconds, not after an 8B model loads
         loader = build_train_loader(cfg, tokenizer, rt)
+        if resume_from is not None:  # `epochs`' step count is known now: a resume it would end before, refused here
+            check_run_length(cfg, resume_from, total_steps(cfg, loader))
     base_quant = lora.quantize_base if lora is not None else None  # NF4 on a CPU: about a minute for SmolLM2
     with setup.phase(f"weights (quantizing the base to {base_quant})" if base_quant else "weights"):
         source = resume_weights(resume_from) if lora is None else None

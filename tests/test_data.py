@@ -309,6 +309,9 @@ def test_bad_row_locations_csv_parquet_and_invalid_json(tmp_path, tok):
     for name, body in [("b.csv", "text\nfirst\n"), ("b.jsonl", '{"text": "first"}\n'), ("b.json", '[{"text": "first"}]')]:
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
         assert [r["text"] for r in load_rows(str(tmp_path / name))] == ["first"], name
+    (tmp_path / "bb.json").write_bytes(b'\xef\xbb\xbf[{"text": "a"},\n{"text": "\xff"}]')  # columns count past it
+    with pytest.raises(RecipeError, match=r"bb.json:2: not valid UTF-8 \(byte 0xff at column 11\)"):
+        load_rows(str(tmp_path / "bb.json"))
     with pytest.raises(RecipeError, match="no such file"):
         load_rows(str(tmp_path / "missing.jsonl"))
     with pytest.raises(RecipeError, match="dataset.format: must be one of .*, got 'alpaca'"):
@@ -628,7 +631,7 @@ def test_a_source_that_cannot_be_rows_is_said_before_anything_loads(tmp_path, ti
 
     assert said(source="notes.txt") == ("key 'dataset.source': notes.txt: unsupported file type '.txt'; use .json, "
                                         ".jsonl, .csv or .parquet (plain text, a document per line: "
-                                        "dataset.source=text dataset.data_files=notes.txt)")
+                                        "dataset.source=text dataset.data_files=notes.txt dataset.format=text)")
     assert said(source=str(tiny_model_dir)) == (f"key 'dataset.source': {tiny_model_dir} is a model folder "
                                                 "(config.json, *.safetensors), not a dataset")
     assert said(source="data/train.txt") == ("key 'dataset.source': no such file or directory: data/train.txt "

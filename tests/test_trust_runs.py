@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,27 @@ def test_resume_on_changed_data_files_is_refused_unless_accepted(tmp_path, tiny_
     record = json.loads((out / "run.json").read_text())
     assert record["resumed_with_changes"][-1]["data_files"] == [f"{rows.resolve()} (other contents)"]
     assert run(capsys, args(tiny_model_dir, out, "max_steps=4", "resume=true", *data))[0] == 0  # the new data now
+
+
+def test_a_folder_source_fingerprints_its_data_not_its_hidden_folders(tmp_path):
+    """A data folder that is a git (or `hf download`) checkout: `git status` rewrites .git/index, which is not data
+    and must not stop a resume."""
+    from llm_recipe.components.data.dataset import DatasetConfig
+    from llm_recipe.components.data.identity import data_changes, data_identity
+    @dataclass
+    class Sections:  # data_identity reads every DatasetConfig of a typed config
+        dataset: DatasetConfig
+
+    (tmp_path / "ds" / ".git").mkdir(parents=True)
+    (tmp_path / "ds" / "train.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "ds" / ".git" / "index").write_bytes(b"1")
+    cfg = Sections(DatasetConfig(source=str(tmp_path / "ds")))
+    before = data_identity(cfg)
+    assert list(before) == [str((tmp_path / "ds" / "train.jsonl").resolve())]
+    (tmp_path / "ds" / ".git" / "index").write_bytes(b"22")
+    assert data_changes(before, data_identity(cfg)) == []
+    (tmp_path / "ds" / "train.jsonl").write_text('{"text": "b"}\n')
+    assert data_changes(before, data_identity(cfg)) == [f"{(tmp_path / 'ds' / 'train.jsonl').resolve()} (other contents)"]
 
 
 def test_a_resume_that_cannot_load_changes_nothing(tmp_path, tiny_model_dir, capsys, monkeypatch):

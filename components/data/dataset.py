@@ -126,11 +126,12 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         except RowError as e:
             raise RecipeError(f"{rows.where(i)}: {e}") from None
         item = {"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
-        n_targets = sum(lab != IGNORE_INDEX for lab in ex["labels"][1:])
+        labels = ex["labels"]
+        n_targets = len(labels) - 1 - labels[1:].count(IGNORE_INDEX)
         targets += n_targets
         if len(ex["tokens"]) > max_seq_len:
             truncated += 1
-            lost += n_targets - sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
+            lost += n_targets - (len(item["labels"]) - 1 - item["labels"][1:].count(IGNORE_INDEX))
         # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many); a prompt-only
         # row has none by design.
         if prompt_only or any(lab != IGNORE_INDEX for lab in item["labels"][1:]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 from dataclasses import fields, is_dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,14 @@ __all__ = ["HASHED_BYTES", "data_changes", "data_identity"]
 
 
 def _fingerprint(path: Path) -> str:
-    size = path.stat().st_size
+    st = path.stat()
+    return _fingerprint_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)  # one hash per file version and process (a resume checks, then records)
+def _fingerprint_of(path: str, size: int, mtime_ns: int) -> str:
     if size > HASHED_BYTES:
-        return f"size {size}, modified {path.stat().st_mtime_ns}"
+        return f"size {size}, modified {mtime_ns}"
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -44,7 +50,8 @@ def _files(dataset: Any) -> list[Path]:
     if path.is_file():
         found.append(path)
     elif path.is_dir():
-        found += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))[:_MAX_FILES]
+        found += sorted(p for p in path.rglob("*") if p.is_file()  # not .git/, .cache/ (hf download's metadata)
+                        and not any(part.startswith(".") for part in p.relative_to(path).parts))[:_MAX_FILES]
     base = path if path.is_dir() else Path.cwd() if source in LOCAL_BUILDERS else None
     for entry in data_file_entries(dataset.data_files):
         if base is None or "://" in entry:
@@ -75,12 +82,17 @@ def data_identity(cfg: Any) -> dict[str, str]:
 
 
 def data_changes(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
-    """What differs between two `data_identity` records, a phrase per file: `PATH (other contents)`, `(gone)`,
-    `(new)`."""
+    """What differs between two `data_identity` records, a phrase per file: `PATH (other contents)`, or why else."""
     out = []
     for path in sorted(set(recorded) | set(now)):
         old, new = recorded.get(path), now.get(path)
         if old == new:
             continue
-        out.append(f"{path} ({'new' if old is None else 'gone' if new is None else 'other contents'})")
+        if old is None or new is None:
+            how = "not read at the run's start" if old is None else "read at the start, not now"
+        elif old.startswith("size") or new.startswith("size"):  # large files: size and time, not contents
+            how = "size or modification time changed"
+        else:
+            how = "other contents"
+        out.append(f"{path} ({how})")
     return out

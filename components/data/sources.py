@@ -107,8 +107,10 @@ def _read_jsonl(path: Path) -> Rows:
     rows, locs = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Excel, Notepad)
             try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark (Excel, Notepad)
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise utf8_error(str(path), raw, e, first_line=lineno) from None
             if not line.strip():
@@ -163,7 +165,7 @@ def _read_csv(path: Path) -> Rows:
 
 def _record_lines(row: dict) -> int:
     """Physical lines a CSV record spans: one more than the line breaks inside its quoted fields."""
-    return 1 + sum(v.count("\n") for v in row.values() if isinstance(v, str))
+    return 1 + sum(len(re.findall(r"\r\n|\r|\n", v)) for v in row.values() if isinstance(v, str))
 
 
 def _json_problem(e: json.JSONDecodeError) -> str:
@@ -195,7 +197,7 @@ def _load_hf(source: str, split_name: str, name: str | None, data_files: Any) ->
         ds = datasets.load_dataset(source, name=name, split=split_name, data_files=data_files)
     except Exception as e:  # datasets raises many types (FileNotFound, ConnectionError, ValueError...)
         config = f"name {name}, " if name is not None else ""
-        why = [f"{type(x).__name__}: {str(x).splitlines()[0]}" for x in (e, e.__cause__ or e.__context__)
+        why = [f"{type(x).__name__}: {str(x).splitlines()[0]}" for x in (e, e.__cause__)
                if x is not None and str(x).strip()]  # datasets' "An error occurred while generating" names no cause
         raise RecipeError(f"dataset source '{source}' ({config}split {split_name}) could not be loaded: "
                           f"{'; caused by '.join(why) or type(e).__name__}") from e
@@ -267,7 +269,7 @@ def missing_data_file(source: str, data_files: Any = None) -> tuple[str, str] | 
         return "source", f"no such file or directory: {path}{here}"
     if path.is_file() and data_files is None and path.suffix.lower() not in _DATA_SUFFIXES:
         return "source", (f"{path}: unsupported file type '{path.suffix}'; use .json, .jsonl, .csv or .parquet"
-                          + (f" (plain text, a document per line: dataset.source=text dataset.data_files={source})"
+                          + (f" (plain text, a document per line: dataset.source=text dataset.data_files={source} dataset.format=text)"
                              if path.suffix.lower() in (".txt", ".text", ".md") else ""))
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "source", f"{path} is a model folder (config.json, *.safetensors), not a dataset"
