@@ -75,8 +75,8 @@ from .on_policy_prompts import (
     is_on_policy,
     load_prompt_set,
     on_policy_index,
+    prompts_in_documents,
     prompts_of,
-    reads_training_rows,
     row_prompts,
 )
 from .runs import ON_POLICY_EVAL_FILE
@@ -264,16 +264,21 @@ class HeldOut:
     their prompts score the student (`OnPolicy.held_out_eval`). Called on the tokenized dataset (build_train_loader's
     `wrap_dataset`), before any weights load, so too few rows fail in seconds. The same rows on every rank and every
     resume (the dataset is tokenized deterministically). Nothing is held out when on-policy is off (`s` None), or
-    with kd.on_policy.prompts (the prompt set holds its own rows out: every training row trains)."""
+    with kd.on_policy.prompts (the prompt set holds its own rows out: every training row trains; `trained_on` counts
+    its held-out prompts that begin a training document all the same)."""
 
     def __init__(self, s: OnPolicySettings | None, prompt_set: PromptSet | None = None) -> None:
         self.k = 0 if s is None or prompt_set is not None or s.prompts is not None else s.held_out
+        self.prompt_set = prompt_set
         self.rows: list[dict] = []
         self.collate: Callable[[list[dict]], dict] | None = None
+        self.trained_on = 0  # the prompt set's held-out prompts the training rows hold (their score is not unseen)
 
     def __call__(self, dataset: Any) -> Any:
         """`dataset` without its last `k` rows (which this keeps); a one-line error when none would be left."""
         k = self.k
+        if self.prompt_set is not None:
+            self.trained_on = prompts_in_documents(self.prompt_set.held_whole, dataset)
         if k == 0:
             return dataset
         if k >= len(dataset):
@@ -309,13 +314,12 @@ class OnPolicy:
         if prompt_set is None and s.prompts is not None:
             prompt_set = load_prompt_set(s, cfg.dataset.max_seq_len, tokenizer)
         self.prompt_set = prompt_set
-        # a prompt set read from the training rows themselves: its held-out rows are trained on off-policy
-        self.held_in_training = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
                                     max_width=min(self.budget, self.prompt_tokens or self.budget))
                        if self.path == "compiled" else None)
+        self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         if rt.is_main:
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
@@ -331,13 +335,13 @@ class OnPolicy:
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
-                if self.held_in_training and prompt_set.held:
-                    print(f"note: {PROMPTS_KEY} reads the training rows (dataset: the same source and split): its "
-                          f"{len(prompt_set.held)} held-out prompts are trained on off-policy, so their end-of-run "
-                          "score is not of unseen prompts; for that, give the prompts rows of their own, or slice "
-                          "them off with the two splits (e.g. dataset.split='train[:-100]', "
+                trained = self._held.trained_on
+                if trained:
+                    print(f"note: {trained} of the {len(prompt_set.held)} held-out prompts of {PROMPTS_KEY} begin "
+                          "training documents (dataset: the same rows), so they are trained on off-policy and their "
+                          "end-of-run score is not of unseen prompts; for that, give the prompts rows of their own, "
+                          "or slice them off with the two splits (e.g. dataset.split='train[:-100]', "
                           f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
-        self._held = held if held is not None else HeldOut(s, prompt_set)
         self._batches_logged = 0
         self._reset()
 
@@ -452,9 +456,10 @@ class OnPolicy:
         their held-out prompts with the same noise and compare prompt by prompt."""
         if self.prompt_set is not None:
             prompts = self.prompt_set.held
+            trained = self._held.trained_on
             chosen = (f"the last kd.on_policy.held_out rows of {PROMPTS_KEY} ({self.prompt_set.origin}), never "
-                      + ("sampled in training, but trained on off-policy (the prompts are the training rows)"
-                         if self.held_in_training else "sampled in training"))
+                      + (f"sampled in training, but {trained} of them begin training documents (trained on "
+                         "off-policy)" if trained else "sampled in training"))
         elif self.held:
             prompts = prompts_of(self._held.collate(self.held), self.prompt_tokens, self.budget, self.per_row,
                                  self.s.max_new_tokens)

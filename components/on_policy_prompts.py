@@ -133,12 +133,14 @@ def prompts_of(batch: dict[str, Tensor], prompt_tokens: int | None, budget: int,
 class PromptSet:
     """`kd.on_policy.prompts` tokenized, one prompt per row in row order: `train` (dealt to on-policy
     micro-batches), `held` (its last held_out rows: the end-of-run score), where it came from, and how many prompts
-    were longer than the budget (cut, as row_prompts cuts)."""
+    were longer than the budget (cut, as row_prompts cuts); `held_whole`: the held prompts uncut (what a training
+    document that holds one begins with: `prompts_in_documents`)."""
 
     train: list[list[int]]
     held: list[list[int]]
     origin: str
     cut: int
+    held_whole: list[list[int]]
 
     def micro_batch_tokens(self, rows: int, max_new_tokens: int) -> int:
         """Tokens of an on-policy micro-batch of `rows` prompts at most: each row padded to the longest prompt
@@ -146,24 +148,25 @@ class PromptSet:
         return rows * (max(map(len, self.train + self.held)) + max_new_tokens)
 
 
-def reads_training_rows(prompts: Any, dataset: Any) -> bool:
-    """Whether a prompt set (`kd.on_policy.prompts`) reads the training rows themselves: the same source (a file
-    spelled two ways counts as one), split, config name and data files, and no `limit` on the training rows that
-    would stop before the prompt set's last (held-out) rows."""
-    import os
-
-    from .data.sources import resolve_source
-
-    def same_source(a: str, b: str) -> bool:
-        a, b = resolve_source(a), resolve_source(b)
-        try:
-            return a == b or os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
-        except OSError:
-            return False
-
-    return (same_source(prompts.source, dataset.source) and prompts.split == dataset.split
-            and prompts.name == dataset.name and prompts.data_files == dataset.data_files
-            and (dataset.limit is None or prompts.limit is not None and prompts.limit <= dataset.limit))
+def prompts_in_documents(prompts: list[list[int]], dataset: Any) -> int:
+    """How many of `prompts` begin a document of `dataset` (each document of a packed row on its own): prompts a run
+    trains on off-policy. Token for token, so it holds whatever the two sections say (a file spelled two ways, two
+    overlapping split slices, a copy of the file, a limit)."""
+    by_length: dict[int, set[tuple[int, ...]]] = {}
+    for q in prompts:
+        by_length.setdefault(len(q), set()).add(tuple(q))
+    last = {n: {q[-1] for q in qs} for n, qs in by_length.items() if n}  # a cheap test before a slice is compared
+    found: set[tuple[int, ...]] = set()
+    for item in dataset.items:
+        tokens, start = item["tokens"], 0
+        for n_doc in item.get("seq_lens", [len(tokens)]):
+            for n, ends in last.items():
+                if n <= n_doc and tokens[start + n - 1] in ends:
+                    head = tuple(tokens[start : start + n])
+                    if head in by_length[n]:
+                        found.add(head)
+            start += n_doc
+    return sum(tuple(q) in found for q in prompts)
 
 
 def _prompt_rows(s: Any, tokenizer: Any) -> TokenizedDataset:
@@ -203,4 +206,4 @@ def load_prompt_set(s: Any, max_seq_len: int, tokenizer: Any) -> PromptSet:
     if n < 1:
         raise RecipeError(f"{PROMPTS_KEY}: {len(prompts)} prompt rows in {origin}, and kd.on_policy.held_out="
                           f"{s.held_out} holds them all out: none left to train on (lower held_out or add rows)")
-    return PromptSet(prompts[:n], prompts[n:], origin, sum(len(q) > budget for q in whole))
+    return PromptSet(prompts[:n], prompts[n:], origin, sum(len(q) > budget for q in whole), whole[n:])

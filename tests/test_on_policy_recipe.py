@@ -223,6 +223,30 @@ def test_a_prompt_only_prompt_set_trains_end_to_end(tmp_path, models, monkeypatc
         "chosen_as"]
 
 
+@pytest.mark.parametrize(("train_split", "seen"), [("train", 3), ("train[:-2]", 1), ("train[:-3]", 0)])
+def test_a_prompt_set_sliced_from_the_training_rows_is_known_by_its_tokens(tmp_path, models, capsys, train_split,
+                                                                            seen):
+    """kd.on_policy.prompts with the last 5 rows of the training file (split train[-5:], the last 3 held out) while
+    the training rows are the whole split: the run says its held-out prompts begin training documents, and the
+    held-out score says they were trained on (it compared the two split strings, and took train vs train[-5:] for
+    rows of their own). train[:-2] trains on 1 of them; with train[:-3] they are unseen and nothing is said."""
+    path = _jsonl(tmp_path / "rows.jsonl", [{"text": f"row {i}: the {w} crossed the river at dawn and rested."}
+                                            for i, w in enumerate("fox owl deer hare wolf bear crow lynx elk mole".split())])
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [
+        *_kd(models, f'kd.on_policy.prompts={{source: "{path}", format: text, split: "train[-5:]"}}'),
+        f"dataset.source={path}", "dataset.limit=null", f"dataset.split={train_split}",
+        "kd.on_policy.prompts_per_row=1", "max_steps=1", f"output_dir={out}"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ") and "held-out" in line]
+    chosen = json.loads((out / "on_policy_eval.json").read_text())["chosen_as"]
+    if seen:
+        assert len(said) == 1 and said[0].startswith(f"note: {seen} of the 3 held-out prompts of kd.on_policy.prompts "
+                                                     "begin training documents"), said
+        assert f"but {seen} of them begin training documents (trained on off-policy)" in chosen
+    else:
+        assert said == [] and chosen.endswith("never sampled in training"), chosen
+
+
 def test_training_on_a_prompt_only_dataset_is_refused_in_one_line(tmp_path, models):
     """A prompt-only set given as the training data (dataset:) stops the run with the training data's error."""
     path = _jsonl(tmp_path / "prompts.jsonl", [{"messages": m[:-1]} for m in _shipped_chat(range(1043, 1046))])
