@@ -27,6 +27,8 @@
 #                                          # install, part; REGRESS_FLOWS=0: the tests alone; REGRESS_DEMO=0: no demo):
 #                                          # `recipe demo`, Ctrl-C + resume=true on one GPU, the shipped full/qat
 #                                          # SmolLM2 configs, then the one-GPU GPU tests
+#   bash bench/device_kd.sh qwen [RUNS]   # carry .carry/tok (+ .whl): the shipped Qwen2.5 KD and LoRA configs on
+#                                          # random-weight Qwen2.5-7B / 0.5B folders, only paths changed
 #   bash bench/device_kd.sh kernel [TESTS] # carry .whl .carry/pytest (+ .carry/tok for tiny-model tests):
 #                                          # bench/logits_kernel_speed.py (the loss's Triton kernel vs Inductor's),
 #                                          # then the CUDA tests TESTS (default: the loss's)
@@ -345,6 +347,36 @@ PY
     [[ -d $OLDPWD/.carry/hub1 ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hub1 \
         "$OLDPWD"/.carry/hub1/*.whl
     TEST_PYTHONPATH=/tmp/hub1:/tmp/site gpu_tests "${2:--m gpu tests --ignore=tests/test_distributed_recipes.py}"
+    ;;
+qwen)  # carry .carry/tok (+ .whl unless an earlier call installed it): the shipped Qwen2.5 configs as a user runs
+       # them, on random-weight Qwen2.5-7B / 0.5B folders (only paths, the local transfer set and a run length
+       # changed). RUNS (default "kd kd_fp8 lora"): kd = kd/qwen2_5_7b_to_0_5b as shipped (teacher.quantize auto,
+       # max_drift 0.01); kd_fp8 = the same with teacher.max_drift=null (the fp8 teacher over Qwen's biased
+       # projections, kept whatever its drift); lora = lora/qwen2_5_7b
+    install_ours
+    copy_repo
+    (cd /tmp/repo && ours python3 bench/kd_throughput.py build --family qwen --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    Q=/tmp/qwen && mkdir -p $Q
+    D="dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false max_steps=10 overwrite=true"
+    for r in ${2:-kd kd_fp8 lora}; do
+        case $r in
+        kd|kd_fp8) args="kd --config kd/qwen2_5_7b_to_0_5b teacher.checkpoint_dir=$B/qwen_7b student.checkpoint_dir=$B/qwen_0_5b"
+                   [[ $r == kd_fp8 ]] && args="$args teacher.max_drift=null" ;;
+        lora) args="lora --config lora/qwen2_5_7b model.checkpoint_dir=$B/qwen_7b" ;;
+        esac
+        t0=$SECONDS; ours python3 -m llm_recipe.cli.main run $args $D output_dir=$Q/$r >$Q/$r.log 2>&1
+        echo "{\"run\": \"$r\", \"rc\": $?, \"wall_s\": $((SECONDS - t0))}" | tee -a $Q/runs.jsonl
+        grep -vE "it/s\]|s/it\]|^\s*$" $Q/$r.log | grep -iE "setup|teacher|drift|fp8|vocab|head|activation|error|warn" | cut -c1-240 | head -30
+        python3 - $Q/$r/metrics.jsonl <<'PY' 2>&1 | tee -a $Q/runs.jsonl
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+tps = [r["tokens_per_s"] for r in rows[3:]] or [rows[-1]["tokens_per_s"]]
+print(json.dumps({"steps": len(rows), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+                  "tokens_per_s_median": round(statistics.median(tps)), "peak_gib": max(r.get("peak_memory_gib", 0) for r in rows)}))
+PY
+    done
+    [[ -n ${OUT:-} ]] && cp $Q/*.log $Q/runs.jsonl "$OUT/"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -43,6 +43,11 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# Qwen2.5-0.5B / 7B Instruct (their HF config.json files): the shipped kd/qwen2_5_7b_to_0_5b and lora/qwen2_5_7b
+QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
 
 # name -> (side, student, options). Ours: extra `recipe run kd` overrides. torchtune: harness flags.
 CHAT = ["dataset.source=transfer:chat", "dataset.format=chat", "dataset.use_chat_template=true"]
@@ -118,19 +123,29 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
 }
 
 
-def build(out: Path, tokenizer_dir: Path) -> None:
+def build(out: Path, tokenizer_dir: Path, family: str = "llama") -> None:
+    """Random-weight HF folders in `out`: Llama-3.2-1B / 3.1-8B shapes (`student_1b`, `teacher_8b`), or with family
+    "qwen" Qwen2.5-0.5B / 7B Instruct shapes (`qwen_0_5b`, `qwen_7b`: the shipped Qwen configs' models; q/k/v
+    biases, heads of 151,936 and 152,064 rows), each with the tokenizer in `tokenizer_dir`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    for name, shape in (("student_1b", LLAMA_1B), ("teacher_8b", LLAMA_8B)):
+    llama = dict(max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000,
+                 eos_token_id=128009, vocab_size=128256)
+    qwen = dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643,
+                eos_token_id=151645, hidden_act="silu")
+    folders = {"llama": (("student_1b", LlamaConfig, LlamaForCausalLM, {**llama, **LLAMA_1B}),
+                         ("teacher_8b", LlamaConfig, LlamaForCausalLM, {**llama, **LLAMA_8B})),
+               "qwen": (("qwen_0_5b", Qwen2Config, Qwen2ForCausalLM, {**qwen, **QWEN_0_5B}),
+                        ("qwen_7b", Qwen2Config, Qwen2ForCausalLM, {**qwen, **QWEN_7B}))}[family]
+    for name, config_class, model_class, shape in folders:
         folder = out / name
         if (folder / "config.json").exists():
             continue
-        cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                          bos_token_id=128000, eos_token_id=128009, **shape)
+        cfg = config_class(**shape)
         torch.manual_seed(0)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+            model = model_class._from_config(cfg, torch_dtype=torch.bfloat16)
         model.save_pretrained(folder)
         del model
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
@@ -296,6 +311,7 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--tt-path", default="", help="PYTHONPATH entry with torchao 0.15 for the torchtune rows")
     p.add_argument("--shapes", choices=["llama", "smollm2"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen"], default="llama", help="build: which random-weight folders")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--nproc", type=int, default=1)
@@ -309,7 +325,7 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.phase == "build":
-        build(a.out, a.tokenizer_dir)
+        build(a.out, a.tokenizer_dir, a.family)
     elif a.phase == "run":
         for _ in range(a.repeat):
             for name in a.rows.split(","):
