@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -157,7 +158,10 @@ def choose_fp8_projections(model: nn.Module, batches: list[dict], max_drift: flo
 
     start = time.perf_counter()
     choice = Fp8Choice(keep=None, bound=max_drift, tokens=0, seconds=0.0)
-    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+        # eager flex attention on purpose: its scores fit (CALIBRATION_BATCH_TOKENS); torch's warning that it is
+        # unfused told a user of a real Qwen/Llama run nothing they could act on
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
         targets = [b["labels"].to(b["tokens"].device) != IGNORE_INDEX for b in batches]
         references = [hidden_states(model, b)[t] for b, t in zip(batches, targets)]
         choice.tokens = sum(int(t.sum()) for t in targets)
