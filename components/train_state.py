@@ -10,12 +10,14 @@ processes writes DCP shards instead (components/checkpoint/sharded.py): no full 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from .checkpoint.manifest import verify_manifest
 from .checkpoint.sharded import (
@@ -162,12 +164,17 @@ class TrainState:
         keeping `keep_last_n`); every rank calls it. An out-of-memory error names the checkpoint it was writing."""
         if step == self.saved_step and self.last_checkpoint is not None:  # nothing trained since it was saved
             return self.last_checkpoint
+        began = time.perf_counter()
         try:
             self.last_checkpoint, self.saved_step = self._write(step), step
         except (RuntimeError, MemoryError) as e:
             if is_out_of_memory(e):
                 note_step(e, f"writing the checkpoint of step {step}", None, self.rt.device)
             raise
+        if self.rt.is_main:  # a 7B model's checkpoint takes tens of seconds: said, above the progress bar
+            size = sum(f.stat().st_size for f in self.last_checkpoint.rglob("*") if f.is_file())
+            tqdm.write(f"checkpoint: {self.last_checkpoint} ({size / 1e9:.2f} GB) written in "
+                       f"{time.perf_counter() - began:.1f} s")
         return self.last_checkpoint
 
     def _write(self, step: int) -> Path:

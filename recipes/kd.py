@@ -246,7 +246,8 @@ def main(cfg: KDConfig) -> None:
     # teacher layer keep[i]), so the adapter would silently land on the wrong layers: only the merged model.
     adapter_lora = lora if keep is None else None
     final = write_final_model(cfg.output_dir, rt, student, sargs, student_dir, lora=adapter_lora,
-                              base_model=str(student_dir), extra_files=qat_files)
+                              base_model=str(student_dir), extra_files=qat_files,
+                              checkpoint=state.last_checkpoint)  # model/ links the final checkpoint's files
     if rt.is_main:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +186,42 @@ def test_converting_a_missing_or_one_process_checkpoint_says_which(tmp_path, cap
     assert convert([str(one), str(tmp_path / "hf")]) == 1
     assert "one-process checkpoints already are HF folders" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_the_final_model_reuses_the_final_checkpoint_files(tmp_path, tiny_model_dir, monkeypatch, links):
+    """model/ (and the PEFT adapter) written from the final checkpoint's HF folder hold the same files, byte for
+    byte, as when they are merged and written again; the weights are hard links to the checkpoint's (a 7B LoRA run
+    wrote 15 GB twice at its end), or copies where the filesystem refuses links; model/ outlives the checkpoint."""
+    from llm_recipe.components.models import LoRASettings, load_model, save_model
+    from llm_recipe.components.models.loader import merged_state_dict
+    from llm_recipe.components.runtime import setup_runtime
+    from llm_recipe.components.training import write_final_model
+
+    rt = setup_runtime("cpu", "fp32", 0)
+    lora = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+    model, args = load_model(tiny_model_dir, dtype=torch.float32, device="cpu", lora=lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n:
+                p.normal_()  # adapters that change the merged weights
+    full = rt.full_state_dict(model)
+    ckpt = save_checkpoint(tmp_path / "run", 2, lambda d: save_model(model, args, d, tiny_model_dir,
+                                                                     state_dict=merged_state_dict(model, full)),
+                           {"step": 2})
+    if not links:
+        def refuse(*_):
+            raise OSError("Operation not permitted")
+        monkeypatch.setattr(os, "link", refuse)
+    extra = {"quantization.json": "{}\n"}
+    fresh = write_final_model(tmp_path / "fresh", rt, model, args, tiny_model_dir, lora=lora, extra_files=extra)
+    reused = write_final_model(tmp_path / "run", rt, model, args, tiny_model_dir, lora=lora, extra_files=extra,
+                               checkpoint=ckpt)
+    for a, b in ((fresh, reused), (fresh.parent / "adapter", reused.parent / "adapter")):
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir()) and "manifest.json" not in names
+        assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names), a
+    weights = reused / "model.safetensors"
+    assert weights.samefile(ckpt / "model.safetensors") == links
+    shutil.rmtree(ckpt)  # a user clearing checkpoints/ keeps the model
+    assert load_file(weights).keys() == load_file(fresh / "model.safetensors").keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -139,3 +140,19 @@ def write_hf_folder(
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return out_dir
+
+
+def link_hf_folder(src: str | Path, out_dir: str | Path, skip: tuple[str, ...] = (),
+                   extra_files: dict[str, str] | None = None) -> Path:
+    """`out_dir` (atomically) as the HF folder in `src`: its top-level files but `skip` (a checkpoint's manifest),
+    each hard-linked, so the weights are not written or stored twice; copied where the filesystem has no links."""
+    with atomic_directory(out_dir) as tmp:
+        for f in sorted(Path(src).iterdir()):
+            if f.is_file() and f.name not in skip:
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:  # no hard links here (some network and FUSE filesystems): a copy
+                    shutil.copyfile(f, tmp / f.name)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return Path(out_dir)
