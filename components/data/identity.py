@@ -9,14 +9,13 @@ files differ would continue the checkpoint's data position in other rows: compon
 
 from __future__ import annotations
 
-import glob
 import hashlib
 from dataclasses import fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .sources import LOCAL_BUILDERS, data_file_entries, resolve_source
+from .sources import local_data_files, resolve_source
 
 HASHED_BYTES = 256 << 20  # files up to this size are fingerprinted by content
 _MAX_FILES = 10_000  # a folder source with more files is fingerprinted by its first ones (sorted)
@@ -52,13 +51,7 @@ def _files(dataset: Any) -> list[Path]:
     elif path.is_dir():
         found += sorted(p for p in path.rglob("*") if p.is_file()  # not .git/, .cache/ (hf download's metadata)
                         and not any(part.startswith(".") for part in p.relative_to(path).parts))[:_MAX_FILES]
-    base = path if path.is_dir() else Path.cwd() if source in LOCAL_BUILDERS else None
-    for entry in data_file_entries(dataset.data_files):
-        if base is None or "://" in entry:
-            continue
-        full = base / Path(entry).expanduser()
-        matches = glob.glob(str(full), recursive=True) if glob.has_magic(entry) else [str(full)]
-        found += sorted(Path(m) for m in matches if Path(m).is_file())
+    found += [p for _, _, named in local_data_files(source, dataset.data_files) for p in named if p.is_file()]
     return found
 
 

@@ -273,17 +273,28 @@ def missing_data_file(source: str, data_files: Any = None) -> tuple[str, str] | 
                              if path.suffix.lower() in (".txt", ".text", ".md") else ""))
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "source", f"{path} is a model folder (config.json, *.safetensors), not a dataset"
+    for entry, full, found in local_data_files(source, data_files):
+        if not found:
+            return "data_files", (f"no file matches {entry}" if glob.has_magic(entry)
+                                  else f"no such file or directory: {full}")
+    return None
+
+
+def local_data_files(source: str, data_files: Any) -> list[tuple[str, Path, list[Path]]]:
+    """Each local `data_files` entry of a dataset section (the source a packaged builder such as `json`, relative
+    to the current directory, or a folder, relative to it; a Hub dataset's own files and URLs are the loader's to
+    find): the entry, its path, and the paths it names that exist (a glob's matches, sorted)."""
+    path = Path(resolve_source(source)).expanduser()
     base = path if path.is_dir() else Path.cwd() if source in LOCAL_BUILDERS else None
+    out = []
     for entry in data_file_entries(data_files):
         if base is None or "://" in entry:
             continue
         full = base / Path(entry).expanduser()
-        if glob.has_magic(entry):
-            if not glob.glob(str(full), recursive=True):
-                return "data_files", f"no file matches {entry}"
-        elif not full.exists():
-            return "data_files", f"no such file or directory: {full}"
-    return None
+        found = (sorted(Path(m) for m in glob.glob(str(full), recursive=True)) if glob.has_magic(entry)
+                 else [full] if full.exists() else [])
+        out.append((entry, full, found))
+    return out
 
 
 def check_data_files(dataset: Any, where: Callable[[str], str] | None = None, key: str = "dataset") -> None:
