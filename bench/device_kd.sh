@@ -355,7 +355,7 @@ qwen)  # carry .carry/tok (+ .whl unless an earlier call installed it): the ship
        # projections, kept whatever its drift); lora = lora/qwen2_5_7b
     install_ours
     copy_repo
-    (cd /tmp/repo && ours python3 bench/kd_throughput.py build --family qwen --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
+    (cd /tmp/repo && python3 bench/kd_throughput.py build --family qwen --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
     Q=/tmp/qwen && mkdir -p $Q
     D="dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false max_steps=10 overwrite=true"
     for r in ${2:-kd kd_fp8 lora}; do
