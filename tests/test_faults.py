@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import recipes_common as rc
@@ -97,9 +98,10 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     assert steps_of(out) == ["step_000002"]  # the half-written step 4 is only a hidden temp folder
     assert [n.split(".tmp-")[0] for n in hidden_leftovers(out / "checkpoints")] == [".step_000004"]
 
-    # 3. resumed from step 2 again; kill -9 halfway through writing the final model's weights
-    p = run_with_fault({"target": "llm_recipe.components.models.hf_io.save_file", "action": "truncate",
-                        "path_contains": "/.model.tmp-"}, "full", CONFIG, resume, tmp_path)
+    # 3. resumed from step 2 again; kill -9 halfway through writing the final model (model/ links the final
+    #    checkpoint's files: killed before its second link)
+    p = run_with_fault({"target": "llm_recipe.components.models.hf_io.os.link", "nth": 2,
+                        "path_contains": "step_000006"}, "full", CONFIG, resume, tmp_path)
     assert_killed(p)
     doc.expect("kill-mid-save", p.stdout, out=out)
     assert steps_of(out) == ["step_000004", "step_000006"]
@@ -193,6 +195,7 @@ def test_a_step_is_checkpointed_once_when_ctrl_c_comes_on_a_save_step(monkeypatc
 
     state = TrainState.__new__(TrainState)  # only the save bookkeeping is under test
     state.last_checkpoint, state.saved_step, written = None, None, []
+    state.rt = SimpleNamespace(is_main=False)  # no rank-0 line about the (not written) folder
     monkeypatch.setattr(state, "_write", lambda step: written.append(step) or Path(f"checkpoints/step_{step:06d}"),
                         raising=False)
     assert state.save(2) == state.save(2) == Path("checkpoints/step_000002")  # the cadence's save, then Ctrl-C's
