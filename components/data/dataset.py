@@ -96,6 +96,32 @@ def loss_tokens(item: dict) -> int:
     return sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
 
 
+def _targets(labels: list[int]) -> int:
+    """Positions of a row's labels that carry a target after shifting."""
+    return len(labels) - 1 - labels[1:].count(IGNORE_INDEX)
+
+
+def _lost_targets(ex: dict, item: dict, max_seq_len: int) -> int:
+    """Targets of row `ex` past max_seq_len (`item` is its kept part): counted when the row was tokenized whole,
+    the format's estimate when its tail never was (formats.tokenize_segments)."""
+    if "lost_targets_estimate" in ex:
+        return ex["lost_targets_estimate"]
+    if len(ex["tokens"]) <= max_seq_len:
+        return 0
+    return _targets(ex["labels"]) - _targets(item["labels"])
+
+
+def _cut_message(truncated: int, estimated: int, rows: int, max_seq_len: int, lost: int, targets: int) -> str:
+    """The warning for rows cut at max_seq_len: exact counts, or "about" when some rows' tails were not tokenized
+    (counting them exactly would take the whole-text tokenization the cut avoids)."""
+    about = "about " if estimated else ""
+    how = (f" ({estimated} of those rows were tokenized only a little past the cut: the tokens of the rest are "
+           "estimated from its characters at the row's own tokens per character)") if estimated else ""
+    return (f"dataset: {truncated} of {rows} rows are longer than max_seq_len={max_seq_len} and were cut there: "
+            f"{about}{lost:,} of the data's {about}{targets:,} target tokens ({100 * lost / max(targets, 1):.0f}%) "
+            f"are not trained on{how}; raise dataset.max_seq_len to keep them")
+
+
 def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_only: bool = False,
                   **options: Any) -> TokenizedDataset:
     """Load rows, tokenize them in `format`, truncate to max_seq_len and optionally pack.
@@ -109,7 +135,8 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
     """
     d = replace(source, **options) if isinstance(source, DatasetConfig) else DatasetConfig(source=source, **options)
     source, split, max_seq_len, limit = d.source, d.split, d.max_seq_len, d.limit
-    fmt = make_format(d.format, tokenizer, d.column_map, d.train_on_input, d.use_chat_template, prompt_only)
+    fmt = make_format(d.format, tokenizer, d.column_map, d.train_on_input, d.use_chat_template, prompt_only,
+                      max_tokens=max_seq_len)
     rows = load_rows(source, split=split, name=d.name, data_files=d.data_files)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
@@ -117,6 +144,7 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         raise RecipeError(f"dataset source '{source}' split '{split}' has no rows")
     items = []
     truncated, lost, targets = 0, 0, 0  # rows cut at max_seq_len, and the target tokens cut off with them
+    estimated = 0  # cut rows whose tail was never tokenized: their lost targets are an estimate (formats.py)
     for i in range(len(rows)):
         row = rows[i]
         if not isinstance(row, Mapping):
@@ -126,12 +154,11 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         except RowError as e:
             raise RecipeError(f"{rows.where(i)}: {e}") from None
         item = {"tokens": ex["tokens"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
-        labels = ex["labels"]
-        n_targets = len(labels) - 1 - labels[1:].count(IGNORE_INDEX)
-        targets += n_targets
-        if len(ex["tokens"]) > max_seq_len:
-            truncated += 1
-            lost += n_targets - (len(item["labels"]) - 1 - item["labels"][1:].count(IGNORE_INDEX))
+        row_lost = _lost_targets(ex, item, max_seq_len)
+        targets += _targets(item["labels"]) + row_lost
+        lost += row_lost
+        truncated += len(ex["tokens"]) > max_seq_len or "lost_targets_estimate" in ex
+        estimated += "lost_targets_estimate" in ex
         # A row whose every target fell past max_seq_len teaches nothing: drop it (and say how many); a prompt-only
         # row has none by design.
         if prompt_only or any(lab != IGNORE_INDEX for lab in item["labels"][1:]):
@@ -141,9 +168,7 @@ def build_dataset(tokenizer: Tokenizer, source: str | DatasetConfig, *, prompt_o
         log.warning("dataset: dropped %d of %d rows with no target tokens within max_seq_len=%d",
                     dropped, len(rows), max_seq_len)
     if lost and is_rank0():  # rows are cut, not split (packing fills rows with whole documents): said, not silent
-        log.warning("dataset: %d of %d rows are longer than max_seq_len=%d and were cut there: %s of the data's %s "
-                    "target tokens (%.0f%%) are not trained on; raise dataset.max_seq_len to keep them",
-                    truncated, len(rows), max_seq_len, f"{lost:,}", f"{targets:,}", 100 * lost / max(targets, 1))
+        log.warning(_cut_message(truncated, estimated, len(rows), max_seq_len, lost, targets))
     if not items:
         raise RecipeError(f"dataset '{source}': no row has a target token within max_seq_len={max_seq_len}; "
                           "raise dataset.max_seq_len")
