@@ -259,7 +259,7 @@ def test_the_warning_says_the_lost_tokens_it_did_not_count_are_an_estimate(smol,
     assert len(ds) >= 2
     (msg,) = [r.getMessage() for r in caplog.records if "longer than max_seq_len" in r.getMessage()]
     m = re.fullmatch(r"dataset: 2 of 3 rows are longer than max_seq_len=512 and were cut there: about ([\d,]+) of "
-                     r"the data's about ([\d,]+) target tokens \((\d+)%\) are not trained on \(1 of those rows were "
+                     r"the data's about ([\d,]+) target tokens \((\d+)%\) are not trained on \(1 of those rows was "
                      r"tokenized only a little past the cut: the tokens of the rest are estimated from its "
                      r"characters at the row's own tokens per character\); raise dataset.max_seq_len to keep them",
                      msg)

@@ -115,7 +115,8 @@ def _cut_message(truncated: int, estimated: int, rows: int, max_seq_len: int, lo
     """The warning for rows cut at max_seq_len: exact counts, or "about" when some rows' tails were not tokenized
     (counting them exactly would take the whole-text tokenization the cut avoids)."""
     about = "about " if estimated else ""
-    how = (f" ({estimated} of those rows were tokenized only a little past the cut: the tokens of the rest are "
+    was = "was" if estimated == 1 else "were"
+    how = (f" ({estimated} of those rows {was} tokenized only a little past the cut: the tokens of the rest are "
            "estimated from its characters at the row's own tokens per character)") if estimated else ""
     return (f"dataset: {truncated} of {rows} rows are longer than max_seq_len={max_seq_len} and were cut there: "
             f"{about}{lost:,} of the data's {about}{targets:,} target tokens ({100 * lost / max(targets, 1):.0f}%) "
