@@ -77,6 +77,7 @@ from .on_policy_prompts import (
     on_policy_index,
     prompts_in_documents,
     prompts_of,
+    reads_training_rows,
     row_prompts,
 )
 from .runs import ON_POLICY_EVAL_FILE
@@ -320,6 +321,7 @@ class OnPolicy:
                                     max_width=min(self.budget, self.prompt_tokens or self.budget))
                        if self.path == "compiled" else None)
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
+        self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         if rt.is_main:
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
@@ -335,10 +337,10 @@ class OnPolicy:
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
-                trained = self._held.trained_on
+                trained = self.prompts_trained_on
                 if trained:
-                    print(f"note: {trained} of the {len(prompt_set.held)} held-out prompts of {PROMPTS_KEY} begin "
-                          "training documents (dataset: the same rows), so they are trained on off-policy and their "
+                    print(f"note: {trained} of the {len(prompt_set.held)} held-out prompts of {PROMPTS_KEY} are "
+                          "training rows (dataset: the same rows), so they are trained on off-policy and their "
                           "end-of-run score is not of unseen prompts; for that, give the prompts rows of their own, "
                           "or slice them off with the two splits (e.g. dataset.split='train[:-100]', "
                           f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
@@ -346,6 +348,15 @@ class OnPolicy:
         self._reset()
 
     # ------------------------------------------------------------------ data
+    @property
+    def prompts_trained_on(self) -> int:
+        """Held-out prompts of kd.on_policy.prompts that training rows hold: all of them when the two sections name
+        the same rows (`reads_training_rows`, however each renders them), else those found token for token at the
+        start of a training document (`HeldOut.trained_on`)."""
+        if self.prompt_set is None:
+            return 0
+        return len(self.prompt_set.held) if self._same_rows else self._held.trained_on
+
     def hold_out(self, dataset: Any) -> Any:
         """The training dataset without its last `held_out` rows (`HeldOut`), which `held_out_eval` prompts with."""
         return self._held(dataset)
@@ -456,9 +467,9 @@ class OnPolicy:
         their held-out prompts with the same noise and compare prompt by prompt."""
         if self.prompt_set is not None:
             prompts = self.prompt_set.held
-            trained = self._held.trained_on
+            trained = self.prompts_trained_on
             chosen = (f"the last kd.on_policy.held_out rows of {PROMPTS_KEY} ({self.prompt_set.origin}), never "
-                      + (f"sampled in training, but {trained} of them begin training documents (trained on "
+                      + (f"sampled in training, but {trained} of them are training rows (trained on "
                          "off-policy)" if trained else "sampled in training"))
         elif self.held:
             prompts = prompts_of(self._held.collate(self.held), self.prompt_tokens, self.budget, self.per_row,

@@ -148,6 +148,28 @@ class PromptSet:
         return rows * (max(map(len, self.train + self.held)) + max_new_tokens)
 
 
+def reads_training_rows(prompts: Any, dataset: Any) -> bool:
+    """Whether a prompt set (`kd.on_policy.prompts`) reads the training rows themselves, however each section
+    renders them (chat template, column_map): the same source (a file spelled two ways counts as one), split, config
+    name and data files, and no `limit` on the training rows that would stop before the prompt set's last
+    (held-out) rows. Overlaps these keys do not show (two slices, a copy) are found token for token
+    (`prompts_in_documents`)."""
+    import os
+
+    from .data.sources import resolve_source
+
+    def same_source(a: str, b: str) -> bool:
+        a, b = resolve_source(a), resolve_source(b)
+        try:
+            return a == b or os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+        except OSError:
+            return False
+
+    return (same_source(prompts.source, dataset.source) and prompts.split == dataset.split
+            and prompts.name == dataset.name and prompts.data_files == dataset.data_files
+            and (dataset.limit is None or prompts.limit is not None and prompts.limit <= dataset.limit))
+
+
 def prompts_in_documents(prompts: list[list[int]], dataset: Any) -> int:
     """How many of `prompts` begin a document of `dataset` (each document of a packed row on its own): prompts a run
     trains on off-policy. Token for token, so it holds whatever the two sections say (a file spelled two ways, two

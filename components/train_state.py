@@ -158,6 +158,9 @@ class TrainState:
     # the step `last_checkpoint` holds (restored or written by this process): a save at it again would rewrite the
     # same state (Ctrl-C on a save_every step, the final save of a resumed run with nothing left to train)
     saved_step: int | None = None
+    # the newest checkpoint this process wrote (None: none yet; a resumed one is not): the final model may copy its
+    # HF folder only when it holds exactly these weights, config and tokenizer (`final_checkpoint`)
+    written: Path | None = None
 
     def save(self, step: int) -> Path:
         """Checkpoint the state after `step` optimizer steps into output_dir/checkpoints/step_N (atomically,
@@ -167,6 +170,7 @@ class TrainState:
         began = time.perf_counter()
         try:
             self.last_checkpoint, self.saved_step = self._write(step), step
+            self.written = self.last_checkpoint
         except (RuntimeError, MemoryError) as e:
             if is_out_of_memory(e):
                 note_step(e, f"writing the checkpoint of step {step}", None, self.rt.device)
@@ -176,6 +180,11 @@ class TrainState:
             tqdm.write(f"checkpoint: {self.last_checkpoint} ({size / 1e9:.2f} GB) written in "
                        f"{time.perf_counter() - began:.1f} s")
         return self.last_checkpoint
+
+    def final_checkpoint(self) -> Path | None:
+        """The checkpoint this process wrote at its last step, whose HF folder the final model may copy; None when
+        the last one was resumed (a resume of a finished run writes model/ from its own base, dtype and code)."""
+        return self.last_checkpoint if self.written is not None and self.written == self.last_checkpoint else None
 
     def _write(self, step: int) -> Path:
         cfg, rt, model = self.cfg, self.rt, self.model

@@ -27,7 +27,7 @@ from .losses import kd_and_ce
 from .losses.rows import loss_rows
 from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
-from .models.hf_io import link_hf_folder
+from .models.hf_io import copy_hf_folder
 from .models.host_embedding import input_tokens
 from .models.loader import merged_state_dict
 from .models.tokenizer import Tokenizer
@@ -224,16 +224,17 @@ class Throughput:
 def write_final_model(output_dir: str | Path, rt: Runtime, model: nn.Module, args: ModelArgs,
                       tokenizer_dir: str | Path, lora: LoRASettings | None = None, base_model: str | None = None,
                       extra_files: dict[str, str] | None = None, checkpoint: Path | None = None) -> Path:
-    """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format). `checkpoint`: the run's
-    final checkpoint, written from these weights: a one-process one holds the same HF folder, which model/ links
-    (`link_hf_folder`) instead of merging and writing the same bytes again (a 7B model: 15 GB and ~20 s)."""
+    """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format). `checkpoint`: the
+    checkpoint this process wrote at its last step (`TrainState.final_checkpoint`): a one-process one holds the same
+    HF folder, which model/ copies (`copy_hf_folder`: a clone where the filesystem has them) instead of gathering,
+    merging and serializing the same weights again (a 7B model: 15 GB)."""
     out = Path(output_dir)
     reuse = checkpoint is not None and rt.world_size == 1 and (checkpoint / "config.json").is_file()
     try:
         full = model.state_dict() if reuse else rt.full_state_dict(model)  # reused: only the adapters are read
         if rt.is_main:
             if reuse:
-                link_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)
+                copy_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)
             else:
                 save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
                            extra_files=extra_files)

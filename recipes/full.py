@@ -167,7 +167,7 @@ def main(cfg: FullConfig) -> None:
         state.save(step)  # the final checkpoint
 
     final = write_final_model(cfg.output_dir, rt, model, args, base_dir, lora=lora, base_model=str(base_dir),
-                              extra_files=qat_files, checkpoint=state.last_checkpoint)  # model/ links its files
+                              extra_files=qat_files, checkpoint=state.final_checkpoint())  # model/ copies its files
     if rt.is_main:
         if qat is not None:
             print(f"model (QAT-trained weights + quantization.json): {final}")

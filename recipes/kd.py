@@ -247,7 +247,7 @@ def main(cfg: KDConfig) -> None:
     adapter_lora = lora if keep is None else None
     final = write_final_model(cfg.output_dir, rt, student, sargs, student_dir, lora=adapter_lora,
                               base_model=str(student_dir), extra_files=qat_files,
-                              checkpoint=state.last_checkpoint)  # model/ links the final checkpoint's files
+                              checkpoint=state.final_checkpoint())  # model/ copies the final checkpoint's files
     if rt.is_main:
         if lora is not None and adapter_lora is None:
             print("adapter: not written (the student is layer-pruned, so no base folder matches its adapters); "

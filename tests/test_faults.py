@@ -98,9 +98,9 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     assert steps_of(out) == ["step_000002"]  # the half-written step 4 is only a hidden temp folder
     assert [n.split(".tmp-")[0] for n in hidden_leftovers(out / "checkpoints")] == [".step_000004"]
 
-    # 3. resumed from step 2 again; kill -9 halfway through writing the final model (model/ links the final
-    #    checkpoint's files: killed before its second link)
-    p = run_with_fault({"target": "llm_recipe.components.models.hf_io.os.link", "nth": 2,
+    # 3. resumed from step 2 again; kill -9 halfway through writing the final model (model/ copies the final
+    #    checkpoint's files: killed before its second file)
+    p = run_with_fault({"target": "llm_recipe.components.models.hf_io._clone_or_copy", "nth": 2,
                         "path_contains": "step_000006"}, "full", CONFIG, resume, tmp_path)
     assert_killed(p)
     doc.expect("kill-mid-save", p.stdout, out=out)
@@ -201,6 +201,22 @@ def test_a_step_is_checkpointed_once_when_ctrl_c_comes_on_a_save_step(monkeypatc
     assert state.save(2) == state.save(2) == Path("checkpoints/step_000002")  # the cadence's save, then Ctrl-C's
     state.save(3)
     assert written == [2, 3]
+    assert state.final_checkpoint() == Path("checkpoints/step_000003")  # model/ may copy what this process wrote
+
+
+def test_a_resumed_finished_run_writes_its_final_model_anew(monkeypatch):
+    """A finished run resumed (e.g. resume_with_changes=true with another LoRA base or dtype): its final save is the
+    restored checkpoint, which model/ must not copy (it holds the old base's merge, the old code's config); a
+    checkpoint this process writes after it may be."""
+    from llm_recipe.components.train_state import TrainState
+
+    state = TrainState.__new__(TrainState)
+    state.rt, state.written = SimpleNamespace(is_main=False), None
+    state.last_checkpoint, state.saved_step = Path("checkpoints/step_000004"), 4  # what restore() sets
+    monkeypatch.setattr(state, "_write", lambda step: Path(f"checkpoints/step_{step:06d}"), raising=False)
+    assert state.save(4) == Path("checkpoints/step_000004") and state.final_checkpoint() is None
+    state.save(5)
+    assert state.final_checkpoint() == Path("checkpoints/step_000005")
 
 
 @pytest.mark.parametrize("damage, row", [

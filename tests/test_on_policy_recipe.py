@@ -227,7 +227,7 @@ def test_a_prompt_only_prompt_set_trains_end_to_end(tmp_path, models, monkeypatc
 def test_a_prompt_set_sliced_from_the_training_rows_is_known_by_its_tokens(tmp_path, models, capsys, train_split,
                                                                             seen):
     """kd.on_policy.prompts with the last 5 rows of the training file (split train[-5:], the last 3 held out) while
-    the training rows are the whole split: the run says its held-out prompts begin training documents, and the
+    the training rows are the whole split: the run says its held-out prompts are training rows (found token for token), and the
     held-out score says they were trained on (it compared the two split strings, and took train vs train[-5:] for
     rows of their own). train[:-2] trains on 1 of them; with train[:-3] they are unseen and nothing is said."""
     path = _jsonl(tmp_path / "rows.jsonl", [{"text": f"row {i}: the {w} crossed the river at dawn and rested."}
@@ -241,10 +241,27 @@ def test_a_prompt_set_sliced_from_the_training_rows_is_known_by_its_tokens(tmp_p
     chosen = json.loads((out / "on_policy_eval.json").read_text())["chosen_as"]
     if seen:
         assert len(said) == 1 and said[0].startswith(f"note: {seen} of the 3 held-out prompts of kd.on_policy.prompts "
-                                                     "begin training documents"), said
-        assert f"but {seen} of them begin training documents (trained on off-policy)" in chosen
+                                                     "are training rows"), said
+        assert f"but {seen} of them are training rows (trained on off-policy)" in chosen
     else:
         assert said == [] and chosen.endswith("never sampled in training"), chosen
+
+
+def test_a_prompt_set_of_the_training_rows_rendered_another_way_is_known_as_such(tmp_path, models, capsys):
+    """The prompt set is the training file and split, but rendered another way (the training rows through the chat
+    template, the prompt set with its default use_chat_template=false): no prompt begins a training document token
+    for token, yet every held-out row is trained on, which the run says (the two sections name the same rows)."""
+    path = _jsonl(tmp_path / "rows.jsonl", [{"instruction": f"Name animal number {i}.", "output": f"The {w}."}
+                                            for i, w in enumerate("fox owl deer hare wolf bear crow lynx".split())])
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [
+        *_kd(models, f'kd.on_policy.prompts={{source: "{path}", format: instruct}}'), f"dataset.source={path}",
+        "dataset.format=instruct", "dataset.use_chat_template=true", "dataset.limit=null",
+        "kd.on_policy.prompts_per_row=1", "max_steps=1", f"output_dir={out}"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ") and "held-out" in line]
+    assert len(said) == 1 and said[0].startswith("note: 3 of the 3 held-out prompts of kd.on_policy.prompts are "
+                                                 "training rows"), said
+    assert "but 3 of them are training rows" in json.loads((out / "on_policy_eval.json").read_text())["chosen_as"]
 
 
 def test_training_on_a_prompt_only_dataset_is_refused_in_one_line(tmp_path, models):

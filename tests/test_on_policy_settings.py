@@ -297,6 +297,26 @@ def test_a_kd_option_the_loss_does_not_read_names_the_key_and_who_reads_it(capsy
     assert code == 1 and rc.one_error(err) == f"recipe: error: {message}"
 
 
+def test_a_prompt_set_read_from_the_training_rows_is_known_as_such(tmp_path, monkeypatch):
+    """`kd.on_policy.prompts` naming the training rows themselves (the same file, even spelled another way, split
+    and files; no limit on the training rows that stops before the held-out ones): its held-out prompts are trained
+    on off-policy, which the run says (its held-out score used to say "never sampled in training" and nothing more).
+    Two slices of one file, or another file, are rows of their own."""
+    from llm_recipe.components.on_policy_prompts import reads_training_rows
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "other.jsonl").write_text('{"text": "b"}\n')
+    train = DatasetConfig(source="rows.jsonl")
+    assert reads_training_rows(DatasetConfig(source=str(tmp_path / "rows.jsonl")), train)
+    assert reads_training_rows(DatasetConfig(source="./rows.jsonl", limit=5), DatasetConfig(source="rows.jsonl", limit=5))
+    assert not reads_training_rows(DatasetConfig(source="rows.jsonl"), DatasetConfig(source="rows.jsonl", limit=5))
+    assert not reads_training_rows(DatasetConfig(source="other.jsonl"), train)
+    assert not reads_training_rows(DatasetConfig(source="rows.jsonl", split="train[-10:]"),
+                                   DatasetConfig(source="rows.jsonl", split="train[:-10]"))
+    assert reads_training_rows(DatasetConfig(source="transfer:chat"), DatasetConfig(source="transfer:chat"))
+
+
 def test_held_out_prompts_are_found_at_the_start_of_training_documents():
     """`prompts_in_documents` counts the held-out prompts a training document begins with, token for token, each
     document of a packed row on its own: not a prompt found inside a document, nor one longer than the document."""

@@ -188,11 +188,15 @@ def test_converting_a_missing_or_one_process_checkpoint_says_which(tmp_path, cap
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("links", [True, False])
-def test_the_final_model_reuses_the_final_checkpoint_files(tmp_path, tiny_model_dir, monkeypatch, links):
-    """model/ (and the PEFT adapter) written from the final checkpoint's HF folder hold the same files, byte for
-    byte, as when they are merged and written again; the weights are hard links to the checkpoint's (a 7B LoRA run
-    wrote 15 GB twice at its end), or copies where the filesystem refuses links; model/ outlives the checkpoint."""
+@pytest.mark.parametrize("clones", [True, False])
+def test_the_final_model_copies_the_final_checkpoint_files(tmp_path, tiny_model_dir, monkeypatch, clones):
+    """model/ (and the PEFT adapter) made from the final checkpoint's HF folder hold the same files, byte for byte,
+    as when the weights are gathered, merged and serialized again (a 7B LoRA run wrote 15 GB twice at its end);
+    cloned where the filesystem can (emulated: a clone that copies), copied otherwise. Never hard links: a user's
+    edit of model/ leaves the checkpoint, and its manifest, as they were; model/ outlives the checkpoint."""
+    import fcntl
+
+    from llm_recipe.components.checkpoint.manifest import verify_manifest
     from llm_recipe.components.models import LoRASettings, load_model, save_model
     from llm_recipe.components.models.loader import merged_state_dict
     from llm_recipe.components.runtime import setup_runtime
@@ -209,19 +213,29 @@ def test_the_final_model_reuses_the_final_checkpoint_files(tmp_path, tiny_model_
     ckpt = save_checkpoint(tmp_path / "run", 2, lambda d: save_model(model, args, d, tiny_model_dir,
                                                                      state_dict=merged_state_dict(model, full)),
                            {"step": 2})
-    if not links:
-        def refuse(*_):
-            raise OSError("Operation not permitted")
-        monkeypatch.setattr(os, "link", refuse)
+    cloned = []
+
+    def ioctl(fd, request, src_fd):  # the clone request, done as a copy (tmpfs and ext4 have no clones)
+        if not clones:
+            raise OSError(95, "Operation not supported")
+        os.lseek(src_fd, 0, 0)
+        os.write(fd, os.read(src_fd, os.fstat(src_fd).st_size))
+        cloned.append(request)
+
+    monkeypatch.setattr(fcntl, "ioctl", ioctl)
+    monkeypatch.setattr(os, "link", lambda *a: pytest.fail("model/ must not hard-link the checkpoint"))
     extra = {"quantization.json": "{}\n"}
     fresh = write_final_model(tmp_path / "fresh", rt, model, args, tiny_model_dir, lora=lora, extra_files=extra)
+    cloned.clear()
     reused = write_final_model(tmp_path / "run", rt, model, args, tiny_model_dir, lora=lora, extra_files=extra,
                                checkpoint=ckpt)
     for a, b in ((fresh, reused), (fresh.parent / "adapter", reused.parent / "adapter")):
         names = sorted(p.name for p in a.iterdir())
         assert names == sorted(p.name for p in b.iterdir()) and "manifest.json" not in names
         assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names), a
-    weights = reused / "model.safetensors"
-    assert weights.samefile(ckpt / "model.safetensors") == links
+    assert len(cloned) == (len([f for f in ckpt.iterdir() if f.is_file()]) - 1 if clones else 0)  # less the manifest
+    (reused / "config.json").write_text("{}")  # a user's edit of model/
+    (reused / "model.safetensors").write_bytes(b"")
+    verify_manifest(ckpt)  # the checkpoint is untouched: it still resumes
     shutil.rmtree(ckpt)  # a user clearing checkpoints/ keeps the model
-    assert load_file(weights).keys() == load_file(fresh / "model.safetensors").keys()
+    assert (fresh / "model.safetensors").stat().st_size > 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -142,17 +141,32 @@ def write_hf_folder(
     return out_dir
 
 
-def link_hf_folder(src: str | Path, out_dir: str | Path, skip: tuple[str, ...] = (),
+_FICLONE = 0x40049409  # Linux's ioctl: a file that shares another's blocks until either is written (copy-on-write)
+
+
+def _clone_or_copy(src: Path, dst: Path) -> None:
+    """`dst` as a copy of `src`: a copy-on-write clone where the filesystem has them (btrfs, XFS, ZFS 2.2+: no bytes
+    written twice), else the kernel's copy (shutil). Never a hard link: editing one file must not change the other
+    (a checkpoint's manifest would no longer match it)."""
+    try:
+        import fcntl
+
+        with open(src, "rb") as r, open(dst, "wb") as w:
+            fcntl.ioctl(w.fileno(), _FICLONE, r.fileno())
+        return
+    except (ImportError, OSError):  # no clones here (ext4, tmpfs, network filesystems, not Linux): a copy
+        pass
+    shutil.copyfile(src, dst)
+
+
+def copy_hf_folder(src: str | Path, out_dir: str | Path, skip: tuple[str, ...] = (),
                    extra_files: dict[str, str] | None = None) -> Path:
     """`out_dir` (atomically) as the HF folder in `src`: its top-level files but `skip` (a checkpoint's manifest),
-    each hard-linked, so the weights are not written or stored twice; copied where the filesystem has no links."""
+    each cloned or copied (`_clone_or_copy`), instead of serializing the same weights again; `extra_files` added."""
     with atomic_directory(out_dir) as tmp:
         for f in sorted(Path(src).iterdir()):
             if f.is_file() and f.name not in skip:
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:  # no hard links here (some network and FUSE filesystems): a copy
-                    shutil.copyfile(f, tmp / f.name)
+                _clone_or_copy(f, tmp / f.name)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return Path(out_dir)
