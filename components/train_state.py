@@ -184,7 +184,7 @@ class TrainState:
     def final_checkpoint(self) -> Path | None:
         """The checkpoint this process wrote at its last step, whose HF folder the final model may copy; None when
         the last one was resumed (a resume of a finished run writes model/ from its own base, dtype and code)."""
-        return self.last_checkpoint if self.written is not None and self.written == self.last_checkpoint else None
+        return self.last_checkpoint if self.written == self.last_checkpoint else None
 
     def _write(self, step: int) -> Path:
         cfg, rt, model = self.cfg, self.rt, self.model
