@@ -352,13 +352,18 @@ qwen)  # carry .carry/tok (+ .whl unless an earlier call installed it): the ship
        # them, on random-weight Qwen2.5-7B / 0.5B folders (only paths, the local transfer set and a run length
        # changed). RUNS (default "kd kd_fp8 lora"): kd = kd/qwen2_5_7b_to_0_5b as shipped (teacher.quantize auto,
        # max_drift 0.01); kd_fp8 = the same with teacher.max_drift=null (the fp8 teacher over Qwen's biased
-       # projections, kept whatever its drift); lora = lora/qwen2_5_7b
+       # projections, kept whatever its drift); lora = lora/qwen2_5_7b; ckpt = bench/checkpoint_speed.py on the 7B
+       # folder with the LoRA section (gather, merge, write, hash, model/ copy timed apart)
     install_ours
     copy_repo
     (cd /tmp/repo && python3 bench/kd_throughput.py build --family qwen --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
     Q=/tmp/qwen && mkdir -p $Q
     D="dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false max_steps=10 overwrite=true"
     for r in ${2:-kd kd_fp8 lora}; do
+        if [[ $r == ckpt ]]; then  # where the LoRA 7B checkpoint's time goes (bench/checkpoint_speed.py)
+            ours python3 bench/checkpoint_speed.py --model $B/qwen_7b --lora --out /tmp/ckpt_speed 2>&1 | tail -1 | tee -a $Q/runs.jsonl
+            continue
+        fi
         case $r in
         kd|kd_fp8) args="kd --config kd/qwen2_5_7b_to_0_5b teacher.checkpoint_dir=$B/qwen_7b student.checkpoint_dir=$B/qwen_0_5b"
                    [[ $r == kd_fp8 ]] && args="$args teacher.max_drift=null" ;;

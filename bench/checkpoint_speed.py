@@ -1,0 +1,79 @@
+"""Where a one-process checkpoint's time goes (session 49: shipped lora/qwen2_5_7b on one H200 wrote its 15.5 GB
+final checkpoint in 38.2 s, silent under a finished progress bar).
+
+The parts `TrainState.save` runs for a one-process run, each timed on its own, on a model loaded the way the
+recipe loads it (`load_model` on the device, optionally with the LoRA section):
+
+- `gather`: `rt.full_state_dict` (every tensor copied from the device to host memory);
+- `merge`: `merged_state_dict` (the host copy cloned, adapters merged in fp32 one module at a time);
+- `write`: `save_model`'s HF folder into an atomic directory (safetensors serialization, files, fsync);
+- `hash`: `write_manifest` (xxHash of every file, threads);
+- `copy_model`: `copy_hf_folder` of that folder, as `write_final_model` makes model/ (a clone or a copy).
+
+    python bench/checkpoint_speed.py --model /tmp/kdb/qwen_7b --lora --out /tmp/ckpt_speed [--device cuda]
+
+One JSON line: seconds per part, GB written, the filesystem of --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="HF folder")
+    p.add_argument("--out", type=Path, default=Path("/tmp/ckpt_speed"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lora", action="store_true", help="the shipped Qwen LoRA section: r8 on every projection")
+    a = p.parse_args()
+
+    from llm_recipe.components.checkpoint.atomic import atomic_directory
+    from llm_recipe.components.checkpoint.manifest import MANIFEST, write_manifest
+    from llm_recipe.components.models import LoRASettings, load_model, save_model
+    from llm_recipe.components.models.hf_io import copy_hf_folder
+    from llm_recipe.components.models.loader import merged_state_dict
+    from llm_recipe.components.runtime import setup_runtime
+
+    rt = setup_runtime(a.device, "bf16", 0)
+    lora = (LoRASettings(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj")) if a.lora else None)
+    model, args = load_model(a.model, dtype=rt.dtype, device=rt.device, lora=lora)
+    shutil.rmtree(a.out, ignore_errors=True)
+    a.out.mkdir(parents=True)
+    seconds = {}
+
+    def timed(name, fn):
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        result = fn()
+        seconds[name] = round(time.perf_counter() - t, 2)
+        return result
+
+    full = timed("gather", lambda: rt.full_state_dict(model))
+    merged = timed("merge", lambda: merged_state_dict(model, full))
+    ckpt = a.out / "step"
+
+    def write() -> None:
+        with atomic_directory(ckpt) as tmp:
+            save_model(model, args, tmp, a.model, state_dict=merged)
+
+    timed("write", write)
+    timed("hash", lambda: write_manifest(ckpt))
+    timed("copy_model", lambda: copy_hf_folder(ckpt, a.out / "model", skip=(MANIFEST,)))
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    fs = subprocess.run(["df", "-T", str(a.out)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
+    print(json.dumps({"model": str(a.model), "lora": a.lora, "device": str(rt.device), "gb": round(size / 1e9, 2),
+                      "filesystem": fs, "seconds": seconds, "cpu_threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
