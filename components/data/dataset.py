@@ -93,12 +93,13 @@ def loss_tokens(item: dict) -> int:
             total += sum(lab != IGNORE_INDEX for lab in item["labels"][start + 1 : start + n])
             start += n
         return total
-    return sum(lab != IGNORE_INDEX for lab in item["labels"][1:])
+    return _targets(item["labels"])
 
 
 def _targets(labels: list[int]) -> int:
-    """Positions of a row's labels that carry a target after shifting."""
-    return len(labels) - 1 - labels[1:].count(IGNORE_INDEX)
+    """Positions of a row's labels that carry a target after shifting (counted in C: rows of thousands of labels)."""
+    shifted = labels[1:]
+    return len(shifted) - shifted.count(IGNORE_INDEX)
 
 
 def _lost_targets(ex: dict, item: dict, max_seq_len: int) -> int:
