@@ -37,7 +37,7 @@ from .errors import RecipeError
 from .launch import is_rank0
 from .models import ModelArgs, save_model
 from .models.hf_io import copy_tokenizer_files
-from .models.loader import dtype_name, lora_rank_alpha, merged_state_dict
+from .models.loader import dtype_name, lora_rank_alpha
 from .oom import is_out_of_memory, note_step
 from .runs import (
     RUN_ID_KEY,
@@ -199,14 +199,15 @@ class TrainState:
 
             return save_sharded_checkpoint(cfg.output_dir, step, model, self.optimizer, state, rt, write_meta,
                                            lora=lora_rank_alpha(model), keep_last_n=cfg.keep_last_n)
-        full = rt.full_state_dict(model)
         state["optimizer"] = rt.optimizer_state_dict(model, self.optimizer)
         if self.adapters:
-            state["adapters"] = {n: full[n] for n in trainable_names(model) if n in full}
+            own = model.state_dict()
+            state["adapters"] = {n: own[n] for n in trainable_names(model) if n in own}
         return save_checkpoint(
             cfg.output_dir, step,
-            write_model=lambda d: save_model(model, self.args, d, self.tokenizer_dir,
-                                             state_dict=merged_state_dict(model, full)),
+            # streamed from the model's device, adapters merged there one module at a time (stream_save): no host
+            # copy of the model (a 7B LoRA checkpoint: 31 -> ? s, and 30 GB less host memory)
+            write_model=lambda d: save_model(model, self.args, d, self.tokenizer_dir),
             recipe_state=state, keep_last_n=cfg.keep_last_n, runtime=rt,
         )
 

@@ -29,7 +29,7 @@ from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
 from .models.hf_io import copy_hf_folder
 from .models.host_embedding import input_tokens
-from .models.loader import merged_state_dict
+from .models.loader import lazily_merged_state_dict
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
 from .optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
@@ -231,13 +231,14 @@ def write_final_model(output_dir: str | Path, rt: Runtime, model: nn.Module, arg
     out = Path(output_dir)
     reuse = checkpoint is not None and rt.world_size == 1 and (checkpoint / "config.json").is_file()
     try:
-        full = model.state_dict() if reuse else rt.full_state_dict(model)  # reused: only the adapters are read
+        # one process: the live model's own tensors (streamed from its device); several: gathered on rank 0
+        full = model.state_dict() if reuse or rt.world_size == 1 else rt.full_state_dict(model)
         if rt.is_main:
             if reuse:
                 copy_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)
             else:
-                save_model(model, args, out / "model", tokenizer_dir, state_dict=merged_state_dict(model, full),
-                           extra_files=extra_files)
+                save_model(model, args, out / "model", tokenizer_dir,
+                           state_dict=lazily_merged_state_dict(model, full), extra_files=extra_files)
             if lora is not None:
                 save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
     except (RuntimeError, MemoryError) as e:

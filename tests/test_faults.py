@@ -90,7 +90,7 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     assert (out / LOCK_NAME).exists()  # a killed run cannot clean up: the next run takes its lock over
 
     # 2. resumed; kill -9 halfway through writing step 4's recipe state (the file is cut to half its size)
-    p = run_with_fault({"target": "llm_recipe.components.checkpoint.state.save_file", "action": "truncate"}, "full", CONFIG,
+    p = run_with_fault({"target": "llm_recipe.components.checkpoint.state.save_tensors", "action": "truncate"}, "full", CONFIG,
                        resume, tmp_path)
     assert_killed(p)
     doc.expect("stale-lock", p.stderr, out=out)

@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..errors import RecipeError
 from .atomic import atomic_directory
 from .manifest import write_manifest
+from .stream_save import save_tensors
 
 STATE_DIR = "recipe_state"
 _TENSORS = "tensors.safetensors"
@@ -55,18 +56,12 @@ class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.objects: dict[str, Any] = {}
-        self._storages: set[tuple[int, int]] = set()
 
     def tensor(self, t: torch.Tensor) -> str:
+        # kept where it is (a GPU's optimizer moments too): save_tensors streams each one's bytes to the file, so
+        # neither a host copy of them all nor tensors sharing memory need handling here
         key = f"t{len(self.tensors)}"
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors that share memory; copy the (rare) ones that alias an earlier tensor.
-        ident = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if t.numel() and ident in self._storages:
-            t = t.clone()
-        elif t.numel():
-            self._storages.add(ident)
-        self.tensors[key] = t
+        self.tensors[key] = t.detach()
         return key
 
     def encode(self, obj: Any) -> Any:
@@ -150,7 +145,7 @@ def write_recipe_state(state_dir: str | os.PathLike, state: dict[str, Any]) -> N
     state_dir.mkdir(parents=True, exist_ok=True)
     enc = _Encoder()
     tree = enc.encode(state)
-    save_file(enc.tensors, str(state_dir / _TENSORS))
+    save_tensors(state_dir / _TENSORS, enc.tensors)
     if enc.objects:
         # Fail now, not at resume time, if something could not be loaded back safely.
         for obj in enc.objects.values():

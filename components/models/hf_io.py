@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..checkpoint import atomic_directory
+from ..checkpoint.stream_save import Deferred, save_tensors
 from ..errors import RecipeError
 
 # Files that travel with the weights so the folder is self-contained for transformers, lm-eval and us.
@@ -94,8 +96,8 @@ def copy_tokenizer_files(tokenizer_dir: str | Path | None, out_dir: Path) -> Non
             shutil.copy2(src, out_dir / name)
 
 
-def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def _shards(sd: dict[str, torch.Tensor | Deferred], max_shard_bytes: int) -> list[dict[str, torch.Tensor | Deferred]]:
+    shards: list[dict[str, torch.Tensor | Deferred]] = [{}]
     size = 0
     for k, v in sd.items():
         n = v.numel() * v.element_size()
@@ -109,25 +111,26 @@ def _shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str,
 
 def write_hf_folder(
     out_dir: str | Path,
-    hf_state_dict: dict[str, torch.Tensor],
+    hf_state_dict: Mapping[str, torch.Tensor | Deferred],
     config: dict,
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write config, weights (sharded above `max_shard_bytes`) and tokenizer files atomically."""
+    """Write config, weights (sharded above `max_shard_bytes`) and tokenizer files atomically. The tensors may be
+    on any device, or Deferred: they are streamed to the files (stream_save), never gathered on the host."""
     out_dir = Path(out_dir)
-    sd = {k: v.detach().contiguous().cpu() for k, v in hf_state_dict.items()}
+    sd = dict(hf_state_dict)
     with atomic_directory(out_dir) as tmp:
         shards = _shards(sd, max_shard_bytes)
         if len(shards) == 1:
-            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+            save_tensors(tmp / "model.safetensors", shards[0], metadata={"format": "pt"})
         else:
             weight_map = {}
             total = 0
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
+                save_tensors(tmp / name, shard, metadata={"format": "pt"})
                 for k, v in shard.items():
                     weight_map[k] = name
                     total += v.numel() * v.element_size()

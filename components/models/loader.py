@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..checkpoint.stream_save import Deferred
 from ..errors import RecipeError
 from .args import ModelArgs, check_weight_shapes, read_model_args
 from .builder import LoRASettings, build_model
@@ -155,46 +157,86 @@ def lora_rank_alpha(model: nn.Module) -> tuple[int, float] | None:
 
 def merge_lora_state_dict(sd: dict[str, torch.Tensor], rank: int, alpha: float,
                           as_trained: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed).
+    """A tune-named state dict with its LoRA/DoRA adapter tensors merged into the base weights (and removed), in
+    place (`merged_weight`, one module at a time). Modules named in `as_trained` merge as QAT trained them."""
+    for key in [k for k in sd if k.endswith(".lora_a.weight")]:
+        module = key.removesuffix(".lora_a.weight")
+        sd[f"{module}.weight"] = merged_weight(module, sd, sd[f"{module}.weight"], rank, alpha, module in as_trained)
+        for k in _adapter_parts(module):
+            sd.pop(k, None)
+    return sd
 
-    Each adapted weight is merged in fp32 and rounded to its dtype once: torchtune's merge in bf16 rounds
-    `scale * B @ A` to bf16 before adding it, which moved 0.3% of a 1B model's bf16 weights by a step (up to 255
-    steps where base and update cancel) away from PEFT's merge of the same adapter. One module at a time, so the
-    fp32 copies never exceed one weight. Modules named in `as_trained` (QAT + LoRA: training fake-quantizes the
-    merge computed in the weights' dtype, quantization/qat.py) are merged that way, so quantizing `model/` gives
-    what was trained."""
+
+def _adapter_parts(module: str) -> tuple[str, str, str]:
+    return f"{module}.lora_a.weight", f"{module}.lora_b.weight", f"{module}.magnitude"
+
+
+def merged_weight(module: str, sd: Mapping[str, torch.Tensor], base: torch.Tensor, rank: int, alpha: float,
+                  as_trained: bool = False) -> torch.Tensor:
+    """`module`'s weight with its adapter (`sd`'s tensors, on any device) merged into `base`, a new tensor of
+    base's dtype.
+
+    Merged in fp32 and rounded to the weights' dtype once: torchtune's merge in bf16 rounds `scale * B @ A` to bf16
+    before adding it, which moved 0.3% of a 1B model's bf16 weights by a step (up to 255 steps where base and update
+    cancel) away from PEFT's merge of the same adapter. `as_trained` (QAT + LoRA: training fake-quantizes the merge
+    computed in the weights' dtype, quantization/qat.py): merged that way, so quantizing `model/` gives what was
+    trained."""
     import_torchtune()
     from torchtune.modules.peft import get_merged_lora_ckpt
 
-    for key in [k for k in sd if k.endswith(".lora_a.weight")]:
-        module = key.removesuffix(".lora_a.weight")
-        parts = [f"{module}.weight", f"{module}.lora_a.weight", f"{module}.lora_b.weight", f"{module}.magnitude"]
-        dtype = sd[f"{module}.weight"].dtype
-        one = {k: sd[k] if module in as_trained else sd[k].float() for k in parts if k in sd}
-        sd[f"{module}.weight"] = get_merged_lora_ckpt(one, rank=rank, alpha=alpha)[f"{module}.weight"].to(dtype)
-        for k in parts[1:]:
-            sd.pop(k, None)
-    return sd
+    one = {k: sd[k] if as_trained else sd[k].float() for k in _adapter_parts(module) if k in sd}
+    # a copy: torchtune adds the update into the weight in place, and `base` may be the live model's own
+    one[f"{module}.weight"] = base.clone() if as_trained else base.to(torch.float32, copy=True)
+    return get_merged_lora_ckpt(one, rank=rank, alpha=alpha)[f"{module}.weight"].to(base.dtype)
+
+
+def _plain(v: torch.Tensor) -> torch.Tensor:
+    """A frozen base weight as a plain tensor: NF4 (QLoRA) and torchao fp8 bases dequantized, others as they are."""
+    if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
+        return v.get_original_weight()
+    if hasattr(v, "qdata") and hasattr(v, "dequantize"):  # fp8 base weight (torchao Float8Tensor)
+        return v.dequantize()
+    return v
+
+
+def lazily_merged_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor | Deferred]:
+    """`merged_state_dict`'s weights without a copy of the model: each merged or dequantized weight is a `Deferred`
+    made on its device when it is written, every other tensor is the state dict's own (read, never changed). What
+    `save_model` streams from a model on its GPU (stream_save: no host copy of the whole model)."""
+    sd = dict(state_dict if state_dict is not None else model.state_dict())
+    ra = lora_rank_alpha(model)
+    merged = {k.removesuffix(".lora_a.weight") for k in sd if k.endswith(".lora_a.weight")} if ra else set()
+    qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
+    adapters = {k for m in merged for k in _adapter_parts(m)}
+    def merge(module: str, base: torch.Tensor) -> torch.Tensor:
+        return merged_weight(module, sd, _plain(base), *ra, as_trained=module in qat)
+
+    out: dict[str, torch.Tensor | Deferred] = {}
+    for k, v in sd.items():
+        module = k.removesuffix(".weight")
+        if k in adapters:
+            continue
+        if module in merged and ra is not None:
+            out[k] = Deferred(v.shape, v.dtype, partial(merge, module, v))
+        elif _plain(v) is not v:  # a quantized weight without an adapter: dequantized when written
+            out[k] = Deferred(v.shape, v.dtype, partial(_plain, v))
+        else:
+            out[k] = v.detach()
+    return out
 
 
 def merged_state_dict(
     model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4/fp8 bases dequantized.
+    """Plain (tune-named) weights with any LoRA/DoRA adapters merged and NF4/fp8 bases dequantized: new tensors,
+    on the state dict's devices (the live model is never touched).
 
     `state_dict`: a full state dict gathered elsewhere (e.g. from FSDP shards); default `model.state_dict()`.
     """
-    sd = {}
-    for k, v in (state_dict if state_dict is not None else model.state_dict()).items():
-        if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
-            v = v.get_original_weight()
-        elif hasattr(v, "qdata") and hasattr(v, "dequantize"):  # fp8 base weight (torchao Float8Tensor)
-            v = v.dequantize()
-        sd[k] = v.detach().clone()  # merging below works in place; never touch the live model
-    ra = lora_rank_alpha(model)
-    if ra is not None:
-        qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
-        sd = merge_lora_state_dict(sd, *ra, as_trained=qat)
+    sd = {k: v.make() if isinstance(v, Deferred) else v.clone()
+          for k, v in lazily_merged_state_dict(model, state_dict).items()}
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return sd
@@ -209,8 +251,9 @@ def save_model(
     state_dict: dict[str, torch.Tensor] | None = None,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write a HF folder (adapters merged) that transformers, lm-eval and llama.cpp converters load."""
-    sd = state_dict if state_dict is not None else merged_state_dict(model)
+    """Write a HF folder (adapters merged) that transformers, lm-eval and llama.cpp converters load. Without
+    `state_dict`, the model's own weights are streamed from its device (`lazily_merged_state_dict`)."""
+    sd = state_dict if state_dict is not None else lazily_merged_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(resolve_dtype(dtype)) for k, v in sd.items()}
     if args.tie_word_embeddings:
