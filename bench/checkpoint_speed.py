@@ -1,12 +1,14 @@
 """Where a one-process checkpoint's time goes (session 49: shipped lora/qwen2_5_7b on one H200 wrote its 15.5 GB
 final checkpoint in 38.2 s, silent under a finished progress bar).
 
-The parts `TrainState.save` runs for a one-process run, each timed on its own, on a model loaded the way the
-recipe loads it (`load_model` on the device, optionally with the LoRA section):
+On a model loaded the way the recipe loads it (`load_model` on the device, optionally with the LoRA section):
 
-- `gather`: `rt.full_state_dict` (every tensor copied from the device to host memory);
-- `merge`: `merged_state_dict` (the host copy cloned, adapters merged in fp32 one module at a time);
-- `write`: `save_model`'s HF folder into an atomic directory (safetensors serialization, files, fsync);
+- `stream`: what `TrainState.save` writes now: `save_model(model)` streams the HF folder from the device
+  (components/checkpoint/stream_save.py: adapters merged on the device, chunks through pinned buffers), fsync
+  included; `host_peak_gb`: the process's peak resident memory growth during it;
+- the copying path it replaced (session 50), each part on its own: `gather` (`rt.full_state_dict`: every tensor
+  copied from the device to host memory), `merge` (`merged_state_dict`: the host copy cloned, adapters merged in
+  fp32 one module at a time), `write` (that host dict written into an atomic directory);
 - `hash`: `write_manifest` (xxHash of every file, threads);
 - `copy_model`: `copy_hf_folder` of that folder, as `write_final_model` makes model/ (a clone or a copy).
 
@@ -58,6 +60,20 @@ def main() -> None:
         seconds[name] = round(time.perf_counter() - t, 2)
         return result
 
+    import resource
+
+    def rss_gb() -> float:  # peak resident set so far (Linux: KiB)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+    base_rss = rss_gb()
+
+    def stream() -> None:
+        with atomic_directory(a.out / "streamed") as tmp:
+            save_model(model, args, tmp, a.model)
+
+    timed("stream", stream)
+    host_peak = round(rss_gb() - base_rss, 2)
+    shutil.rmtree(a.out / "streamed")  # the disk of a GPU machine holds one 15 GB copy at a time beside the model
     full = timed("gather", lambda: rt.full_state_dict(model))
     merged = timed("merge", lambda: merged_state_dict(model, full))
     ckpt = a.out / "step"
@@ -72,7 +88,10 @@ def main() -> None:
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     fs = subprocess.run(["df", "-T", str(a.out)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     print(json.dumps({"model": str(a.model), "lora": a.lora, "device": str(rt.device), "gb": round(size / 1e9, 2),
-                      "filesystem": fs, "seconds": seconds, "cpu_threads": torch.get_num_threads()}), flush=True)
+                      "filesystem": fs, "seconds": seconds, "host_peak_gb_stream": host_peak,
+                      "host_peak_gb_all": round(rss_gb() - base_rss, 2), "cpu_threads": torch.get_num_threads()}),
+          flush=True)
+    shutil.rmtree(a.out)  # 30 GB: the next stage's run needs the disk
 
 
 if __name__ == "__main__":

@@ -353,7 +353,8 @@ qwen)  # carry .carry/tok (+ .whl unless an earlier call installed it): the ship
        # changed). RUNS (default "kd kd_fp8 lora"): kd = kd/qwen2_5_7b_to_0_5b as shipped (teacher.quantize auto,
        # max_drift 0.01); kd_fp8 = the same with teacher.max_drift=null (the fp8 teacher over Qwen's biased
        # projections, kept whatever its drift); lora = lora/qwen2_5_7b; ckpt = bench/checkpoint_speed.py on the 7B
-       # folder with the LoRA section (gather, merge, write, hash, model/ copy timed apart)
+       # folder with the LoRA section (gather, merge, write, hash, model/ copy timed apart); resume = a full
+       # fine-tune of the 0.5B folder cut by Ctrl-C at step 6 and resumed, against an uninterrupted run
     install_ours
     copy_repo
     (cd /tmp/repo && python3 bench/kd_throughput.py build --family qwen --out $B --tokenizer-dir "$OLDPWD/.carry/tok")
@@ -362,6 +363,27 @@ qwen)  # carry .carry/tok (+ .whl unless an earlier call installed it): the ship
     for r in ${2:-kd kd_fp8 lora}; do
         if [[ $r == ckpt ]]; then  # where the LoRA 7B checkpoint's time goes (bench/checkpoint_speed.py)
             ours python3 bench/checkpoint_speed.py --model $B/qwen_7b --lora --out /tmp/ckpt_speed 2>&1 | tail -1 | tee -a $Q/runs.jsonl
+            continue
+        fi
+        if [[ $r == resume ]]; then  # full fine-tuning of the 0.5B folder on the GPU (full/smollm2's settings, fp32
+            # masters and moments: ~6 GB of optimizer state streamed from the GPU per checkpoint): Ctrl-C at step 6,
+            # resume=true, and the last loss and model/'s bytes against an uninterrupted run
+            rm -rf $Q/whole $Q/cut  # a warm machine keeps an earlier call's runs
+            F="run full --config full/smollm2 model.checkpoint_dir=$B/qwen_0_5b dataset.source=transfer:passages dataset.format=text dataset.use_chat_template=false max_steps=12 save_every_n_steps=4"
+            ours python3 -m llm_recipe.cli.main $F output_dir=$Q/whole >$Q/whole.log 2>&1; echo "{\"resume\": \"whole\", \"rc\": $?}" | tee -a $Q/runs.jsonl
+            ours python3 -m llm_recipe.cli.main $F output_dir=$Q/cut >$Q/cut.log 2>&1 & pid=$!
+            until grep -qs '"step": 6,' $Q/cut/metrics.jsonl || ! kill -0 $pid 2>/dev/null; do sleep 0.5; done
+            pkill -INT -f "output_dir=$Q/cut"; wait $pid; echo "{\"resume\": \"ctrl_c\", \"rc\": $?, \"kept\": \"$(ls $Q/cut/checkpoints | tr '\n' ' ')\"}" | tee -a $Q/runs.jsonl
+            ours python3 -m llm_recipe.cli.main $F output_dir=$Q/cut resume=true >$Q/resume.log 2>&1; echo "{\"resume\": \"resumed\", \"rc\": $?}" | tee -a $Q/runs.jsonl
+            tr '\r' '\n' <$Q/cut.log | grep -aE "checkpoint:|interrupt|stopp" | tail -3
+            python3 - $Q <<'PY' | tee -a $Q/runs.jsonl
+import hashlib, json, sys
+q = sys.argv[1]
+last = {k: [json.loads(l) for l in open(f"{q}/{k}/metrics.jsonl") if l.strip()][-1] for k in ("whole", "cut")}
+sha = {k: hashlib.sha256(open(f"{q}/{k}/model/model.safetensors", "rb").read()).hexdigest()[:16] for k in last}
+print(json.dumps({"last": {k: (v["step"], v["loss"]) for k, v in last.items()}, "model_sha": sha,
+                  "model_bytes_equal": sha["whole"] == sha["cut"]}))
+PY
             continue
         fi
         case $r in
