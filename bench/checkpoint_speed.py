@@ -10,7 +10,10 @@ On a model loaded the way the recipe loads it (`load_model` on the device, optio
   copied from the device to host memory), `merge` (`merged_state_dict`: the host copy cloned, adapters merged in
   fp32 one module at a time), `write` (that host dict written into an atomic directory);
 - `hash`: `write_manifest` (xxHash of every file, threads);
-- `copy_model`: `copy_hf_folder` of that folder, as `write_final_model` makes model/ (a clone or a copy).
+- `clone_model`: `clone_hf_folder` of that folder, as `write_final_model` makes model/ where the filesystem clones
+  (`clones`: whether it did; where not, model/ is streamed again, as `stream`);
+- `copy_model`: a plain copy of that folder's files (shutil.copytree: the kernel's copy), the alternative session 49
+  shipped and session 50 measured slower than streaming again.
 
     python bench/checkpoint_speed.py --model /tmp/kdb/qwen_7b --lora --out /tmp/ckpt_speed [--device cuda]
 
@@ -40,7 +43,7 @@ def main() -> None:
     from llm_recipe.components.checkpoint.atomic import atomic_directory
     from llm_recipe.components.checkpoint.manifest import MANIFEST, write_manifest
     from llm_recipe.components.models import LoRASettings, load_model, save_model
-    from llm_recipe.components.models.hf_io import copy_hf_folder
+    from llm_recipe.components.models.hf_io import clone_hf_folder
     from llm_recipe.components.models.loader import merged_state_dict
     from llm_recipe.components.runtime import setup_runtime
 
@@ -84,11 +87,12 @@ def main() -> None:
 
     timed("write", write)
     timed("hash", lambda: write_manifest(ckpt))
-    timed("copy_model", lambda: copy_hf_folder(ckpt, a.out / "model", skip=(MANIFEST,)))
+    clones = timed("clone_model", lambda: clone_hf_folder(ckpt, a.out / "model", skip=(MANIFEST,)))
+    timed("copy_model", lambda: shutil.copytree(ckpt, a.out / "copied", ignore=shutil.ignore_patterns(MANIFEST)))
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     fs = subprocess.run(["df", "-T", str(a.out)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     print(json.dumps({"model": str(a.model), "lora": a.lora, "device": str(rt.device), "gb": round(size / 1e9, 2),
-                      "filesystem": fs, "seconds": seconds, "host_peak_gb_stream": host_peak,
+                      "filesystem": fs, "clones": clones, "seconds": seconds, "host_peak_gb_stream": host_peak,
                       "host_peak_gb_all": round(rss_gb() - base_rss, 2), "cpu_threads": torch.get_num_threads()}),
           flush=True)
     shutil.rmtree(a.out)  # 30 GB: the next stage's run needs the disk

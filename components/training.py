@@ -27,7 +27,7 @@ from .losses import kd_and_ce
 from .losses.rows import loss_rows
 from .models import LoRASettings, ModelArgs, save_model, save_peft_adapter
 from .models.attention import batch_to_device
-from .models.hf_io import copy_hf_folder
+from .models.hf_io import clone_hf_folder
 from .models.host_embedding import input_tokens
 from .models.loader import lazily_merged_state_dict
 from .models.tokenizer import Tokenizer
@@ -226,17 +226,15 @@ def write_final_model(output_dir: str | Path, rt: Runtime, model: nn.Module, arg
                       extra_files: dict[str, str] | None = None, checkpoint: Path | None = None) -> Path:
     """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format). `checkpoint`: the
     checkpoint this process wrote at its last step (`TrainState.final_checkpoint`): a one-process one holds the same
-    HF folder, which model/ copies (`copy_hf_folder`: a clone where the filesystem has them) instead of gathering,
-    merging and serializing the same weights again (a 7B model: 15 GB)."""
+    HF folder, which model/ clones where the filesystem can (no second write); elsewhere the weights are streamed
+    from the model again, which beat a copy of the checkpoint's files (`clone_hf_folder`)."""
     out = Path(output_dir)
     reuse = checkpoint is not None and rt.world_size == 1 and (checkpoint / "config.json").is_file()
     try:
         # one process: the live model's own tensors (streamed from its device); several: gathered on rank 0
-        full = model.state_dict() if reuse or rt.world_size == 1 else rt.full_state_dict(model)
+        full = model.state_dict() if rt.world_size == 1 else rt.full_state_dict(model)
         if rt.is_main:
-            if reuse:
-                copy_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)
-            else:
+            if not (reuse and clone_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)):
                 save_model(model, args, out / "model", tokenizer_dir,
                            state_dict=lazily_merged_state_dict(model, full), extra_files=extra_files)
             if lora is not None:

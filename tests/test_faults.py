@@ -58,6 +58,18 @@ def steps_of(out: Path) -> list[str]:
     return [p.name for p in rc.complete_checkpoints(out)]
 
 
+def can_clone(folder: Path) -> bool:
+    """Whether `folder`'s filesystem makes copy-on-write clones (btrfs, XFS, ZFS: model/ clones the checkpoint)."""
+    from llm_recipe.components.models.hf_io import _clone
+
+    (folder / "probe").write_bytes(b"x")
+    try:
+        return _clone(folder / "probe", folder / "probe_clone")
+    finally:
+        for name in ("probe", "probe_clone"):
+            (folder / name).unlink(missing_ok=True)
+
+
 def hidden_leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME)
 
@@ -98,10 +110,13 @@ def test_kill_at_several_points_then_resume_is_bit_identical(tmp_path, tiny_mode
     assert steps_of(out) == ["step_000002"]  # the half-written step 4 is only a hidden temp folder
     assert [n.split(".tmp-")[0] for n in hidden_leftovers(out / "checkpoints")] == [".step_000004"]
 
-    # 3. resumed from step 2 again; kill -9 halfway through writing the final model (model/ copies the final
-    #    checkpoint's files: killed before its second file)
-    p = run_with_fault({"target": "llm_recipe.components.models.hf_io._clone_or_copy", "nth": 2,
-                        "path_contains": "step_000006"}, "full", CONFIG, resume, tmp_path)
+    # 3. resumed from step 2 again; kill -9 halfway through writing the final model: on a filesystem with clones
+    #    after model/'s first cloned file, elsewhere with its streamed weights cut to half their size
+    fault = ({"target": "llm_recipe.components.models.hf_io._clone", "nth": 2, "path_contains": "step_000006"}
+             if can_clone(tmp_path) else
+             {"target": "llm_recipe.components.models.hf_io.save_tensors", "action": "truncate",
+              "path_contains": ".model.tmp-"})
+    p = run_with_fault(fault, "full", CONFIG, resume, tmp_path)
     assert_killed(p)
     doc.expect("kill-mid-save", p.stdout, out=out)
     assert steps_of(out) == ["step_000004", "step_000006"]

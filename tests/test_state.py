@@ -189,11 +189,12 @@ def test_converting_a_missing_or_one_process_checkpoint_says_which(tmp_path, cap
 
 
 @pytest.mark.parametrize("clones", [True, False])
-def test_the_final_model_copies_the_final_checkpoint_files(tmp_path, tiny_model_dir, monkeypatch, clones):
+def test_the_final_model_clones_the_checkpoint_or_is_written_again(tmp_path, tiny_model_dir, monkeypatch, clones):
     """model/ (and the PEFT adapter) made from the final checkpoint's HF folder hold the same files, byte for byte,
     as when the weights are gathered, merged and serialized again (a 7B LoRA run wrote 15 GB twice at its end);
-    cloned where the filesystem can (emulated: a clone that copies), copied otherwise. Never hard links: a user's
-    edit of model/ leaves the checkpoint, and its manifest, as they were; model/ outlives the checkpoint."""
+    cloned where the filesystem can (emulated: a clone that copies), streamed from the model again otherwise (a copy
+    was slower than that on a GPU machine's ext4 disk). Never hard links: a user's edit of model/ leaves the
+    checkpoint, and its manifest, as they were; model/ outlives the checkpoint."""
     import fcntl
 
     from llm_recipe.components.checkpoint.manifest import verify_manifest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import struct
@@ -145,31 +146,45 @@ def write_hf_folder(
 
 
 _FICLONE = 0x40049409  # Linux's ioctl: a file that shares another's blocks until either is written (copy-on-write)
+# what a filesystem without clones (ext4, tmpfs, most network filesystems) or across two of them answers
+_NO_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS}
 
 
-def _clone_or_copy(src: Path, dst: Path) -> None:
-    """`dst` as a copy of `src`: a copy-on-write clone where the filesystem has them (btrfs, XFS, ZFS 2.2+: no bytes
-    written twice), else the kernel's copy (shutil). Never a hard link: editing one file must not change the other
-    (a checkpoint's manifest would no longer match it)."""
+class _NoClones(Exception):
+    pass
+
+
+def _clone(src: Path, dst: Path) -> bool:
+    """`dst` as a copy-on-write clone of `src` (btrfs, XFS, ZFS 2.2+: no byte written twice); False where the
+    filesystem has none. Never a hard link: editing one file must not change the other (a checkpoint's manifest
+    would no longer match it)."""
     try:
         import fcntl
-
-        with open(src, "rb") as r, open(dst, "wb") as w:
+    except ImportError:  # not Linux
+        return False
+    with open(src, "rb") as r, open(dst, "wb") as w:
+        try:
             fcntl.ioctl(w.fileno(), _FICLONE, r.fileno())
-        return
-    except (ImportError, OSError):  # no clones here (ext4, tmpfs, network filesystems, not Linux): a copy
-        pass
-    shutil.copyfile(src, dst)
+        except OSError as e:
+            if e.errno in _NO_CLONE:
+                return False
+            raise
+    return True
 
 
-def copy_hf_folder(src: str | Path, out_dir: str | Path, skip: tuple[str, ...] = (),
-                   extra_files: dict[str, str] | None = None) -> Path:
-    """`out_dir` (atomically) as the HF folder in `src`: its top-level files but `skip` (a checkpoint's manifest),
-    each cloned or copied (`_clone_or_copy`), instead of serializing the same weights again; `extra_files` added."""
-    with atomic_directory(out_dir) as tmp:
-        for f in sorted(Path(src).iterdir()):
-            if f.is_file() and f.name not in skip:
-                _clone_or_copy(f, tmp / f.name)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-    return Path(out_dir)
+def clone_hf_folder(src: str | Path, out_dir: str | Path, skip: tuple[str, ...] = (),
+                    extra_files: dict[str, str] | None = None) -> bool:
+    """`out_dir` (atomically) as clones of the HF folder in `src` (its top-level files but `skip`, e.g. a checkpoint's
+    manifest) plus `extra_files`; False, with nothing written, where the filesystem cannot clone. Not a copy then:
+    streaming the weights from the model again (stream_save) took 10 s for 15 GB on one H200's ext4 disk where a
+    kernel copy of the same files took 15-19 s (docs/benchmarks.md, session 50)."""
+    try:
+        with atomic_directory(out_dir) as tmp:
+            for f in sorted(Path(src).iterdir()):
+                if f.is_file() and f.name not in skip and not _clone(f, tmp / f.name):
+                    raise _NoClones
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+    except _NoClones:
+        return False
+    return True
