@@ -136,6 +136,32 @@ def test_lora_model_folder_streamed_equals_the_merged_copy(tiny_model_dir, tmp_p
     assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # the live model untouched
 
 
+def test_a_merge_out_of_device_memory_is_done_on_the_host(tiny_model_dir, monkeypatch):
+    """A GPU full at checkpoint time (QLoRA on a small card): the module that did not fit merges on the host and
+    the checkpoint is written, with the same weights."""
+    from llm_recipe.components.models import LoRASettings, load_model, loader
+
+    model, _ = load_model(tiny_model_dir, dtype="fp32", lora=LoRASettings(rank=4, alpha=8.0, targets=["q_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.normal_()
+    want = loader.merged_state_dict(model)
+    real, calls = loader.merged_weight, []
+
+    def first_fails(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(loader, "merged_weight", first_fails)
+    lazy = loader.lazily_merged_state_dict(model)
+    got = {k: v.make() if isinstance(v, Deferred) else v for k, v in lazy.items()}
+    assert calls[0] == calls[1] == "layers.0.attn.q_proj"  # tried, then again on the host
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.gpu
 def test_gpu_tensors_stream_through_small_chunks(tmp_path):
     """GPU tensors through the pinned buffers, host tensors between them (a checkpoint's recipe state: optimizer

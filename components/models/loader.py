@@ -211,7 +211,11 @@ def lazily_merged_state_dict(
     qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
     adapters = {k for m in merged for k in _adapter_parts(m)}
     def merge(module: str, base: torch.Tensor) -> torch.Tensor:
-        return merged_weight(module, sd, _plain(base), *ra, as_trained=module in qat)
+        try:  # on the weights' device: a few fp32 copies of one weight (an 8B model's largest: ~0.7 GB)
+            return merged_weight(module, sd, _plain(base), *ra, as_trained=module in qat)
+        except torch.OutOfMemoryError:  # a GPU full at checkpoint time: this module on the host, as before streaming
+            host = {k: sd[k].cpu() for k in _adapter_parts(module) if k in sd}
+            return merged_weight(module, host, _plain(base.cpu()), *ra, as_trained=module in qat)
 
     out: dict[str, torch.Tensor | Deferred] = {}
     for k, v in sd.items():
