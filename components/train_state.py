@@ -206,7 +206,7 @@ class TrainState:
         return save_checkpoint(
             cfg.output_dir, step,
             # streamed from the model's device, adapters merged there one module at a time (stream_save): no host
-            # copy of the model (a 7B LoRA checkpoint: 31 -> ? s, and 30 GB less host memory)
+            # copy of the model (a 7B LoRA checkpoint on one H200: 36 -> 10 s, 30 -> 0.13 GB of host memory)
             write_model=lambda d: save_model(model, self.args, d, self.tokenizer_dir),
             recipe_state=state, keep_last_n=cfg.keep_last_n, runtime=rt,
         )

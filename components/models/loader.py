@@ -190,11 +190,19 @@ def merged_weight(module: str, sd: Mapping[str, torch.Tensor], base: torch.Tenso
     return get_merged_lora_ckpt(one, rank=rank, alpha=alpha)[f"{module}.weight"].to(base.dtype)
 
 
+def _is_nf4(v: torch.Tensor) -> bool:
+    return hasattr(v, "get_original_weight")  # NF4 base weight (QLoRA)
+
+
+def _is_fp8(v: torch.Tensor) -> bool:
+    return hasattr(v, "qdata") and hasattr(v, "dequantize")  # fp8 base weight (torchao Float8Tensor)
+
+
 def _plain(v: torch.Tensor) -> torch.Tensor:
     """A frozen base weight as a plain tensor: NF4 (QLoRA) and torchao fp8 bases dequantized, others as they are."""
-    if hasattr(v, "get_original_weight"):  # NF4 base weight (QLoRA)
+    if _is_nf4(v):
         return v.get_original_weight()
-    if hasattr(v, "qdata") and hasattr(v, "dequantize"):  # fp8 base weight (torchao Float8Tensor)
+    if _is_fp8(v):
         return v.dequantize()
     return v
 
@@ -210,6 +218,7 @@ def lazily_merged_state_dict(
     merged = {k.removesuffix(".lora_a.weight") for k in sd if k.endswith(".lora_a.weight")} if ra else set()
     qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
     adapters = {k for m in merged for k in _adapter_parts(m)}
+
     def merge(module: str, base: torch.Tensor) -> torch.Tensor:
         try:  # on the weights' device: a few fp32 copies of one weight (an 8B model's largest: ~0.7 GB)
             return merged_weight(module, sd, _plain(base), *ra, as_trained=module in qat)
@@ -224,7 +233,7 @@ def lazily_merged_state_dict(
             continue
         if module in merged and ra is not None:
             out[k] = Deferred(v.shape, v.dtype, partial(merge, module, v))
-        elif _plain(v) is not v:  # a quantized weight without an adapter: dequantized when written
+        elif _is_nf4(v) or _is_fp8(v):  # a quantized weight without an adapter: dequantized when written
             out[k] = Deferred(v.shape, v.dtype, partial(_plain, v))
         else:
             out[k] = v.detach()
