@@ -11,10 +11,13 @@ once, after the last micro-batch. The update is the same; only the communication
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint.stream_save import Deferred
 from .errors import RecipeError
 
 # Gather once per step when the full weights plus the gradients of the trainable ones take at most this share of
@@ -79,37 +82,58 @@ def reshard(model: nn.Module) -> None:
                 m.reshard()
 
 
+def gather(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor, on its device, on every rank (every rank must call it), each of its collectives
+    waited.
+
+    Why not rely on torch's waiting (`get_model_state_dict(full_state_dict=True)` and DTensor's own): torch waits
+    for a gathered tensor only when it is itself an AsyncCollectiveTensor. A gathered NF4 weight (QLoRA) is an
+    NF4Tensor whose three inner tensors are; on the ranks that drop them they were never waited, so every QLoRA run
+    on several GPUs ended with torch's "672 unwaited collective calls" warning (8B: 224 NF4 weights x 3) and held
+    the gathered copies until exit. Here the tensor, and each of its inner tensors, is waited."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    full = value.full_tensor()
+    if isinstance(full, AsyncCollectiveTensor):
+        return full.trigger_wait()
+    if hasattr(full, "__tensor_flatten__"):  # a tensor subclass: wait for its inner tensors (NF4's gathered parts)
+        for name in full.__tensor_flatten__()[0]:
+            inner = getattr(full, name)
+            if isinstance(inner, AsyncCollectiveTensor):
+                inner.trigger_wait()
+    return full
+
+
+def _sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # torch's keys (FSDP-wrapper prefixes removed); the values are the local shards: no communication
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+
+
 def full_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """The full state dict of an FSDP2 model as CPU tensors, gathered one tensor at a time; kept where `keep`
-    (rank 0), gathered and dropped elsewhere. Every rank must call it.
-
-    Our loop instead of torch's `get_model_state_dict(full_state_dict=True)` (whose keys we still take): torch
-    waits for a gathered tensor only when it is itself an AsyncCollectiveTensor. A gathered NF4 weight (QLoRA)
-    is an NF4Tensor whose three inner tensors are; on the ranks that drop them they were never waited, so every
-    QLoRA run on several GPUs ended with torch's "672 unwaited collective calls" warning (8B: 224 NF4 weights x 3)
-    and held the gathered copies until exit. Here each gathered tensor, and each of its inner tensors, is waited."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    (rank 0), gathered and dropped elsewhere. Every rank must call it."""
     from torch.distributed.tensor import DTensor
 
-    def settled(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, AsyncCollectiveTensor):
-            return t.trigger_wait()
-        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass: wait for its inner tensors (NF4's gathered parts)
-            for name in t.__tensor_flatten__()[0]:
-                inner = getattr(t, name)
-                if isinstance(inner, AsyncCollectiveTensor):
-                    inner.trigger_wait()
-        return t
-
     out = {}
-    sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))  # no communication
-    for key, value in sharded.items():
+    for key, value in _sharded_state_dict(model).items():
         if isinstance(value, DTensor):
-            value = settled(value.full_tensor())
+            value = gather(value)
         if keep:
             out[key] = value.detach().to("cpu")
     return out
+
+
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor | Deferred]:
+    """The full state dict of an FSDP2 model with each sharded tensor a `Deferred` that gathers it on the device
+    when made (`gather`): written one tensor at a time, a full copy of the model never exists, on the GPU or the
+    host. Every rank must make the same Deferreds in the same order (`save_model(out_dir=None)` on the ranks that
+    do not write)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: Deferred(v.shape, v.dtype, partial(gather, v)) if isinstance(v, DTensor) else v.detach()
+            for k, v in _sharded_state_dict(model).items()}
 
 
 def check_nf4_shardable(model: nn.Module, world_size: int) -> None:

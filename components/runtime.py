@@ -158,6 +158,17 @@ class Runtime:
             return fsdp.full_state_dict(model, keep=self.is_main)
         return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
 
+    def gathered_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full state dict on every rank, for streaming to a file (stream_save): a sharded model's tensors are
+        `Deferred` gathers (fsdp.gathered_state_dict; every rank must make the same ones in the same order), any
+        other model's are its own tensors on their device."""
+        if _is_sharded(model):
+            from . import fsdp
+
+            fsdp.reshard(model)  # gathered by a forward without backward (sampling, a held-out score): shards again
+            return fsdp.gathered_state_dict(model)
+        return {k: v.detach() for k, v in model.state_dict().items()}
+
     def load_full_state_dict(
         self, model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True
     ) -> None:

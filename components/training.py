@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint.manifest import MANIFEST
+from .checkpoint.stream_save import made
 from .data.dataset import build_dataset, build_loader
 from .data.loader import StatefulLoader
 from .losses import kd_and_ce
@@ -30,6 +31,7 @@ from .models.attention import batch_to_device
 from .models.hf_io import clone_hf_folder
 from .models.host_embedding import input_tokens
 from .models.loader import lazily_merged_state_dict
+from .models.peft_adapter import is_adapter_key
 from .models.tokenizer import Tokenizer
 from .oom import is_out_of_memory, note_step
 from .optim import build_optimizer, build_scheduler, warn_if_bf16_updates_round_away
@@ -227,21 +229,29 @@ def write_final_model(output_dir: str | Path, rt: Runtime, model: nn.Module, arg
     """output_dir/model (merged HF folder) and, for LoRA, output_dir/adapter (PEFT format). `checkpoint`: the
     checkpoint this process wrote at its last step (`TrainState.final_checkpoint`): a one-process one holds the same
     HF folder, which model/ clones where the filesystem can (no second write); elsewhere the weights are streamed
-    from the model again, which beat a copy of the checkpoint's files (`clone_hf_folder`)."""
+    from the model again, which beat a copy of the checkpoint's files (`clone_hf_folder`). Several processes: rank 0
+    streams each tensor as the ranks gather it on their GPUs (one at a time, merged there), the others join."""
     out = Path(output_dir)
     reuse = checkpoint is not None and rt.world_size == 1 and (checkpoint / "config.json").is_file()
+    began = time.perf_counter()
     try:
-        # one process: the live model's own tensors (streamed from its device); several: gathered on rank 0
-        full = model.state_dict() if rt.world_size == 1 else rt.full_state_dict(model)
-        if rt.is_main:
-            if not (reuse and clone_hf_folder(checkpoint, out / "model", skip=(MANIFEST,), extra_files=extra_files)):
-                save_model(model, args, out / "model", tokenizer_dir,
-                           state_dict=lazily_merged_state_dict(model, full), extra_files=extra_files)
-            if lora is not None:
-                save_peft_adapter(full, lora, out / "adapter", base_model=base_model)
+        full = rt.gathered_state_dict(model)  # one process: its own tensors; several: each gathered when written
+        # the adapters first, on every rank (small; every rank gathers them in the same order)
+        adapters = {k: made(v) for k, v in full.items() if is_adapter_key(k)} if lora is not None else None
+        cloned = rt.is_main and reuse and clone_hf_folder(checkpoint, out / "model", skip=(MANIFEST,),
+                                                          extra_files=extra_files)
+        if not cloned:  # off rank 0 nothing is written: those ranks make the tensors rank 0 writes, in its order
+            save_model(model, args, out / "model" if rt.is_main else None, tokenizer_dir,
+                       state_dict=lazily_merged_state_dict(model, full), extra_files=extra_files)
+        if rt.is_main and adapters is not None:
+            save_peft_adapter(adapters, lora, out / "adapter", base_model=base_model)
     except (RuntimeError, MemoryError) as e:
         if is_out_of_memory(e):
             note_step(e, f"writing {out / 'model'}", None, rt.device)
         raise
     rt.barrier()
+    if rt.is_main:  # a 7B model's takes seconds after the bar has ended: said, as each checkpoint is
+        size = sum(f.stat().st_size for f in (out / "model").glob("*.safetensors"))
+        how = f"cloned from {checkpoint.name}" if cloned else "written"
+        print(f"model/: {size / 1e9:.2f} GB {how} in {time.perf_counter() - began:.1f} s", flush=True)
     return out / "model"

@@ -3,6 +3,7 @@ Deferred tensors made one at a time, and checkpoints / HF folders that hold exac
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 
@@ -134,6 +135,45 @@ def test_lora_model_folder_streamed_equals_the_merged_copy(tiny_model_dir, tmp_p
     assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"].to(got["model.norm.weight"].dtype))
     assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # the live model untouched
+
+
+def test_a_rank_that_writes_nothing_gathers_what_the_writer_gathers_in_its_order(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Several processes: each rank makes the state dict's Deferreds (FSDP gathers, every rank must join each one in
+    the same order) while only rank 0 writes. `save_model(out_dir=None)` makes exactly the writer's sequence, over
+    several shard files and LoRA merges (a merged weight gathers its adapter's parts, then its base); and a folder
+    streamed from such Deferreds equals the one from the model's own tensors."""
+    from llm_recipe.components.models import LoRASettings, hf_io, load_model, loader, save_model
+    from llm_recipe.components.models.hf_io import load_hf_state_dict
+    from llm_recipe.components.models.loader import lazily_merged_state_dict
+
+    lora = LoRASettings(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
+    model, args = load_model(tiny_model_dir, dtype="fp32", lora=lora)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.normal_()
+    own = model.state_dict()
+
+    def gathers(log: list[str]) -> dict[str, Deferred]:  # what Runtime.gathered_state_dict gives a sharded model
+        def make(k: str) -> torch.Tensor:
+            log.append(k)
+            return own[k]
+        return {k: Deferred(v.shape, v.dtype, lambda k=k: make(k)) for k, v in own.items()}
+
+    writer, other = [], []
+    # small shards: several files, so their order counts too
+    monkeypatch.setattr(loader, "write_hf_folder", functools.partial(hf_io.write_hf_folder, max_shard_bytes=64 << 10))
+    save_model(model, args, tmp_path / "w", tiny_model_dir, state_dict=lazily_merged_state_dict(model, gathers(writer)))
+    assert save_model(model, args, None, tiny_model_dir,
+                      state_dict=lazily_merged_state_dict(model, gathers(other))) is None
+    assert len(list((tmp_path / "w").glob("model-*.safetensors"))) > 1
+    assert writer == other and any(k.endswith(".lora_a.weight") for k in writer)
+    assert list(tmp_path.iterdir()) == [tmp_path / "w"]  # the other rank wrote nothing
+    save_model(model, args, tmp_path / "plain", tiny_model_dir)
+    got, want = load_hf_state_dict(tmp_path / "w"), load_hf_state_dict(tmp_path / "plain")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_merge_out_of_device_memory_is_done_on_the_host(tiny_model_dir, monkeypatch):

@@ -51,11 +51,24 @@ class Deferred:
         return Deferred(self.shape, dtype, lambda: make().to(dtype))
 
 
-def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor | Deferred],
-                 metadata: Mapping[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES) -> Path:
+def made(t: torch.Tensor | Deferred) -> torch.Tensor:
+    """The tensor itself, or a Deferred's tensor made now."""
+    return t.make() if isinstance(t, Deferred) else t
+
+
+def save_tensors(path: str | Path | None, tensors: Mapping[str, torch.Tensor | Deferred],
+                 metadata: Mapping[str, str] | None = None, chunk_bytes: int = CHUNK_BYTES) -> Path | None:
     """Write `tensors` (on any devices, or Deferred) as one safetensors file at `path`, which
-    `safetensors.torch.load_file` reads back bit for bit. Nothing of the inputs changes."""
+    `safetensors.torch.load_file` reads back bit for bit. Nothing of the inputs changes.
+
+    `path=None` writes nothing and only makes each Deferred in the order a write would: the other processes of a
+    multi-process save, whose Deferreds gather shards and so must join every collective the writer's make."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    if path is None:
+        for name in order:
+            if isinstance(tensors[name], Deferred):
+                tensors[name].make()
+        return None
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:

@@ -111,17 +111,22 @@ def _shards(sd: dict[str, torch.Tensor | Deferred], max_shard_bytes: int) -> lis
 
 
 def write_hf_folder(
-    out_dir: str | Path,
+    out_dir: str | Path | None,
     hf_state_dict: Mapping[str, torch.Tensor | Deferred],
     config: dict,
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     extra_files: dict[str, str] | None = None,
-) -> Path:
+) -> Path | None:
     """Write config, weights (sharded above `max_shard_bytes`) and tokenizer files atomically. The tensors may be
-    on any device, or Deferred: they are streamed to the files (stream_save), never gathered on the host."""
-    out_dir = Path(out_dir)
+    on any device, or Deferred: they are streamed to the files (stream_save), never gathered on the host.
+    `out_dir=None`: nothing is written, each Deferred is made in the writer's order (`save_tensors`)."""
     sd = dict(hf_state_dict)
+    if out_dir is None:
+        for shard in _shards(sd, max_shard_bytes):
+            save_tensors(None, shard)
+        return None
+    out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         shards = _shards(sd, max_shard_bytes)
         if len(shards) == 1:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..checkpoint.stream_save import Deferred
+from ..checkpoint.stream_save import Deferred, made
 from ..errors import RecipeError
 from .args import ModelArgs, check_weight_shapes, read_model_args
 from .builder import LoRASettings, build_model
@@ -207,24 +207,33 @@ def _plain(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def _plain_made(v: Deferred) -> torch.Tensor:
+    return _plain(v.make())
+
+
 def lazily_merged_state_dict(
-    model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor | Deferred] | None = None
 ) -> dict[str, torch.Tensor | Deferred]:
     """`merged_state_dict`'s weights without a copy of the model: each merged or dequantized weight is a `Deferred`
     made on its device when it is written, every other tensor is the state dict's own (read, never changed). What
-    `save_model` streams from a model on its GPU (stream_save: no host copy of the whole model)."""
+    `save_model` streams from a model on its GPU (stream_save: no host copy of the whole model).
+
+    `state_dict`'s values may be Deferred themselves (an FSDP model's shards, each gathered when its turn comes:
+    `Runtime.gathered_state_dict`); a merged weight then gathers its adapter's parts and its base, in that order."""
     sd = dict(state_dict if state_dict is not None else model.state_dict())
     ra = lora_rank_alpha(model)
     merged = {k.removesuffix(".lora_a.weight") for k in sd if k.endswith(".lora_a.weight")} if ra else set()
     qat = {n for n, m in lora_modules(model).items() if getattr(m, "weight_fake_quantizer", None) is not None}
     adapters = {k for m in merged for k in _adapter_parts(m)}
 
-    def merge(module: str, base: torch.Tensor) -> torch.Tensor:
+    def merge(module: str, base: torch.Tensor | Deferred) -> torch.Tensor:
+        parts = {k: made(sd[k]) for k in _adapter_parts(module) if k in sd}
+        base = _plain(made(base))
         try:  # on the weights' device: a few fp32 copies of one weight (an 8B model's largest: ~0.7 GB)
-            return merged_weight(module, sd, _plain(base), *ra, as_trained=module in qat)
+            return merged_weight(module, parts, base, *ra, as_trained=module in qat)
         except torch.OutOfMemoryError:  # a GPU full at checkpoint time: this module on the host, as before streaming
-            host = {k: sd[k].cpu() for k in _adapter_parts(module) if k in sd}
-            return merged_weight(module, host, _plain(base.cpu()), *ra, as_trained=module in qat)
+            host = {k: v.cpu() for k, v in parts.items()}
+            return merged_weight(module, host, base.cpu(), *ra, as_trained=module in qat)
 
     out: dict[str, torch.Tensor | Deferred] = {}
     for k, v in sd.items():
@@ -233,6 +242,8 @@ def lazily_merged_state_dict(
             continue
         if module in merged and ra is not None:
             out[k] = Deferred(v.shape, v.dtype, partial(merge, module, v))
+        elif isinstance(v, Deferred):  # gathered when written, then dequantized if it is a quantized base
+            out[k] = Deferred(v.shape, v.dtype, partial(_plain_made, v))
         elif _is_nf4(v) or _is_fp8(v):  # a quantized weight without an adapter: dequantized when written
             out[k] = Deferred(v.shape, v.dtype, partial(_plain, v))
         else:
@@ -258,15 +269,17 @@ def merged_state_dict(
 def save_model(
     model: nn.Module,
     args: ModelArgs,
-    out_dir: str | Path,
+    out_dir: str | Path | None,
     tokenizer_dir: str | Path | None,
     dtype: str | torch.dtype | None = None,
-    state_dict: dict[str, torch.Tensor] | None = None,
+    state_dict: Mapping[str, torch.Tensor | Deferred] | None = None,
     extra_files: dict[str, str] | None = None,
-) -> Path:
+) -> Path | None:
     """Write a HF folder (adapters merged) that transformers, lm-eval and llama.cpp converters load. Without
-    `state_dict`, the model's own weights are streamed from its device (`lazily_merged_state_dict`)."""
-    sd = state_dict if state_dict is not None else lazily_merged_state_dict(model)
+    `state_dict`, the model's own weights are streamed from its device (`lazily_merged_state_dict`).
+    `out_dir=None` writes nothing but makes every Deferred in the writer's order: what the other ranks of an FSDP
+    model run while rank 0 writes, so that each joins the gathers rank 0's tensors need."""
+    sd = dict(state_dict) if state_dict is not None else lazily_merged_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(resolve_dtype(dtype)) for k, v in sd.items()}
     if args.tie_word_embeddings:

@@ -21,6 +21,11 @@ from .convert import tune_to_hf_key
 _SUFFIX = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 
 
+def is_adapter_key(key: str) -> bool:
+    """Whether a (tune-named) state dict key is a LoRA/DoRA adapter tensor."""
+    return any(key.endswith("." + ours) for ours in _SUFFIX)
+
+
 def adapter_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter tensors of a full (tune-named) state dict, under PEFT key names."""
     out = {}
