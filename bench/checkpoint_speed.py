@@ -32,24 +32,36 @@ from pathlib import Path
 import torch
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options of this script and of final_model_speed.py: a model folder, with or without LoRA."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="HF folder")
-    p.add_argument("--out", type=Path, default=Path("/tmp/ckpt_speed"))
+    p.add_argument("--out", type=Path, default=Path(out))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lora", action="store_true", help="the shipped Qwen LoRA section: r8 on every projection")
-    a = p.parse_args()
+    return p
+
+
+def qwen_lora(enabled: bool, quantize_base: str | bool = False):
+    """lora/qwen2_5_7b's LoRA section, or None."""
+    from llm_recipe.components.models import LoRASettings
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return LoRASettings(rank=8, alpha=16.0, targets=targets, quantize_base=quantize_base) if enabled else None
+
+
+def main() -> None:
+    a = parser(__doc__, "/tmp/ckpt_speed").parse_args()
 
     from llm_recipe.components.checkpoint.atomic import atomic_directory
     from llm_recipe.components.checkpoint.manifest import MANIFEST, write_manifest
-    from llm_recipe.components.models import LoRASettings, load_model, save_model
+    from llm_recipe.components.models import load_model, save_model
     from llm_recipe.components.models.hf_io import clone_hf_folder
     from llm_recipe.components.models.loader import merged_state_dict
     from llm_recipe.components.runtime import setup_runtime
 
     rt = setup_runtime(a.device, "bf16", 0)
-    lora = (LoRASettings(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj")) if a.lora else None)
+    lora = qwen_lora(a.lora)
     model, args = load_model(a.model, dtype=rt.dtype, device=rt.device, lora=lora)
     shutil.rmtree(a.out, ignore_errors=True)
     a.out.mkdir(parents=True)

@@ -5,7 +5,8 @@
 #        .carry/a .carry/pytest (ROWS: the `recipes` rows, e.g. lora,kd_lora; default all; N: the GPUs of the
 #        `recipes` and `fault` phases, default the largest of NPROCS; issue 23 asks for them on 2):
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
-#        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests; `profile`: the scaling row under
+#        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests; `final`: bench/final_model_speed.py
+#        on the 8B folder over N GPUs (QLoRA, full); `profile`: the scaling row under
 #        torch.profiler on 1 GPU and on the largest N) with NPROCS (default "1,2"; the
 #        recipes/fault on the largest)
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
@@ -40,7 +41,7 @@ report() {  # the tables so far; the raw rows and log tails into $OUT
     tail -5 /tmp/runner.log
     for f in $M/pytest.log $M/pytest_b.log; do [[ -f $f ]] && grep -E "PASSED|FAILED|ERROR|passed|failed" $f | tail -12; done
     if [[ -n ${OUT:-} ]]; then
-        cp $M/*.jsonl $M/profile_n*.txt $M/smi_*.csv $M/pytest*.log /tmp/runner.log "$OUT/" 2>/dev/null
+        cp $M/*.jsonl $M/final.log $M/profile_n*.txt $M/smi_*.csv $M/pytest*.log /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
             pytest*.log 2>/dev/null)) 2>/dev/null
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/machine.txt"
@@ -100,6 +101,14 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             kill $! ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
+        final)  # model/ at a run's end on N processes: streamed as gathered vs gathered to rank 0's host first
+                # (bench/final_model_speed.py), on the 8B folder: QLoRA (the LoRA section on an NF4 base) and full
+            for how in "--lora --quantize-base nf4" ""; do
+                OMP_NUM_THREADS=8 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+                    bench/final_model_speed.py --model $B/teacher_8b $how --out /tmp/final_speed >$M/final_run.log 2>&1
+                grep -E 'model/:|rror' $M/final_run.log | tail -3 | tee -a $M/final.log
+                grep '^{' $M/final_run.log | tee -a $M/final.jsonl
+            done ;;
         extra)  # diagnosis rows: the full student, and the teacher sharded instead of replicated
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_full
             python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$n" --rows kd_lora_shard ;;

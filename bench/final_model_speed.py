@@ -20,7 +20,6 @@ One JSON line from rank 0.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import resource
@@ -28,27 +27,21 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
+from checkpoint_speed import parser, qwen_lora  # bench/: the same options
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="HF folder")
-    p.add_argument("--out", type=Path, default=Path("/tmp/final_speed"))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--lora", action="store_true", help="the shipped Qwen LoRA section: r8 on every projection")
+    p = parser(__doc__, "/tmp/final_speed")
     p.add_argument("--quantize-base", default=None, choices=("nf4", "fp8"), help="lora.quantize_base")
     a = p.parse_args()
 
-    from llm_recipe.components.models import LoRASettings, load_model, save_model, save_peft_adapter
+    from llm_recipe.components.models import load_model, save_model, save_peft_adapter
     from llm_recipe.components.models.loader import lazily_merged_state_dict
     from llm_recipe.components.runtime import setup_runtime
     from llm_recipe.components.training import freeze_all_but_adapters, write_final_model
 
     rt = setup_runtime(a.device, "bf16", 0)
-    lora = (LoRASettings(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj"), quantize_base=a.quantize_base or False)
-            if a.lora else None)
+    lora = qwen_lora(a.lora, a.quantize_base or False)
     model, args = load_model(a.model, dtype=rt.dtype, device=rt.build_device(a.model), lora=lora)
     if lora is not None:
         freeze_all_but_adapters(model)
