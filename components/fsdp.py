@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint.stream_save import Deferred
+from .checkpoint.stream_save import Deferred, made
 from .errors import RecipeError
 
 # Gather once per step when the full weights plus the gradients of the trainable ones take at most this share of
@@ -104,36 +104,29 @@ def gather(value: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    # torch's keys (FSDP-wrapper prefixes removed); the values are the local shards: no communication
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-
-
-def full_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
-    """The full state dict of an FSDP2 model as CPU tensors, gathered one tensor at a time; kept where `keep`
-    (rank 0), gathered and dropped elsewhere. Every rank must call it."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in _sharded_state_dict(model).items():
-        if isinstance(value, DTensor):
-            value = gather(value)
-        if keep:
-            out[key] = value.detach().to("cpu")
-    return out
-
-
 def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor | Deferred]:
     """The full state dict of an FSDP2 model with each sharded tensor a `Deferred` that gathers it on the device
     when made (`gather`): written one tensor at a time, a full copy of the model never exists, on the GPU or the
     host. Every rank must make the same Deferreds in the same order (`save_model(out_dir=None)` on the ranks that
     do not write)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
+    # torch's keys (FSDP-wrapper prefixes removed); the values are the local shards: no communication
+    sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     return {k: Deferred(v.shape, v.dtype, partial(gather, v)) if isinstance(v, DTensor) else v.detach()
-            for k, v in _sharded_state_dict(model).items()}
+            for k, v in sharded.items()}
+
+
+def full_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """The full state dict of an FSDP2 model as CPU tensors, gathered one tensor at a time; kept where `keep`
+    (rank 0), gathered and dropped elsewhere. Every rank must call it."""
+    out = {}
+    for key, value in gathered_state_dict(model).items():
+        value = made(value)
+        if keep:
+            out[key] = value.detach().to("cpu")
+    return out
 
 
 def check_nf4_shardable(model: nn.Module, world_size: int) -> None:

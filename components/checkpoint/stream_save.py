@@ -66,8 +66,7 @@ def save_tensors(path: str | Path | None, tensors: Mapping[str, torch.Tensor | D
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     if path is None:
         for name in order:
-            if isinstance(tensors[name], Deferred):
-                tensors[name].make()
+            made(tensors[name])
         return None
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -87,16 +86,16 @@ def save_tensors(path: str | Path | None, tensors: Mapping[str, torch.Tensor | D
         try:
             for name in order:
                 t = tensors[name]
-                made = t.make() if isinstance(t, Deferred) else t
-                if tuple(made.shape) != tuple(t.shape) or made.dtype != t.dtype:
-                    raise ValueError(f"{name}: made {made.dtype} {list(made.shape)}, declared {t.dtype} {list(t.shape)}")
-                raw = made.detach().contiguous().reshape(-1).view(torch.uint8)
+                value = made(t)
+                if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
+                    raise ValueError(f"{name}: made {value.dtype} {list(value.shape)}, declared {t.dtype} {list(t.shape)}")
+                raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
                 if raw.device.type == "cuda":
                     staging.write(f, raw)
                 elif raw.numel():
                     staging.flush(f)  # a GPU tensor's last chunk still in a buffer goes first
                     _write_all(f, memoryview(raw.numpy()))
-                del made, raw  # a Deferred's tensor is freed before the next one is made
+                del value, raw  # a Deferred's tensor is freed before the next one is made
             staging.flush(f)
         finally:
             staging.wait()
