@@ -55,7 +55,7 @@ def timed(fn) -> float:
 def onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
     from llm_recipe.components.models import ModelArgs, build_model
     from llm_recipe.components.models.generation import StaticDecode
-    from llm_recipe.components.on_policy import sample_completions
+    from llm_recipe.components.on_policy_sampling import sample_completions
 
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -9,6 +9,8 @@ command: paths, the shipped transfer passages, a run length) with the LoRA secti
 and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/2026-11-24_h200_on_policy_gpu_smoke.log):
 - `onpolicy_compiled`: nothing else (decode: auto is the compiled, CUDA-graphed decode step on one GPU with the
   shipped compile: true);
+- `onpolicy_compiled_alone`: the same, each on-policy micro-batch sampled alone, as before session 51 (a step's
+  on-policy micro-batches are now sampled together; bench/sample_alone.py);
 - `onpolicy_eager`: `kd.on_policy.decode=eager` (the eager sampling of the smoke, now with every document's prompt);
 - `offpolicy`: `kd.on_policy.fraction=0` (the same run without sampling: what a step costs without it);
 - `onpolicy_compiled_chat`: the shipped chat transfer set (`transfer:chat`, format chat): prompts of many lengths,
@@ -47,6 +49,7 @@ from kd_throughput import LORA, _shipped_cmd  # noqa: E402  (bench/ is not a pac
 ON = ["kd.on_policy.fraction=0.5"]
 ROWS: dict[str, list[str]] = {
     "onpolicy_compiled": ON,
+    "onpolicy_compiled_alone": ON,  # each micro-batch sampled alone, as before session 51 (bench/sample_alone.py)
     "onpolicy_eager": [*ON, "kd.on_policy.decode=eager"],
     "decode": [],
     "offpolicy": ["kd.on_policy.fraction=0"],
@@ -66,6 +69,8 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
     out_dir.mkdir(parents=True)
     cmd = _shipped_cmd(SimpleNamespace(out=a.out, steps=a.steps, warmup=a.warmup), "lora", [], out_dir)
     cmd += [*ROWS[name], f"kd.on_policy.max_new_tokens={a.max_new_tokens}", "save_every_n_steps=null", *a.extra]
+    if name.endswith("_alone"):
+        cmd[1:3] = [str(ROOT / "bench" / "sample_alone.py")]  # in place of `-m llm_recipe.cli.main`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:

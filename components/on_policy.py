@@ -12,9 +12,9 @@ The blocks recipes/kd.py calls from its loop:
   `metrics` (the step's metrics), `held_out_eval` (the end-of-run metric).
 - which micro-batches go on-policy and which prompts they sample (`is_on_policy`, `row_prompts`, `load_prompt_set`
   for `kd.on_policy.prompts` and its stateless dealing): components/on_policy_prompts.py.
-- plain functions, tested on their own: `sample_completions`,
+- plain functions, tested on their own: `sample_completions` (components/on_policy_sampling.py),
   `completion_batch`, `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric per prompt, also
-  what bench/kd_study2_onp.py scores every student of the KD study with).
+  what bench/kd_study2_onp.py scores every student of the KD study with), `sampling_groups`.
 
 Where prompts come from: by default each on-policy micro-batch takes the prompts of its own training rows (below).
 With `kd.on_policy.prompts` (a dataset section: source, format, split, ...) they come from that set instead, so the
@@ -30,12 +30,16 @@ micro-batch repeats a prompt (given N >= W x rows).
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
 batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not)
-and still holds no more tokens than the loader's micro-batch.
+and still holds no more tokens than the loader's micro-batch. The on-policy micro-batches of one optimizer step are
+sampled together (`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's
+batch_size x prompts_per_row prompts may at max_seq_len): a decode step costs about as much for 64 prompts as for
+16, so sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of
+its own micro-batch and slot.
 
 Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
 compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt batch padded to
-batch_size x prompts_per_row rows, the width to a 64 x 2^k bucket, KV caches kept between micro-batches), so the
-graph is recorded once per bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training
+batch_size x prompts_per_row x 2^k rows, the width to a 64 x 2^k bucket, KV caches kept between steps), so the
+graph is recorded once per shape, not per micro-batch; its prompt forward runs eagerly and the compiled training
 layers never see a KV cache. Elsewhere (CPU, FSDP2 over N processes, `decode: eager`) sampling is eager, under
 `no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,13 +63,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checkpoint.atomic import atomic_write_bytes
 from .data.dataset import DatasetConfig, TokenizedDataset
 from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
-from .models.generation import StaticDecode, generate_batch
+from .models.generation import StaticDecode
 from .on_policy_prompts import (
     IGNORE_INDEX,
     PROMPT_SET_KEYS,
@@ -79,7 +85,9 @@ from .on_policy_prompts import (
     prompts_of,
     reads_training_rows,
     row_prompts,
+    sampling_groups,
 )
+from .on_policy_sampling import sample_completions
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
 from .schema import Choice, Range
@@ -153,45 +161,6 @@ def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_
                               "use decode: auto (eager sampling) or one process")
         return "eager"
     return "compiled" if s.decode == "compiled" or (device.type == "cuda" and compile) else "eager"
-
-
-def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -> Tensor:
-    """Next token of each row of `logits [b, v]` at `temperature`, by inverse CDF from one uniform per row: the
-    same uniform gives the same token whatever else is in the batch. The CDF is summed in fp64 (an fp32 running
-    sum over a 128k vocabulary drifts by more than its smallest probabilities)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    cdf = probs.double().cumsum(-1)
-    u = uniforms.double() * cdf[:, -1]
-    picked = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
-    return picked.clamp_max(logits.shape[-1] - 1)
-
-
-@torch.no_grad()
-def sample_completions(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
-                       pad_id: int, stop_ids: Sequence[int], seed: int, rows: Sequence[int], width: int,
-                       vocab_size: int | None = None, all_done: Callable[[Tensor], bool] | None = None,
-                       static: StaticDecode | None = None) -> list[list[int]]:
-    """The student's completion of each prompt, stop token included, sampled with its KV cache from its training
-    weights (eval mode, no grad; no copy of the model). Per token, a generator seeded with `seed` draws `width`
-    uniforms and prompt i takes uniform `rows[i]` (its slot in the global batch). `vocab_size`: sample only ids
-    below it (a head padded past the tokenizer). `all_done`: see generate_batch. `static`: the compiled decode
-    step with fixed shapes (generate_batch; its padding rows take uniform 0 and are dropped)."""
-    device = model.tok_embeddings.weight.device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rows = list(rows) + ([0] * (static.batch - len(rows)) if static is not None else [])
-    rows = torch.as_tensor(rows, dtype=torch.long, device=device)
-
-    def pick(logits: Tensor) -> Tensor:
-        u = torch.rand(width, generator=gen, device=device)[rows]
-        return sample_with_uniforms(logits[:, :vocab_size], temperature, u)
-
-    training = model.training
-    model.eval()  # no dropout (LoRA) while sampling
-    try:
-        return generate_batch(model, prompts, max_new_tokens, pad_id, stop_ids=stop_ids, keep_stop=True, pick=pick,
-                              all_done=all_done, static=static)
-    finally:
-        model.train(training)
 
 
 def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -316,9 +285,16 @@ class OnPolicy:
             prompt_set = load_prompt_set(s, cfg.dataset.max_seq_len, tokenizer)
         self.prompt_set = prompt_set
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
+        # A window's on-policy micro-batches (at most ceil(accum x fraction): is_on_policy spreads them evenly) are
+        # sampled together while their decode batch spans no more tokens than one micro-batch's prompts may
+        # (`sampling_groups`): one decode step costs about the same for 16 prompts as for 64, so sampling 4
+        # micro-batches at once takes about a quarter of the time.
+        self.per_window = max(1, math.ceil(self.accum * s.fraction))
+        self.max_tokens = self.rows * cfg.dataset.max_seq_len
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
-        self.static = (StaticDecode(self.rows, "reduce-overhead" if rt.device.type == "cuda" else "default",
-                                    max_width=min(self.budget, self.prompt_tokens or self.budget))
+        self.static = (StaticDecode(self.rows * self.per_window,
+                                    "reduce-overhead" if rt.device.type == "cuda" else "default",
+                                    max_width=min(self.budget, self.prompt_tokens or self.budget), unit=self.rows)
                        if self.path == "compiled" else None)
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
@@ -371,7 +347,7 @@ class OnPolicy:
         """Every row of every rank stopped (the ranks' forward passes, FSDP's collectives, stay in step)."""
         return int(self.rt.all_reduce_sum((~done).sum())) == 0
 
-    def _sample(self, model: nn.Module, prompts: list[list[int]], seed: int, rows: Sequence[int],
+    def _sample(self, model: nn.Module, prompts: list[list[int]], seed: int | Sequence[int], rows: Sequence[int],
                 width: int) -> list[list[int]]:
         return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
                                   self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done, self.static)
@@ -397,23 +373,36 @@ class OnPolicy:
 
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by `completion_batch`es of the
-        student's samples (host tensors, like the loader's); `step` counts finished optimizer steps."""
-        start, out = time.perf_counter(), []
-        for micro, batch in enumerate(window):
-            if not is_on_policy(self.seed, step, micro, self.accum, self.s.fraction):
-                out.append(batch)
-                continue
-            prompts, slots = (self._dealt(step, micro) if self.prompt_set is not None else
-                              self._prompts_of_rows(batch))
-            completions = self._sample(model, prompts, _key(self.seed, step, micro), slots,
-                                       self.rows * self.rt.world_size)
-            out.append(completion_batch(prompts, completions, self.tokenizer.pad_id))
-            self._batches += 1
+        student's samples (host tensors, like the loader's); `step` counts finished optimizer steps. Their prompts
+        are sampled in `sampling_groups`, each prompt with the noise of its own micro-batch and slot."""
+        chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
+        if not chosen:
+            return window
+        start, out, width = time.perf_counter(), list(window), self.rows * self.rt.world_size
+        dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])
+                 for m in chosen]
+        for group in self._groups([prompts for prompts, _ in dealt]):
+            prompts = [p for g in group for p in dealt[g][0]]
+            slots = [i * width + slot for i, g in enumerate(group) for slot in dealt[g][1]]
+            completions = self._sample(model, prompts, [_key(self.seed, step, chosen[g]) for g in group], slots, width)
+            for g in group:
+                mine, completions = completions[:len(dealt[g][0])], completions[len(dealt[g][0]):]
+                out[chosen[g]] = completion_batch(dealt[g][0], mine, self.tokenizer.pad_id)
+                self._sampled += sum(map(len, mine))
+            self._batches += len(group)
             self._prompts += len(prompts)
-            self._sampled += sum(map(len, completions))
-        if self._batches:
-            self._seconds += time.perf_counter() - start
+        self._seconds += time.perf_counter() - start
         return out
+
+    def _groups(self, prompts: list[list[list[int]]]) -> list[list[int]]:
+        """`sampling_groups` of these micro-batches' prompts, the same on every rank (their sizes reduced to the
+        largest over ranks: each group is one sampling loop, whose steps run collectives under FSDP)."""
+        pad = self.static.width if self.static is not None else (lambda w: w)
+        sizes = torch.tensor([[len(p), pad(max(map(len, p), default=1)) + self.s.max_new_tokens] for p in prompts])
+        if self.rt.distributed:
+            sizes = sizes.to(self.rt.device)
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        return sampling_groups(sizes.tolist(), self.rows * self.per_window, self.max_tokens)
 
     # ------------------------------------------------------------------ metrics
     def _reset(self) -> None:

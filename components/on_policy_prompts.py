@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -47,6 +48,22 @@ def on_policy_index(seed: int, k: int, fraction: float) -> int:
     for an on-policy micro-batch, its 0-based rank among them (m: which prompts it is dealt)."""
     phase = _key("phase", seed) / 2**63
     return math.floor(k * fraction + phase)
+
+
+def sampling_groups(sizes: Sequence[Sequence[int]], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Consecutive on-policy micro-batches sampled at once: `sizes[i]` = (prompts, padded prompt width + new tokens)
+    of the i-th. A group grows while its prompts number at most `max_rows` and its decode batch (its prompts x its
+    widest row) spans at most `max_tokens`; a micro-batch alone is always a group."""
+    groups: list[list[int]] = []
+    rows = wide = 0
+    for i, (n, w) in enumerate(sizes):
+        if groups and rows + n <= max_rows and (rows + n) * max(wide, w) <= max_tokens:
+            groups[-1].append(i)
+            rows, wide = rows + n, max(wide, w)
+        else:
+            groups.append([i])
+            rows, wide = n, w
+    return groups
 
 
 @lru_cache(maxsize=4)

@@ -131,9 +131,27 @@ def test_static_decode_pads_rows_and_width_and_keeps_its_caches():
             assert not layer.attn.cache_enabled
         fresh = _model()  # the plain path (torchtune's delete_kv_caches leaves kv_cache a child module of None)
         assert got == generate_batch(fresh, prompts[:n], max_new_tokens=10, pad_id=0)
-    assert key[0] == 74
+    assert key[:2] == (4, 74)
     with pytest.raises(ValueError, match="5 prompts for a StaticDecode of 4 rows"):
         generate_batch(model, prompts + prompts[:2], max_new_tokens=2, pad_id=0, static=static)
     stop = got[1][4]  # stop ids end rows as before; the padding rows never hold the loop open
     cut = generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop], static=static)
     assert cut == generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop])
+
+
+def test_static_decode_runs_a_few_batch_shapes_for_any_number_of_prompts():
+    """With a `unit` (on-policy KD sampling several micro-batches' prompts at once), n prompts run at unit x 2^k
+    rows, at most `batch`, each shape with KV caches of its own; the tokens are still the plain batched ones."""
+    from llm_recipe.components.models.generation import StaticDecode, generate_batch
+
+    assert [StaticDecode(8, unit=2).rows(n) for n in range(1, 9)] == [2, 2, 4, 4, 8, 8, 8, 8]
+    assert StaticDecode(12, unit=4).rows(9) == 12 and StaticDecode(5).rows(1) == 5
+    with pytest.raises(ValueError, match="need 1 <= unit <= batch"):
+        StaticDecode(4, unit=8)
+    model = _model()
+    static = StaticDecode(6, mode="default", backend="eager", unit=2)
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7], [1, 2], [8, 8, 8], [4]]
+    for n in (6, 1, 3, 2):
+        got = generate_batch(model, prompts[:n], max_new_tokens=6, pad_id=0, static=static)
+        assert got == generate_batch(_model(), prompts[:n], max_new_tokens=6, pad_id=0)
+    assert sorted(k[0] for k in static._caches) == [2, 4, 6]

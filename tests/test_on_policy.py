@@ -21,10 +21,9 @@ from llm_recipe.components.on_policy import (
     per_prompt_summary,
     prompts_of,
     row_prompts,
-    sample_completions,
-    sample_with_uniforms,
     score_samples,
 )
+from llm_recipe.components.on_policy_sampling import sample_completions, sample_with_uniforms
 
 IGNORE = -100
 ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -177,6 +176,34 @@ def test_samples_are_seeded_and_laid_out_by_global_row():
     assert all(len(c) == 12 and max(c) < 61 for c in one)
     assert max(max(c) for c in sample_completions(model, prompts, seed=5, rows=range(4), width=4, vocab_size=10,
                                                   **kw)) < 10
+
+
+def test_several_micro_batches_sampled_at_once_draw_what_each_draws_alone():
+    """A step's on-policy micro-batches sampled in one batch (one seed each, a prompt's slot offset by its
+    micro-batch's index x width) give each prompt the completion it gets when its micro-batch samples alone."""
+    model = _model(0).float().train()
+    first, second = [[1, 5, 9], [1, 7]], [[1, 3, 3, 8], [1, 2], [1, 4]]
+    kw = dict(max_new_tokens=10, temperature=1.0, pad_id=0, stop_ids=[], width=3)
+    alone = (sample_completions(model, first, seed=11, rows=[0, 2], **kw)
+             + sample_completions(model, second, seed=12, rows=[2, 0, 1], **kw))
+    together = sample_completions(model, first + second, seed=[11, 12], rows=[0, 2, 5, 3, 4], **kw)
+    assert together == alone
+    assert together != sample_completions(model, first + second, seed=[12, 11], rows=[0, 2, 5, 3, 4], **kw)
+
+
+def test_sampling_groups_join_micro_batches_while_the_decode_batch_stays_in_bounds():
+    """Consecutive micro-batches join a group while its prompts stay <= max_rows and prompts x widest row stay
+    <= max_tokens; one too large is a group of its own."""
+    from llm_recipe.components.on_policy_prompts import sampling_groups
+
+    short = [16, 128]  # 16 prompts, rows of 128 (padded prompt + new tokens)
+    assert sampling_groups([short] * 4, max_rows=64, max_tokens=16 * 2048) == [[0, 1, 2, 3]]
+    assert sampling_groups([short] * 5, max_rows=64, max_tokens=16 * 2048) == [[0, 1, 2, 3], [4]]
+    # rows of 1000 with the first: 32 x 1000 <= 16 x 2048; a third: 48 x 1000 is not
+    assert sampling_groups([short, [16, 1000], short], 64, 16 * 2048) == [[0, 1], [2]]
+    assert sampling_groups([short, [16, 1088], short], 64, 16 * 2048) == [[0], [1], [2]]  # 32 x 1088 > 16 x 2048
+    assert sampling_groups([[16, 4096], short], 64, 16 * 2048) == [[0], [1]]
+    assert sampling_groups([], 64, 16 * 2048) == []
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])

@@ -302,6 +302,35 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, dat
     assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
 
 
+def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would_alone(tmp_path, models, short_docs,
+                                                                                      monkeypatch):
+    """A step's on-policy micro-batches (4 of 4 here) are sampled in one batch, each prompt with its own
+    micro-batch's noise: the same completions as sampling each micro-batch alone, so the same run."""
+    from llm_recipe.components import on_policy as onp
+
+    calls: dict[str, list] = {"together": [], "alone": []}
+    sample = onp.OnPolicy._sample
+    args = [*_kd(models, *short_docs), "max_steps=2", "gradient_accumulation_steps=4", "kd.on_policy.fraction=1.0",
+            "kd.on_policy.held_out=0"]
+    for how in calls:
+        if how == "alone":
+            monkeypatch.setattr(onp, "sampling_groups", lambda sizes, rows, tokens: [[i] for i in range(len(sizes))])
+
+        def recorded(self, model, prompts, seed, rows, width, how=how):
+            got = sample(self, model, prompts, seed, rows, width)
+            calls[how].append((seed, prompts, got))
+            return got
+
+        monkeypatch.setattr(onp.OnPolicy, "_sample", recorded)
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / how}"]) == 0
+    assert [len(seed) for seed, _, _ in calls["together"]] == [4, 4]  # one sampling loop per step
+    assert len(calls["alone"]) == 8 and all(len(seed) == 1 for seed, _, _ in calls["alone"])
+    flat = {how: [(p, c) for _, prompts, got in calls[how] for p, c in zip(prompts, got, strict=True)] for how in calls}
+    assert flat["together"] == flat["alone"] and len(flat["alone"]) > 8
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
+    assert strip(rc.read_metrics(tmp_path / "together")) == strip(rc.read_metrics(tmp_path / "alone"))
+
+
 @pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
 @pytest.mark.parametrize("prompts", ["rows", "prompt_set"])
 def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs, prompts):

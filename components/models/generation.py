@@ -123,8 +123,8 @@ def generate_batch(
     `pick(logits [b, v]) -> [b]` replaces the sampling rule (temperature, top_k, top_p, generator are then unused);
     `all_done(done [b]) -> bool` replaces "every row has stopped" (several processes running one sharded model
     must agree on it, or their forward passes, and so their collectives, would differ in number).
-    `static` (a `StaticDecode`, whose compiled step is used): the batch padded to `static.batch` rows (extra rows
-    start finished; `pick` sees them too), the width to `static.width(...)`, its KV caches reused, the prompt's
+    `static` (a `StaticDecode`, whose compiled step is used): the batch padded to `static.rows(...)` rows (extra
+    rows start finished; `pick` sees them too), the width to `static.width(...)`, its KV caches reused, the prompt's
     forward run eagerly (see StaticDecode); `compile_mode` is then unused.
 
     Ours rather than `torchtune.generation.generate`: that one keeps every step's full logits
@@ -138,9 +138,7 @@ def generate_batch(
     device = model.tok_embeddings.weight.device
     real_rows, width = len(prompts), max(len(p) for p in prompts)
     if static is not None:  # one shape per width bucket: rows padded with one-token prompts that start finished
-        if real_rows > static.batch:
-            raise ValueError(f"generate_batch: {real_rows} prompts for a StaticDecode of {static.batch} rows")
-        prompts = [*prompts, *[[pad_id]] * (static.batch - real_rows)]
+        prompts = [*prompts, *[[pad_id]] * (static.rows(real_rows) - real_rows)]
         width = static.width(width)
     elif compile_mode is not None:  # the compiled step's shapes follow the width: round it up to few distinct ones
         width = -(-width // 64) * 64
@@ -161,7 +159,7 @@ def generate_batch(
               _last_logits if compile_mode is None else _compiled_decode(compile_mode))
     with contextlib.ExitStack() as stack:
         if static is not None:
-            stack.enter_context(static.caches(model, total))
+            stack.enter_context(static.caches(model, total, b))
         else:
             with device:  # torchtune allocates the cache buffers (and their positions) on the default device
                 model.setup_caches(batch_size=b, dtype=model.tok_embeddings.weight.dtype, decoder_max_seq_len=total)
@@ -200,11 +198,12 @@ class StaticDecode:
     same KV-cache tensors, so the step compiles once per width bucket and its CUDA graph (`mode`
     "reduce-overhead") is recorded once and then replayed.
 
-    - `batch`: every call runs this many rows (fewer prompts: the rest are one-token rows that start finished).
+    - `rows(n)`: a call of n prompts runs `unit` x 2^k rows (the fewest >= n, at most `batch`; the rest are
+      one-token rows that start finished): a few batch shapes (one, when `unit` is `batch`).
     - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width` (the
       longest prompt the model's max_seq_len leaves room for, never rounded past it): a few shapes for prompts of
       any length.
-    - `caches(model, total)`: one set of torchtune KV caches per cache length, allocated on first use, reset in
+    - `caches(model, total, rows)`: one set of torchtune KV caches per cache shape, allocated on first use, reset in
       place before each call (the same addresses every time, which a recorded CUDA graph needs), attached to the
       model's attention layers only while it generates. Outside that, the model's attention layers hold
       `kv_cache = None` exactly as before, so a training forward through separately compiled layers sees what it
@@ -217,13 +216,22 @@ class StaticDecode:
     layers' code into its own graph and leaves their compiled entries alone."""
 
     def __init__(self, batch: int, mode: str = "reduce-overhead", max_width: int | None = None,
-                 backend: str = "inductor") -> None:
-        if batch < 1:
-            raise ValueError(f"StaticDecode: batch must be >= 1, got {batch}")
-        self.batch, self.mode = batch, mode
+                 backend: str = "inductor", unit: int | None = None) -> None:
+        if batch < 1 or (unit is not None and not 1 <= unit <= batch):
+            raise ValueError(f"StaticDecode: need 1 <= unit <= batch, got batch={batch}, unit={unit}")
+        self.batch, self.unit, self.mode = batch, unit or batch, mode
         self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
         self.max_width = max_width  # exact: rounded up, prompt + new tokens could pass the model's max_seq_len
         self._caches: dict[tuple, list[torch.nn.Module]] = {}
+
+    def rows(self, n: int) -> int:
+        """The padded batch for `n` prompts."""
+        if n > self.batch:
+            raise ValueError(f"generate_batch: {n} prompts for a StaticDecode of {self.batch} rows")
+        rows = self.unit
+        while rows < n:
+            rows *= 2
+        return min(rows, self.batch)
 
     def width(self, width: int) -> int:
         """The padded prompt width for prompts of up to `width` tokens."""
@@ -233,8 +241,9 @@ class StaticDecode:
         return bucket if self.max_width is None else max(width, min(bucket, self.max_width))
 
     @contextlib.contextmanager
-    def caches(self, model: TransformerDecoder, total: int) -> Iterator[None]:
-        """The model's attention layers use this decoder's KV caches of length `total` (reset) while inside."""
+    def caches(self, model: TransformerDecoder, total: int, rows: int | None = None) -> Iterator[None]:
+        """The model's attention layers use this decoder's KV caches of `rows` (default `batch`) x `total` positions
+        (reset) while inside."""
         import_torchtune()
         from torchtune.modules.kv_cache import KVCache
 
@@ -242,10 +251,11 @@ class StaticDecode:
         if any(a.kv_cache is not None for a in attns):
             raise RuntimeError("StaticDecode: the model already has KV caches set up")
         weight = model.tok_embeddings.weight
-        key = (total, weight.dtype, weight.device)
+        rows = rows or self.batch
+        key = (rows, total, weight.dtype, weight.device)
         if key not in self._caches:
             with weight.device:
-                self._caches[key] = [KVCache(self.batch, total, a.num_kv_heads, a.head_dim, weight.dtype)
+                self._caches[key] = [KVCache(rows, total, a.num_kv_heads, a.head_dim, weight.dtype)
                                      for a in attns]
         # where `kv_cache = None` lives: the instance dict (torchtune's __init__) or, after torchtune's
         # delete_kv_caches, the child modules; compiled code guards on that path, so it is put back as it was
