@@ -176,30 +176,43 @@ def test_a_rank_that_writes_nothing_gathers_what_the_writer_gathers_in_its_order
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_merge_out_of_device_memory_is_done_on_the_host(tiny_model_dir, monkeypatch):
-    """A GPU full at checkpoint time (QLoRA on a small card): the module that did not fit merges on the host and
-    the checkpoint is written, with the same weights."""
-    from llm_recipe.components.models import LoRASettings, load_model, loader
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_merge_out_of_device_memory_is_done_on_the_host(tiny_model_dir, tmp_path, monkeypatch, device):
+    """A GPU full at checkpoint time (QLoRA on a small card): the module that did not fit merges on the host (its
+    base and adapter copied there; on the GPU this is what tells the two apart) and the HF folder is written, with
+    the weights the merge on the host gives."""
+    from llm_recipe.components.models import LoRASettings, load_model, loader, save_model
+    from llm_recipe.components.models.convert import tune_to_hf_names
+    from llm_recipe.components.models.hf_io import load_hf_state_dict
 
-    model, _ = load_model(tiny_model_dir, dtype="fp32", lora=LoRASettings(rank=4, alpha=8.0, targets=["q_proj"]))
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lora = LoRASettings(rank=4, alpha=8.0, targets=["q_proj"])
+    model, args = load_model(tiny_model_dir, dtype="fp32", device=device, lora=lora)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_" in n:
                 p.normal_()
-    want = loader.merged_state_dict(model)
+    want = tune_to_hf_names(loader.merged_state_dict(model, {k: v.cpu() for k, v in model.state_dict().items()}))
+    want.pop("lm_head.weight", None)  # tied
     real, calls = loader.merged_weight, []
 
-    def first_fails(*a, **k):
-        calls.append(a[0])
+    def first_fails(module, parts, base, *a, **k):
+        calls.append((module, base.device.type, {v.device.type for v in parts.values()}))
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
-        return real(*a, **k)
+        return real(module, parts, base, *a, **k)
 
     monkeypatch.setattr(loader, "merged_weight", first_fails)
-    lazy = loader.lazily_merged_state_dict(model)
-    got = {k: v.make() if isinstance(v, Deferred) else v for k, v in lazy.items()}
-    assert calls[0] == calls[1] == "layers.0.attn.q_proj"  # tried, then again on the host
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    save_model(model, args, tmp_path / "m", tiny_model_dir)
+    assert calls[0] == ("layers.0.attn.q_proj", device, {device}) and calls[1] == ("layers.0.attn.q_proj", "cpu",
+                                                                                  {"cpu"})
+    assert all(c[1] == device for c in calls[2:])  # the other modules still merge on their device
+    got = load_hf_state_dict(tmp_path / "m")
+    assert got.keys() == want.keys()
+    for k in want:  # the GPU's fp32 sums may round the last bit differently from the host's
+        torch.testing.assert_close(got[k], want[k], rtol=0 if device == "cpu" else 1e-6, atol=0 if device == "cpu"
+                                   else 1e-6, msg=k)
 
 
 @pytest.mark.gpu
