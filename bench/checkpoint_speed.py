@@ -5,7 +5,7 @@ On a model loaded the way the recipe loads it (`load_model` on the device, optio
 
 - `stream`: what `TrainState.save` writes now: `save_model(model)` streams the HF folder from the device
   (components/checkpoint/stream_save.py: adapters merged on the device, chunks through pinned buffers), fsync
-  included; `host_peak_gb`: the process's peak resident memory growth during it;
+  included; `host_peak_gb_stream`: the process's peak resident memory growth during it (sampled);
 - the copying path it replaced (session 50), each part on its own: `gather` (`rt.full_state_dict`: every tensor
   copied from the device to host memory), `merge` (`merged_state_dict`: the host copy cloned, adapters merged in
   fp32 one module at a time), `write` (that host dict written into an atomic directory);
@@ -42,6 +42,37 @@ def parser(doc: str, out: str) -> argparse.ArgumentParser:
     return p
 
 
+class PeakRss:
+    """Peak growth of this process's resident memory while inside, in GB: the current RSS (/proc/self/statm)
+    sampled every 5 ms in a thread. Why not getrusage's ru_maxrss: it is the peak since the process started, so a
+    part using less than the model load's own peak would read as 0 (review of session 50)."""
+
+    def __enter__(self) -> PeakRss:
+        import os
+        import threading
+
+        page = os.sysconf("SC_PAGE_SIZE")
+        self._rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+        self.base, self.peak, self._stop = self._rss(), 0, threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.005):
+                self.peak = max(self.peak, self._rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def gb(self) -> float:
+        return round(max(self.peak - self.base, 0) / 1e9, 2)
+
+
 def qwen_lora(enabled: bool, quantize_base: str | bool = False):
     """lora/qwen2_5_7b's LoRA section, or None."""
     from llm_recipe.components.models import LoRASettings
@@ -75,37 +106,31 @@ def main() -> None:
         seconds[name] = round(time.perf_counter() - t, 2)
         return result
 
-    import resource
-
-    def rss_gb() -> float:  # peak resident set so far (Linux: KiB)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-
-    base_rss = rss_gb()
-
     def stream() -> None:
         with atomic_directory(a.out / "streamed") as tmp:
             save_model(model, args, tmp, a.model)
 
-    timed("stream", stream)
-    host_peak = round(rss_gb() - base_rss, 2)
+    with PeakRss() as streamed:
+        timed("stream", stream)
     shutil.rmtree(a.out / "streamed")  # the disk of a GPU machine holds one 15 GB copy at a time beside the model
-    full = timed("gather", lambda: rt.full_state_dict(model))
-    merged = timed("merge", lambda: merged_state_dict(model, full))
-    ckpt = a.out / "step"
+    with PeakRss() as copying:
+        full = timed("gather", lambda: rt.full_state_dict(model))
+        merged = timed("merge", lambda: merged_state_dict(model, full))
+        ckpt = a.out / "step"
 
-    def write() -> None:
-        with atomic_directory(ckpt) as tmp:
-            save_model(model, args, tmp, a.model, state_dict=merged)
+        def write() -> None:
+            with atomic_directory(ckpt) as tmp:
+                save_model(model, args, tmp, a.model, state_dict=merged)
 
-    timed("write", write)
-    timed("hash", lambda: write_manifest(ckpt))
-    clones = timed("clone_model", lambda: clone_hf_folder(ckpt, a.out / "model", skip=(MANIFEST,)))
-    timed("copy_model", lambda: shutil.copytree(ckpt, a.out / "copied", ignore=shutil.ignore_patterns(MANIFEST)))
+        timed("write", write)
+        timed("hash", lambda: write_manifest(ckpt))
+        clones = timed("clone_model", lambda: clone_hf_folder(ckpt, a.out / "model", skip=(MANIFEST,)))
+        timed("copy_model", lambda: shutil.copytree(ckpt, a.out / "copied", ignore=shutil.ignore_patterns(MANIFEST)))
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     fs = subprocess.run(["df", "-T", str(a.out)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     print(json.dumps({"model": str(a.model), "lora": a.lora, "device": str(rt.device), "gb": round(size / 1e9, 2),
-                      "filesystem": fs, "clones": clones, "seconds": seconds, "host_peak_gb_stream": host_peak,
-                      "host_peak_gb_all": round(rss_gb() - base_rss, 2), "cpu_threads": torch.get_num_threads()}),
+                      "filesystem": fs, "clones": clones, "seconds": seconds, "host_peak_gb_stream": streamed.gb,
+                      "host_peak_gb_copying": copying.gb, "cpu_threads": torch.get_num_threads()}),
           flush=True)
     shutil.rmtree(a.out)  # 30 GB: the next stage's run needs the disk
 

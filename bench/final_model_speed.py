@@ -9,7 +9,7 @@ The model is loaded and sharded as `recipe run lora|full` does (`load_model` on 
 - `host`: what it replaced: `Runtime.full_state_dict` (every tensor gathered, rank 0 keeps a CPU copy), then rank 0
   merges on the host and writes (`save_model` from that copy, the PEFT adapter from it).
 
-`host_peak_gb_*`: rank 0's peak resident memory growth (streamed is measured first: the peak only grows). The two
+`host_peak_gb_*`: rank 0's peak resident memory growth during each (sampled, checkpoint_speed.PeakRss). The two
 model/ folders are compared byte for byte (`same_bytes`).
 
     torchrun --standalone --nproc-per-node 2 bench/final_model_speed.py --model /tmp/kdb/qwen_7b --lora \
@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import shutil
 import time
 from pathlib import Path
 
-from checkpoint_speed import parser, qwen_lora  # bench/: the same options
+from checkpoint_speed import PeakRss, parser, qwen_lora  # bench/: the same options
 
 
 def main() -> None:
@@ -58,12 +57,8 @@ def main() -> None:
         rt.barrier()
         seconds[name] = round(time.perf_counter() - t, 2)
 
-    def rss_gb() -> float:  # peak resident set so far (Linux: KiB)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-
-    base = rss_gb()
-    timed("streamed", lambda: write_final_model(a.out / "streamed", rt, model, args, a.model, lora=lora))
-    peak_streamed = round(rss_gb() - base, 2)
+    with PeakRss() as streamed:
+        timed("streamed", lambda: write_final_model(a.out / "streamed", rt, model, args, a.model, lora=lora))
 
     def host() -> None:  # session 50's write_final_model for several processes
         full = rt.full_state_dict(model)
@@ -72,7 +67,8 @@ def main() -> None:
             if lora is not None:
                 save_peft_adapter(full, lora, a.out / "host" / "adapter")
 
-    timed("host", host)
+    with PeakRss() as gathered:
+        timed("host", host)
     if rt.is_main:
         def digest(d: Path) -> dict[str, str]:
             return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.safetensors"))}
@@ -82,8 +78,8 @@ def main() -> None:
         size = sum(f.stat().st_size for f in (a.out / "streamed" / "model").rglob("*") if f.is_file())
         print(json.dumps({"model": str(a.model), "lora": a.lora, "quantize_base": a.quantize_base,
                           "processes": rt.world_size, "device": str(rt.device), "gb": round(size / 1e9, 2),
-                          "seconds": seconds, "host_peak_gb_streamed": peak_streamed,
-                          "host_peak_gb_host": round(rss_gb() - base, 2), "same_bytes": same}), flush=True)
+                          "seconds": seconds, "host_peak_gb_streamed": streamed.gb,
+                          "host_peak_gb_host": gathered.gb, "same_bytes": same}), flush=True)
         shutil.rmtree(a.out)
     rt.teardown()
 
