@@ -302,8 +302,9 @@ class OnPolicy:
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
             if prompt_set is None:
-                print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), "
-                      f"{how}", flush=True)
+                print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), a "
+                      f"step's on-policy micro-batches together (up to {self.rows * self.per_window}), {how}",
+                      flush=True)
             else:
                 tokens = prompt_set.micro_batch_tokens(self.rows, s.max_new_tokens)
                 data = self.batch_size * cfg.dataset.max_seq_len
