@@ -285,10 +285,8 @@ class OnPolicy:
             prompt_set = load_prompt_set(s, cfg.dataset.max_seq_len, tokenizer)
         self.prompt_set = prompt_set
         self.per_row, self.rows = s.prompts_per_row, self.batch_size * s.prompts_per_row  # prompts per row, per batch
-        # A window's on-policy micro-batches (at most ceil(accum x fraction): is_on_policy spreads them evenly) are
-        # sampled together while their decode batch spans no more tokens than one micro-batch's prompts may
-        # (`sampling_groups`): one decode step costs about the same for 16 prompts as for 64, so sampling 4
-        # micro-batches at once takes about a quarter of the time.
+        # a step's on-policy micro-batches, sampled together (module docstring): at most ceil(accum x fraction), as
+        # is_on_policy spreads them evenly
         self.per_window = max(1, math.ceil(self.accum * s.fraction))
         self.max_tokens = self.rows * cfg.dataset.max_seq_len
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
