@@ -14,7 +14,8 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `onpolicy_eager`: `kd.on_policy.decode=eager` (the eager sampling of the smoke, now with every document's prompt);
 - `offpolicy`: `kd.on_policy.fraction=0` (the same run without sampling: what a step costs without it);
 - `onpolicy_compiled_chat`: the shipped chat transfer set (`transfer:chat`, format chat): prompts of many lengths,
-  so several width buckets (one compiled decode graph each).
+  so several width buckets (one compiled decode graph each);
+- `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -56,6 +57,8 @@ ROWS: dict[str, list[str]] = {
     "onpolicy_compiled_chat": [*ON, "dataset.source=transfer:chat", "dataset.format=chat",
                                "dataset.use_chat_template=true"],
 }
+# chat prompts, each micro-batch sampled alone: what sampling together gains when the prompts are long
+ROWS["onpolicy_compiled_chat_alone"] = ROWS["onpolicy_compiled_chat"]
 
 
 def _median(values: list[float]) -> float | None:
