@@ -30,6 +30,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from ..errors import RecipeError
+from ..models.generation import last_logits
 
 log = logging.getLogger(__name__)
 
@@ -338,17 +339,6 @@ class RecipeLM(TemplateLM):
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 
-    def _forward_last(self, tokens: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Logits of the last position of `tokens` [b, s] -> [b, vocab]."""
-        if hasattr(self.model, "skip_output") and callable(getattr(self.model, "output", None)):
-            prev = self.model.skip_output
-            self.model.skip_output = True
-            try:
-                hidden = self.model(tokens, mask=mask, input_pos=input_pos)
-            finally:
-                self.model.skip_output = prev
-            return self.model.output(hidden[:, -1]).float()
-        return self.model(tokens, mask=mask, input_pos=input_pos)[:, -1].float()
 
     def generate_tokens(self, contexts: list[list[int]], max_new_tokens: int, stop: list[str] | None = None,
                         do_sample: bool = False, temperature: float = 0.0, top_k: int | None = None,
@@ -386,10 +376,10 @@ class RecipeLM(TemplateLM):
                     cur = plen + t
                     if use_cache:
                         start = 0 if t == 0 else cur - 1
-                        logits = self._forward_last(tokens[:, start:cur], mask[:, start:cur, :],
-                                                    positions[:, start:cur])
+                        logits = last_logits(self.model, tokens[:, start:cur], positions[:, start:cur],
+                                             mask[:, start:cur, :])
                     else:
-                        logits = self._forward_last(tokens[:, :cur], mask[:, :cur, :cur], positions[:, :cur])
+                        logits = last_logits(self.model, tokens[:, :cur], positions[:, :cur], mask[:, :cur, :cur])
                     nxt = self._sample(logits, do_sample, temperature, top_k, top_p)
                     nxt = torch.where(done, torch.full_like(nxt, self.tokenizer.pad_id), nxt)
                     tokens[:, cur] = nxt
