@@ -15,7 +15,9 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `offpolicy`: `kd.on_policy.fraction=0` (the same run without sampling: what a step costs without it);
 - `onpolicy_compiled_chat`: the shipped chat transfer set (`transfer:chat`, format chat): prompts of many lengths,
   so several width buckets (one compiled decode graph each);
-- `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups).
+- `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups);
+- `onpolicy_compiled_chat_padded`: the same, each sample trained in a row of its own padded to the longest, as
+  before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -57,8 +59,11 @@ ROWS: dict[str, list[str]] = {
     "onpolicy_compiled_chat": [*ON, "dataset.source=transfer:chat", "dataset.format=chat",
                                "dataset.use_chat_template=true"],
 }
-# chat prompts, each micro-batch sampled alone: what sampling together gains when the prompts are long
+# chat prompts, each micro-batch sampled alone: what sampling together gains when the prompts are long; and each
+# sample trained in a row of its own (padded), not packed back into its training row
 ROWS["onpolicy_compiled_chat_alone"] = ROWS["onpolicy_compiled_chat"]
+ROWS["onpolicy_compiled_chat_padded"] = ROWS["onpolicy_compiled_chat"]
+SCRIPTS = {"_alone": "sample_alone.py", "_padded": "padded_samples.py"}  # a diagnosis row's script, by name suffix
 
 
 def _median(values: list[float]) -> float | None:
@@ -72,8 +77,9 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
     out_dir.mkdir(parents=True)
     cmd = _shipped_cmd(SimpleNamespace(out=a.out, steps=a.steps, warmup=a.warmup), "lora", [], out_dir)
     cmd += [*ROWS[name], f"kd.on_policy.max_new_tokens={a.max_new_tokens}", "save_every_n_steps=null", *a.extra]
-    if name.endswith("_alone"):
-        cmd[1:3] = [str(ROOT / "bench" / "sample_alone.py")]  # in place of `-m llm_recipe.cli.main`
+    for suffix, script in SCRIPTS.items():
+        if name.endswith(suffix):
+            cmd[1:3] = [str(ROOT / "bench" / script)]  # in place of `-m llm_recipe.cli.main`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:

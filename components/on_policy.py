@@ -12,9 +12,9 @@ The blocks recipes/kd.py calls from its loop:
   `metrics` (the step's metrics), `held_out_eval` (the end-of-run metric).
 - which micro-batches go on-policy and which prompts they sample (`is_on_policy`, `row_prompts`, `load_prompt_set`
   for `kd.on_policy.prompts` and its stateless dealing): components/on_policy_prompts.py.
-- plain functions, tested on their own: `sample_completions` (components/on_policy_sampling.py),
-  `completion_batch`, `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric per prompt, also
-  what bench/kd_study2_onp.py scores every student of the KD study with), `sampling_groups`.
+- plain functions, tested on their own: `sample_completions`, `completion_batch` and `packed_completion_batch`
+  (components/on_policy_sampling.py), `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric
+  per prompt, also what bench/kd_study2_onp.py scores every student of the KD study with), `sampling_groups`.
 
 Where prompts come from: by default each on-policy micro-batch takes the prompts of its own training rows (below).
 With `kd.on_policy.prompts` (a dataset section: source, format, split, ...) they come from that set instead, so the
@@ -29,17 +29,19 @@ micro-batch repeats a prompt (given N >= W x rows).
 
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
-batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not)
-and still holds no more tokens than the loader's micro-batch. The on-policy micro-batches of one optimizer step are
-sampled together (`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's
+batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not).
+Its samples train one per row, padded to the longest, or packed back into their training rows (the loader's
+shape, `packed_completion_batch`), whichever holds fewer tokens: short text prompts pad little, while chat prompts
+of many lengths padded to the longest held up to 8x a data micro-batch's tokens. The on-policy micro-batches of one
+optimizer step are sampled together (`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's
 batch_size x prompts_per_row prompts may at max_seq_len): a decode step costs about as much for 64 prompts as for
 16, so sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of
 its own micro-batch and slot.
 
 Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
-compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt batch padded to
-batch_size x prompts_per_row x 2^k rows, the width to a 64 x 2^k bucket, KV caches kept between steps), so the
-graph is recorded once per shape, not per micro-batch; its prompt forward runs eagerly and the compiled training
+compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt width padded to a 64 x 2^k
+bucket, the batch to as many rows as that width allows, KV caches kept between steps), so the graph is recorded
+once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training
 layers never see a KV cache. Elsewhere (CPU, FSDP2 over N processes, `decode: eager`) sampling is eager, under
 `no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
 
@@ -72,7 +74,6 @@ from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
 from .models.generation import StaticDecode
 from .on_policy_prompts import (
-    IGNORE_INDEX,
     PROMPT_SET_KEYS,
     PROMPTS_KEY,
     PromptSet,
@@ -87,7 +88,7 @@ from .on_policy_prompts import (
     row_prompts,
     sampling_groups,
 )
-from .on_policy_sampling import sample_completions
+from .on_policy_sampling import completion_batch, packed_completion_batch, sample_completions
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
 from .schema import Choice, Range
@@ -161,19 +162,6 @@ def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_
                               "use decode: auto (eager sampling) or one process")
         return "eager"
     return "compiled" if s.decode == "compiled" or (device.type == "cuda" and compile) else "eager"
-
-
-def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                     pad_id: int) -> dict[str, Tensor]:
-    """prompt + completion per row (right-padded) with labels on the completion only (already shifted:
-    labels[t] = tokens[t + 1] where token t + 1 was sampled, -100 elsewhere), and each row's prompt length."""
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        tokens[i, : len(p) + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
-        labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(list(c), dtype=torch.long)
-    return {"tokens": tokens, "labels": labels, "prompt_lens": torch.tensor([len(p) for p in prompts])}
 
 
 def score_samples(student: nn.Module, teacher: nn.Module, prompts: Sequence[Sequence[int]],
@@ -288,11 +276,12 @@ class OnPolicy:
         # a step's on-policy micro-batches, sampled together (module docstring): at most ceil(accum x fraction), as
         # is_on_policy spreads them evenly
         self.per_window = max(1, math.ceil(self.accum * s.fraction))
-        self.max_tokens = self.rows * cfg.dataset.max_seq_len
+        self.max_seq_len = cfg.dataset.max_seq_len
+        self.max_tokens = self.rows * self.max_seq_len
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",
-                                    max_width=min(self.budget, self.prompt_tokens or self.budget), unit=self.rows)
+                                    max_width=min(self.budget, self.prompt_tokens or self.budget), max_tokens=self.max_tokens)
                        if self.path == "compiled" else None)
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
@@ -351,42 +340,50 @@ class OnPolicy:
         return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
                                   self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done, self.static)
 
-    def _prompts_of_rows(self, batch: dict) -> tuple[list[list[int]], list[int]]:
-        """The prompts of a training micro-batch's rows and each one's noise slot in the global batch: prompt j of
-        global row g takes uniform g * per_row + j (the loader deals global row r * world + rank here)."""
+    def _prompts_of_rows(self, batch: dict) -> tuple[list[list[int]], list[int], list[int]]:
+        """The prompts of a training micro-batch's rows, each one's noise slot in the global batch (prompt j of
+        global row g takes uniform g * per_row + j: the loader deals global row r * world + rank here) and how many
+        each row gave (their samples are packed back into that row: `packed_completion_batch`)."""
         world, rank = self.rt.world_size, self.rt.rank
-        prompts, slots = [], []
+        prompts, slots, per_row = [], [], []
         for r, row in enumerate(row_prompts(batch, self.prompt_tokens, self.budget, self.per_row,
                                             self.s.max_new_tokens)):
             prompts += row
             slots += [(r * world + rank) * self.per_row + j for j in range(len(row))]
-        return prompts, slots
+            per_row.append(len(row))
+        return prompts, slots, per_row
 
-    def _dealt(self, step: int, micro: int) -> tuple[list[list[int]], list[int]]:
+    def _dealt(self, step: int, micro: int) -> tuple[list[list[int]], list[int], None]:
         """The prompt set's prompts this rank samples in on-policy micro-batch `micro` of step `step`
         (`deal_prompts`) and their noise slots: rank r's j-th takes uniform r * rows + j of the global batch."""
         m = on_policy_index(self.seed, step * self.accum + micro, self.s.fraction)
         train, rank = self.prompt_set.train, self.rt.rank
         rows = deal_prompts(self.seed, len(train), m, rank, self.rt.world_size, self.rows)
-        return [train[i] for i in rows], [rank * self.rows + j for j in range(self.rows)]
+        return [train[i] for i in rows], [rank * self.rows + j for j in range(self.rows)], None
 
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
-        """The window with its on-policy micro-batches (`is_on_policy`) replaced by `completion_batch`es of the
-        student's samples (host tensors, like the loader's); `step` counts finished optimizer steps. Their prompts
-        are sampled in `sampling_groups`, each prompt with the noise of its own micro-batch and slot."""
+        """The window with its on-policy micro-batches (`is_on_policy`) replaced by batches of prompt + the
+        student's sample (host tensors, like the loader's: one sample per row, `completion_batch`, or, where that
+        holds more tokens, a training row's samples packed back into that row, `packed_completion_batch`); `step`
+        counts finished optimizer steps. Their prompts are sampled in `sampling_groups`, each with the noise of its
+        own micro-batch and slot."""
         chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
         if not chosen:
             return window
         start, out, width = time.perf_counter(), list(window), self.rows * self.rt.world_size
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])
                  for m in chosen]
-        for group in self._groups([prompts for prompts, _ in dealt]):
+        for group in self._groups([prompts for prompts, *_ in dealt]):
             prompts = [p for g in group for p in dealt[g][0]]
             slots = [i * width + slot for i, g in enumerate(group) for slot in dealt[g][1]]
             completions = self._sample(model, prompts, [_key(self.seed, step, chosen[g]) for g in group], slots, width)
             for g in group:
                 mine, completions = completions[:len(dealt[g][0])], completions[len(dealt[g][0]):]
-                out[chosen[g]] = completion_batch(dealt[g][0], mine, self.tokenizer.pad_id)
+                per_row, pad = dealt[g][2], self.tokenizer.pad_id
+                out[chosen[g]] = completion_batch(dealt[g][0], mine, pad)  # one sample per row, padded
+                if per_row is not None and len(per_row) * self.max_seq_len < out[chosen[g]]["tokens"].numel():
+                    # fewer tokens packed back into their training rows (prompts of many lengths: chat)
+                    out[chosen[g]] = packed_completion_batch(dealt[g][0], mine, per_row, pad, self.max_seq_len)
                 self._sampled += sum(map(len, mine))
             self._batches += len(group)
             self._prompts += len(prompts)

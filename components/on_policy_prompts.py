@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .data.dataset import TokenizedDataset, build_dataset
 from .errors import RecipeError
+from .models.generation import decode_capacity
 
 IGNORE_INDEX = -100
 PROMPTS_KEY = "kd.on_policy.prompts"
@@ -52,12 +53,13 @@ def on_policy_index(seed: int, k: int, fraction: float) -> int:
 
 def sampling_groups(sizes: Sequence[Sequence[int]], max_rows: int, max_tokens: int) -> list[list[int]]:
     """Consecutive on-policy micro-batches sampled at once: `sizes[i]` = (prompts, padded prompt width + new tokens)
-    of the i-th. A group grows while its prompts number at most `max_rows` and its decode batch (its prompts x its
-    widest row) spans at most `max_tokens`; a micro-batch alone is always a group."""
+    of the i-th. A group grows while its prompts fit one decode batch of its widest row (`decode_capacity`: at most
+    `max_rows`, spanning at most `max_tokens` positions: the compiled sampler's padded batch for that width); a
+    micro-batch alone is always a group."""
     groups: list[list[int]] = []
     rows = wide = 0
     for i, (n, w) in enumerate(sizes):
-        if groups and rows + n <= max_rows and (rows + n) * max(wide, w) <= max_tokens:
+        if groups and rows + n <= decode_capacity(max(wide, w), max_rows, max_tokens):
             groups[-1].append(i)
             rows, wide = rows + n, max(wide, w)
         else:

@@ -157,19 +157,25 @@ def test_static_decode_pads_rows_and_width_and_keeps_its_caches():
     assert cut == generate_batch(model, prompts, max_new_tokens=10, pad_id=0, stop_ids=[stop])
 
 
-def test_static_decode_runs_a_few_batch_shapes_for_any_number_of_prompts():
-    """With a `unit` (on-policy KD sampling several micro-batches' prompts at once), n prompts run at unit x 2^k
-    rows, at most `batch`, each shape with KV caches of its own; the tokens are still the plain batched ones."""
+def test_static_decode_runs_one_batch_shape_per_width():
+    """With `max_tokens` (on-policy KD sampling several micro-batches' prompts at once), prompts of one width run
+    at the most rows whose KV cache spans at most max_tokens positions (at most `batch`), however many there are:
+    one shape, and one set of KV caches, per width bucket (each compiled once; a shape per prompt count compiled up
+    to three per width); the tokens are still the plain batched ones."""
     from llm_recipe.components.models.generation import StaticDecode, generate_batch
 
-    assert [StaticDecode(8, unit=2).rows(n) for n in range(1, 9)] == [2, 2, 4, 4, 8, 8, 8, 8]
-    assert StaticDecode(12, unit=4).rows(9) == 12 and StaticDecode(5).rows(1) == 5
-    with pytest.raises(ValueError, match="need 1 <= unit <= batch"):
-        StaticDecode(4, unit=8)
+    assert [StaticDecode(8, max_tokens=96).rows(1, t) for t in (12, 16, 24, 50, 97)] == [8, 6, 4, 1, 1]
+    assert StaticDecode(8, max_tokens=96).rows(6, 16) == 6 and StaticDecode(5).rows(1, 1000) == 5
+    with pytest.raises(ValueError, match="7 prompts for a StaticDecode of 6 rows"):
+        StaticDecode(8, max_tokens=96).rows(7, 16)
+    with pytest.raises(ValueError, match="need batch >= 1"):
+        StaticDecode(0)
     model = _model()
-    static = StaticDecode(6, mode="default", backend="eager", unit=2)
+    static = StaticDecode(6, mode="default", backend="eager", max_tokens=4 * 70)  # width 64 + 6 new tokens: 4 rows
     prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7], [1, 2], [8, 8, 8], [4]]
-    for n in (6, 1, 3, 2):
+    for n in (4, 1, 3, 2):
         got = generate_batch(model, prompts[:n], max_new_tokens=6, pad_id=0, static=static)
         assert got == generate_batch(_model(), prompts[:n], max_new_tokens=6, pad_id=0)
-    assert sorted(k[0] for k in static._caches) == [2, 4, 6]
+    assert [k[:2] for k in static._caches] == [(4, 70)]
+    with pytest.raises(ValueError, match="5 prompts for a StaticDecode of 4 rows"):
+        generate_batch(model, prompts[:5], max_new_tokens=6, pad_id=0, static=static)

@@ -23,7 +23,11 @@ from llm_recipe.components.on_policy import (
     row_prompts,
     score_samples,
 )
-from llm_recipe.components.on_policy_sampling import sample_completions, sample_with_uniforms
+from llm_recipe.components.on_policy_sampling import (
+    packed_completion_batch,
+    sample_completions,
+    sample_with_uniforms,
+)
 
 IGNORE = -100
 ARGS = ModelArgs(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -131,6 +135,40 @@ def test_completion_batch_labels_only_the_sampled_tokens():
     assert int((b["labels"] != IGNORE).sum()) == sum(map(len, COMPLETIONS))
 
 
+
+def test_packed_completion_batch_trains_what_one_prompt_per_row_trains():
+    """A training row's samples packed back into that row (the loader's shape: 2 rows of max_seq_len, not 3 rows
+    padded to the longest) carry the same targets, and the on-policy loss and the student's weight gradients on
+    them equal those of one prompt per row: each sequence attends only to itself (input_pos restarts)."""
+    from llm_recipe.components.training import hidden_states, to_device
+
+    packed = packed_completion_batch(PROMPTS, COMPLETIONS, [2, 1], pad_id=0, max_seq_len=16)
+    padded = completion_batch(PROMPTS, COMPLETIONS, pad_id=0)
+    assert packed["tokens"].shape == (2, 16) and packed["prompt_lens"].tolist() == [4, 2, 6]
+    assert packed["tokens"][0, :14].tolist() == [*PROMPTS[0], *COMPLETIONS[0], *PROMPTS[1], *COMPLETIONS[1]]
+    assert packed["input_pos"][0, :14].tolist() == [*range(7), *range(7)]
+    targets = [int(y) for y in packed["labels"].flatten() if y != IGNORE]
+    assert targets == [int(y) for y in padded["labels"].flatten() if y != IGNORE]  # the same tokens, in order
+    with pytest.raises(ValueError, match=r"rows of \[2, 2\] prompts for 3 prompts"):
+        packed_completion_batch(PROMPTS, COMPLETIONS, [2, 2], pad_id=0, max_seq_len=16)
+
+    student, teacher = _model(1), _model(0)
+    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
+    losses, grads = [], []
+    for b in (padded, packed):
+        b = to_device(b, torch.device("cpu"))  # packed rows get their attention mask from input_pos here
+        student.zero_grad()
+        with torch.no_grad():
+            target = LiveTeacher(hidden_states(teacher, b), teacher.output)
+        parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0, num_chunks=2)
+        parts["loss"].backward()
+        losses.append(parts["loss"].detach())
+        grads.append({n: p.grad.clone() for n, p in student.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-9, atol=1e-12)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-7, atol=1e-10, msg=n)
+
+
 # ---------------------------------------------------------------------------------------- sampling
 
 
@@ -204,6 +242,7 @@ def test_sampling_groups_join_micro_batches_while_the_decode_batch_stays_in_boun
     assert sampling_groups([short, [16, 1088], short], 64, 16 * 2048) == [[0], [1], [2]]  # 32 x 1088 > 16 x 2048
     assert sampling_groups([[16, 4096], short], 64, 16 * 2048) == [[0], [1]]
     assert sampling_groups([], 64, 16 * 2048) == []
+    assert sampling_groups([[10, 1100], [10, 1100], [10, 1100]], 64, 16 * 2048) == [[0, 1], [2]]  # 29 rows of 1100
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])

@@ -6,6 +6,7 @@ fraction 0, and the teacher's embedding on the host."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -302,19 +303,31 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, models, short_docs, dat
     assert (crashed / "on_policy_eval.json").read_text() == (ref_out / "on_policy_eval.json").read_text()
 
 
+@pytest.mark.parametrize(("prompt_tokens", "layout"), [(8, "padded"), (40, "packed")])
 def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would_alone(tmp_path, models, short_docs,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, prompt_tokens,
+                                                                                      layout):
     """A step's on-policy micro-batches (4 of 4 here) are sampled in one batch, each prompt with its own
-    micro-batch's noise: the same completions as sampling each micro-batch alone, so the same run."""
+    micro-batch's noise: the same completions as sampling each micro-batch alone, so the same run. Each micro-batch's
+    samples train in the layout with fewer tokens: one per row (6 x 16 here, against the loader's 2 x 96) for prompts
+    of one length, packed back into their rows (the loader's shape) for most micro-batches of many lengths."""
     from llm_recipe.components import on_policy as onp
 
     calls: dict[str, list] = {"together": [], "alone": []}
-    sample = onp.OnPolicy._sample
+    sample, window, shapes = onp.OnPolicy._sample, onp.OnPolicy.sample_window, []
+
+    def sample_window(self, model, loaded, step):
+        out = window(self, model, loaded, step)
+        shapes.append([(tuple(b["tokens"].shape), len(b.get("prompt_lens", [])), "input_pos" in b)
+                       for b in [*loaded, *out]])
+        return out
+
+    monkeypatch.setattr(onp.OnPolicy, "sample_window", sample_window)
     args = [*_kd(models, *short_docs), "max_steps=2", "gradient_accumulation_steps=4", "kd.on_policy.fraction=1.0",
-            "kd.on_policy.held_out=0"]
+            "kd.on_policy.held_out=0", f"kd.on_policy.prompt_tokens={prompt_tokens}"]
     for how in calls:
         if how == "alone":
-            monkeypatch.setattr(onp, "sampling_groups", lambda sizes, rows, tokens: [[i] for i in range(len(sizes))])
+            monkeypatch.setattr(onp, "sampling_groups", lambda sizes, *_: [[i] for i in range(len(sizes))])
 
         def recorded(self, model, prompts, seed, rows, width, how=how):
             got = sample(self, model, prompts, seed, rows, width)
@@ -323,7 +336,15 @@ def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would
 
         monkeypatch.setattr(onp.OnPolicy, "_sample", recorded)
         assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / how}"]) == 0
-    assert [len(seed) for seed, _, _ in calls["together"]] == [4, 4]  # one sampling loop per step
+    loops = [len(seed) for seed, _, _ in calls["together"]]  # micro-batches per sampling loop
+    # one loop per step; longer prompts: groups as large as the decode batch's memory bound lets them be
+    assert loops == [4, 4] if layout == "padded" else sum(loops) == 8 and len(loops) < 8
+    (loader,) = {shape for step in shapes for shape, _, _ in step[:4]}
+    on = [(shape, prompts, packed) for step in shapes for shape, prompts, packed in step[4:]]
+    assert all(prompts > 2 for _, prompts, _ in on)  # several prompts per row
+    for shape, prompts, packed in on:  # packed: the loader's rows; else one per row, fewer tokens than packed
+        assert shape == loader if packed else shape[0] == prompts and math.prod(shape) <= math.prod(loader)
+    assert any(packed for *_, packed in on) == (layout == "packed")  # 40-token prompts: 6-38 tokens (short docs)
     assert len(calls["alone"]) == 8 and all(len(seed) == 1 for seed, _, _ in calls["alone"])
     flat = {how: [(p, c) for _, prompts, got in calls[how] for p, c in zip(prompts, got, strict=True)] for how in calls}
     assert flat["together"] == flat["alone"] and len(flat["alone"]) > 8

@@ -138,8 +138,8 @@ def generate_batch(
     device = model.tok_embeddings.weight.device
     real_rows, width = len(prompts), max(len(p) for p in prompts)
     if static is not None:  # one shape per width bucket: rows padded with one-token prompts that start finished
-        prompts = [*prompts, *[[pad_id]] * (static.rows(real_rows) - real_rows)]
         width = static.width(width)
+        prompts = [*prompts, *[[pad_id]] * (static.rows(real_rows, width + max_new_tokens) - real_rows)]
     elif compile_mode is not None:  # the compiled step's shapes follow the width: round it up to few distinct ones
         width = -(-width // 64) * 64
     b, total = len(prompts), width + max_new_tokens
@@ -204,6 +204,14 @@ def _step_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: tor
     return model(tokens, input_pos=input_pos, mask=mask)[:, -1]
 
 
+def decode_capacity(total: int, max_rows: int, max_tokens: int | None) -> int:
+    """The most prompts of `total` positions (prompt width + new tokens) one decode batch takes: `max_rows`, fewer
+    where their KV cache would span more than `max_tokens` positions (at least one)."""
+    if max_tokens is None:
+        return max_rows
+    return min(max_rows, max(1, max_tokens // total))
+
+
 @functools.cache
 def _compiled_decode(mode: str, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """One compiled decode step per mode, backend and process (compiling it again per call would recompile)."""
@@ -216,8 +224,10 @@ class StaticDecode:
     same KV-cache tensors, so the step compiles once per width bucket and its CUDA graph (`mode`
     "reduce-overhead") is recorded once and then replayed.
 
-    - `rows(n)`: a call of n prompts runs `unit` x 2^k rows (the fewest >= n, at most `batch`; the rest are
-      one-token rows that start finished): a few batch shapes (one, when `unit` is `batch`).
+    - `rows(n, total)`: a call of n prompts with `total` positions (padded prompt width + new tokens) runs
+      `decode_capacity` rows, a function of `total` alone (the rest are one-token rows that start finished): one
+      batch shape per width, so each width's step is compiled and recorded once (padded to 16 x 2^k rows instead,
+      on-policy KD's groups of chat prompts compiled up to three shapes per width, 20 s each on an H200).
     - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width` (the
       longest prompt the model's max_seq_len leaves room for, never rounded past it): a few shapes for prompts of
       any length.
@@ -234,22 +244,20 @@ class StaticDecode:
     layers' code into its own graph and leaves their compiled entries alone."""
 
     def __init__(self, batch: int, mode: str = "reduce-overhead", max_width: int | None = None,
-                 backend: str = "inductor", unit: int | None = None) -> None:
-        if batch < 1 or (unit is not None and not 1 <= unit <= batch):
-            raise ValueError(f"StaticDecode: need 1 <= unit <= batch, got batch={batch}, unit={unit}")
-        self.batch, self.unit, self.mode = batch, unit or batch, mode
+                 backend: str = "inductor", max_tokens: int | None = None) -> None:
+        if batch < 1:
+            raise ValueError(f"StaticDecode: need batch >= 1, got {batch}")
+        self.batch, self.mode, self.max_tokens = batch, mode, max_tokens
         self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
         self.max_width = max_width  # exact: rounded up, prompt + new tokens could pass the model's max_seq_len
         self._caches: dict[tuple, list[torch.nn.Module]] = {}
 
-    def rows(self, n: int) -> int:
-        """The padded batch for `n` prompts."""
-        if n > self.batch:
-            raise ValueError(f"generate_batch: {n} prompts for a StaticDecode of {self.batch} rows")
-        rows = self.unit
-        while rows < n:
-            rows *= 2
-        return min(rows, self.batch)
+    def rows(self, n: int, total: int) -> int:
+        """The padded batch for `n` prompts of `total` positions each."""
+        rows = decode_capacity(total, self.batch, self.max_tokens)
+        if n > rows:
+            raise ValueError(f"generate_batch: {n} prompts for a StaticDecode of {rows} rows")
+        return rows
 
     def width(self, width: int) -> int:
         """The padded prompt width for prompts of up to `width` tokens."""
