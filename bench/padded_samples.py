@@ -21,8 +21,7 @@ def main() -> int:
     Throughput.rate = lambda self, window, rt: rate(
         self, [next(b for b in window if "prompt_lens" not in b)] * len(window), rt)
     on_policy.packed_completion_batch = (
-        lambda prompts, completions, per_row, pad_id, max_seq_len: on_policy.completion_batch(prompts, completions,
-                                                                                            pad_id))
+        lambda prompts, completions, pad_id, *_: on_policy.completion_batch(prompts, completions, pad_id))
     return recipe(sys.argv[1:])
 
 

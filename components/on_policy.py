@@ -31,12 +31,13 @@ Prompts per micro-batch: a packed row holds many documents, and each of them (up
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
 batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not).
 Its samples train one per row, padded to the longest, or packed back into their training rows (the loader's
-shape, `packed_completion_batch`), whichever holds fewer tokens: short text prompts pad little, while chat prompts
-of many lengths padded to the longest held up to 8x a data micro-batch's tokens. The on-policy micro-batches of one
-optimizer step are sampled together (`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's
-batch_size x prompts_per_row prompts may at max_seq_len): a decode step costs about as much for 64 prompts as for
-16, so sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of
-its own micro-batch and slot.
+shape, `packed_completion_batch`; a prompt set's: first fit into rows of max_seq_len), whichever holds fewer
+tokens: short text prompts pad little, while chat prompts of many lengths padded to the longest held up to 8x a
+data micro-batch's tokens. The on-policy micro-batches of one optimizer step are sampled together
+(`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's batch_size x
+prompts_per_row prompts may at max_seq_len): a decode step costs about as much for 64 prompts as for 16, so
+sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of its own
+micro-batch and slot.
 
 Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
 compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt width padded to a 64 x 2^k
@@ -281,7 +282,8 @@ class OnPolicy:
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",
-                                    max_width=min(self.budget, self.prompt_tokens or self.budget), max_tokens=self.max_tokens)
+                                    max_width=min(self.budget, self.prompt_tokens or self.budget),
+                                    max_tokens=self.max_tokens)
                        if self.path == "compiled" else None)
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
@@ -296,8 +298,9 @@ class OnPolicy:
                 tokens = prompt_set.micro_batch_tokens(self.rows, s.max_new_tokens)
                 data = self.batch_size * cfg.dataset.max_seq_len
                 print(f"on-policy sampling: {self.rows} prompts of {PROMPTS_KEY} per micro-batch (batch_size x "
-                      f"prompts_per_row), each in a row of its own: up to {tokens} tokens ({tokens / data:.1f}x a data "
-                      f"micro-batch; prompts_per_row=1 keeps it at most 1x), {how}", flush=True)
+                      f"prompts_per_row), one per row or packed where that holds fewer tokens: up to {tokens} tokens "
+                      f"({tokens / data:.1f}x a data micro-batch; prompts_per_row=1 keeps it at most 1x), {how}",
+                      flush=True)
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
@@ -364,9 +367,9 @@ class OnPolicy:
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by batches of prompt + the
         student's sample (host tensors, like the loader's: one sample per row, `completion_batch`, or, where that
-        holds more tokens, a training row's samples packed back into that row, `packed_completion_batch`); `step`
-        counts finished optimizer steps. Their prompts are sampled in `sampling_groups`, each with the noise of its
-        own micro-batch and slot."""
+        holds more tokens, packed into rows of max_seq_len, a training row's samples back into that row,
+        `packed_completion_batch`); `step` counts finished optimizer steps. Their prompts are sampled in
+        `sampling_groups`, each with the noise of its own micro-batch and slot."""
         chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
         if not chosen:
             return window
@@ -379,11 +382,10 @@ class OnPolicy:
             completions = self._sample(model, prompts, [_key(self.seed, step, chosen[g]) for g in group], slots, width)
             for g in group:
                 mine, completions = completions[:len(dealt[g][0])], completions[len(dealt[g][0]):]
-                per_row, pad = dealt[g][2], self.tokenizer.pad_id
-                out[chosen[g]] = completion_batch(dealt[g][0], mine, pad)  # one sample per row, padded
-                if per_row is not None and len(per_row) * self.max_seq_len < out[chosen[g]]["tokens"].numel():
-                    # fewer tokens packed back into their training rows (prompts of many lengths: chat)
-                    out[chosen[g]] = packed_completion_batch(dealt[g][0], mine, per_row, pad, self.max_seq_len)
+                pad = self.tokenizer.pad_id  # the layout with fewer tokens (prompts of many lengths: packed)
+                padded = completion_batch(dealt[g][0], mine, pad)  # one sample per row, padded to the longest
+                packed = packed_completion_batch(dealt[g][0], mine, pad, self.max_seq_len, dealt[g][2])
+                out[chosen[g]] = packed if packed["tokens"].numel() < padded["tokens"].numel() else padded
                 self._sampled += sum(map(len, mine))
             self._batches += len(group)
             self._prompts += len(prompts)

@@ -75,19 +75,21 @@ def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
 
 
 def packed_completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                            per_row: Sequence[int], pad_id: int, max_seq_len: int) -> dict[str, Tensor]:
-    """`completion_batch`'s sequences packed as the loader packs documents: the first `per_row[0]` prompts (with
-    their completions) in row 0, the next `per_row[1]` in row 1, ..., each row max_seq_len tokens, `input_pos`
-    restarting at every sequence (the attention mask is built from it on the device). The prompts of one training
-    row and their completions fit in max_seq_len (`row_prompts`), so the batch has the loader's shape: with chat
-    prompts, one prompt per row padded to the longest held up to 8x the tokens (one H200, Llama-3.2-1B student of an
-    8B teacher: 27.4 GiB peak against 17.9, steps 1.28x slower)."""
-    if sum(per_row) != len(prompts):
+                            pad_id: int, max_seq_len: int,
+                            per_row: Sequence[int] | None = None) -> dict[str, Tensor]:
+    """`completion_batch`'s sequences packed as the loader packs documents, in rows of max_seq_len tokens with
+    `input_pos` restarting at every sequence (the attention mask is built from it on the device). `per_row`: the
+    first `per_row[0]` prompts (with their completions) in row 0, the next `per_row[1]` in row 1, ...: a training
+    row's prompts and completions fit in max_seq_len (`row_prompts`), so the batch has the loader's shape; None
+    (a prompt set's prompts): first fit over rows of max_seq_len. With chat prompts, one per row padded to the
+    longest held up to 8x the tokens (one H200, Llama-3.2-1B student of an 8B teacher: 27.4 GiB peak against 17.9
+    packed, steps 1.28x slower)."""
+    if per_row is not None and sum(per_row) != len(prompts):
         raise ValueError(f"packed_completion_batch: rows of {list(per_row)} prompts for {len(prompts)} prompts")
     seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c)}  # labels are shifted by collate
             for p, c in zip(prompts, completions, strict=True)]
     rows, start = [], 0
-    for n in per_row:
-        rows += PackedDataset(seqs[start : start + n], max_seq_len, pad_id, open_rows=1).rows
+    for n in per_row if per_row is not None else [len(seqs)]:
+        rows += PackedDataset(seqs[start : start + n], max_seq_len, pad_id, open_rows=max(1, n)).rows
         start += n
     return {**collate_packed(rows), "prompt_lens": torch.tensor([len(p) for p in prompts])}

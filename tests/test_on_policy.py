@@ -142,7 +142,7 @@ def test_packed_completion_batch_trains_what_one_prompt_per_row_trains():
     them equal those of one prompt per row: each sequence attends only to itself (input_pos restarts)."""
     from llm_recipe.components.training import hidden_states, to_device
 
-    packed = packed_completion_batch(PROMPTS, COMPLETIONS, [2, 1], pad_id=0, max_seq_len=16)
+    packed = packed_completion_batch(PROMPTS, COMPLETIONS, pad_id=0, max_seq_len=16, per_row=[2, 1])
     padded = completion_batch(PROMPTS, COMPLETIONS, pad_id=0)
     assert packed["tokens"].shape == (2, 16) and packed["prompt_lens"].tolist() == [4, 2, 6]
     assert packed["tokens"][0, :14].tolist() == [*PROMPTS[0], *COMPLETIONS[0], *PROMPTS[1], *COMPLETIONS[1]]
@@ -150,7 +150,10 @@ def test_packed_completion_batch_trains_what_one_prompt_per_row_trains():
     targets = [int(y) for y in packed["labels"].flatten() if y != IGNORE]
     assert targets == [int(y) for y in padded["labels"].flatten() if y != IGNORE]  # the same tokens, in order
     with pytest.raises(ValueError, match=r"rows of \[2, 2\] prompts for 3 prompts"):
-        packed_completion_batch(PROMPTS, COMPLETIONS, [2, 2], pad_id=0, max_seq_len=16)
+        packed_completion_batch(PROMPTS, COMPLETIONS, pad_id=0, max_seq_len=16, per_row=[2, 2])
+    first_fit = packed_completion_batch(PROMPTS, COMPLETIONS, pad_id=0, max_seq_len=14)  # a prompt set's: 7 + 7, 7
+    assert first_fit["tokens"].shape == (2, 14) and first_fit["tokens"][0].tolist() == packed["tokens"][0, :14].tolist()
+    assert [int(y) for y in first_fit["labels"].flatten() if y != IGNORE] == targets
 
     student, teacher = _model(1), _model(0)
     loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
