@@ -215,6 +215,43 @@ def test_a_merge_out_of_device_memory_is_done_on_the_host(tiny_model_dir, tmp_pa
                                    else 1e-6, msg=k)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_quantized_base_out_of_device_memory_is_dequantized_on_the_host(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          device):
+    """QLoRA at checkpoint time with a full GPU: the NF4 base's dequantized copy that does not fit is made on the
+    host (the quantized base copied there) and merged there, and the HF folder holds what the merge on the device
+    gives."""
+    from llm_recipe.components.models import LoRASettings, load_model, loader, save_model
+    from llm_recipe.components.models.hf_io import load_hf_state_dict
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lora = LoRASettings(rank=4, alpha=8.0, targets=["q_proj"], quantize_base="nf4")
+    model, args = load_model(tiny_model_dir, dtype="bf16", device=device, lora=lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.normal_()
+    save_model(model, args, tmp_path / "want", tiny_model_dir)
+    real, calls = loader._plain, []
+
+    def first_fails(v):
+        if hasattr(v, "get_original_weight"):  # the NF4 bases
+            calls.append(v.device.type)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+        return real(v)
+
+    monkeypatch.setattr(loader, "_plain", first_fails)
+    save_model(model, args, tmp_path / "m", tiny_model_dir)
+    assert calls[:2] == [device, "cpu"] and set(calls[2:]) == {device}  # the others dequantize on their device
+    got, want = load_hf_state_dict(tmp_path / "m"), load_hf_state_dict(tmp_path / "want")
+    assert got.keys() == want.keys()
+    for k in want:  # the GPU's fp32 sums may round the last bit differently from the host's
+        torch.testing.assert_close(got[k], want[k], rtol=0 if device == "cpu" else 1e-2, atol=0 if device == "cpu"
+                                   else 1e-2, msg=k)
+
+
 @pytest.mark.gpu
 def test_gpu_tensors_stream_through_small_chunks(tmp_path):
     """GPU tensors through the pinned buffers, host tensors between them (a checkpoint's recipe state: optimizer

@@ -228,12 +228,13 @@ def lazily_merged_state_dict(
 
     def merge(module: str, base: torch.Tensor | Deferred) -> torch.Tensor:
         parts = {k: made(sd[k]) for k in _adapter_parts(module) if k in sd}
-        base = _plain(made(base))
-        try:  # on the weights' device: a few fp32 copies of one weight (an 8B model's largest: ~0.7 GB)
-            return merged_weight(module, parts, base, *ra, as_trained=module in qat)
+        base = made(base)
+        try:  # on the weights' device: the base dequantized (NF4, fp8) and a few fp32 copies of one weight (an 8B
+            # model's largest: ~0.7 GB)
+            return merged_weight(module, parts, _plain(base), *ra, as_trained=module in qat)
         except torch.OutOfMemoryError:  # a GPU full at checkpoint time: this module on the host, as before streaming
             host = {k: v.cpu() for k, v in parts.items()}
-            return merged_weight(module, host, base.cpu(), *ra, as_trained=module in qat)
+            return merged_weight(module, host, _plain(base.cpu()), *ra, as_trained=module in qat)
 
     out: dict[str, torch.Tensor | Deferred] = {}
     for k, v in sd.items():
