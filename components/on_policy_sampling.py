@@ -43,11 +43,13 @@ def sample_completions(model: nn.Module, prompts: Sequence[Sequence[int]], max_n
     device = model.tok_embeddings.weight.device
     gens = [torch.Generator(device=device).manual_seed(s) for s in ([seed] if isinstance(seed, int) else seed)]
     rows = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+    padded: dict[int, Tensor] = {}  # `rows` for the decode batch's size, made once per call, not per token
 
     def pick(logits: Tensor) -> Tensor:
         draws = [torch.rand(width, generator=g, device=device) for g in gens]
-        # StaticDecode's padding rows (after the prompts) take uniform 0
-        at = rows if len(rows) == len(logits) else torch.nn.functional.pad(rows, (0, len(logits) - len(rows)))
+        at = padded.get(len(logits))
+        if at is None:  # StaticDecode's padding rows (after the prompts) take uniform 0
+            at = padded[len(logits)] = torch.nn.functional.pad(rows, (0, len(logits) - len(rows)))
         u = (draws[0] if len(draws) == 1 else torch.cat(draws))[at]
         return sample_with_uniforms(logits[:, :vocab_size], temperature, u)
 
@@ -64,7 +66,8 @@ def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
                      pad_id: int) -> dict[str, Tensor]:
     """prompt + completion per row (right-padded) with labels on the completion only (already shifted:
     labels[t] = tokens[t + 1] where token t + 1 was sampled, -100 elsewhere), and each row's prompt length. One
-    prompt per row: what the held-out score sums per prompt, and the layout of prompts from kd.on_policy.prompts."""
+    prompt per row: what the held-out score sums per prompt, and a training micro-batch's layout where it holds
+    fewer tokens than `packed_completion_batch`'s."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
