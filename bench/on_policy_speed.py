@@ -17,7 +17,9 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
   so several width buckets (one compiled decode graph each);
 - `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups);
 - `onpolicy_compiled_chat_padded`: the same, each sample trained in a row of its own padded to the longest, as
-  before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it).
+  before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it);
+- `onpolicy_compiled_chat_kvsets` / `_kv4`: the same with a set of decode KV caches per shape, as before session
+  53, or 4x the KV positions a sampling group may span (bench/kv_budget.py).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -63,7 +65,11 @@ ROWS: dict[str, list[str]] = {
 # sample trained in a row of its own (padded), not packed back into its training row
 ROWS["onpolicy_compiled_chat_alone"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_padded"] = ROWS["onpolicy_compiled_chat"]
-SCRIPTS = {"_alone": "sample_alone.py", "_padded": "padded_samples.py"}  # a diagnosis row's script, by name suffix
+# the decode KV caches: a set per shape (before session 53), or 4x the positions a sampling group may span
+ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
+ROWS["onpolicy_compiled_chat_kv4"] = ROWS["onpolicy_compiled_chat"]
+SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["padded_samples.py"],  # a diagnosis row's script and its
+           "_kvsets": ["kv_budget.py", "kvsets"], "_kv4": ["kv_budget.py", "kv4"]}  # arguments, by name suffix
 
 
 def _median(values: list[float]) -> float | None:
@@ -79,7 +85,7 @@ def train_row(a: argparse.Namespace, name: str) -> dict:
     cmd += [*ROWS[name], f"kd.on_policy.max_new_tokens={a.max_new_tokens}", "save_every_n_steps=null", *a.extra]
     for suffix, script in SCRIPTS.items():
         if name.endswith(suffix):
-            cmd[1:3] = [str(ROOT / "bench" / script)]  # in place of `-m llm_recipe.cli.main`
+            cmd[1:3] = [str(ROOT / "bench" / script[0]), *script[1:]]  # in place of `-m llm_recipe.cli.main`
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,cudagraphs"}
     t0 = time.time()
     with open(out_dir / "log.txt", "w") as log:

@@ -283,7 +283,7 @@ class OnPolicy:
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",
                                     max_width=min(self.budget, self.prompt_tokens or self.budget),
-                                    max_tokens=self.max_tokens)
+                                    max_tokens=self.max_tokens, max_new_tokens=s.max_new_tokens)
                        if self.path == "compiled" else None)
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)

@@ -179,3 +179,38 @@ def test_static_decode_runs_one_batch_shape_per_width():
     assert [k[:2] for k in static._caches] == [(4, 70)]
     with pytest.raises(ValueError, match="5 prompts for a StaticDecode of 4 rows"):
         generate_batch(model, prompts[:5], max_new_tokens=6, pad_id=0, static=static)
+
+
+def test_static_decode_shapes_of_every_width_share_one_kv_buffer_per_layer():
+    """Prompts of several widths (chat prompts) each get a decode shape whose KV caches a recorded CUDA graph keeps;
+    they are views of one buffer per layer, as long as the longest call allowed (max_tokens, or batch x
+    (max_width + max_new_tokens)), so a run holds one set of caches, not one per width: the tokens are still the
+    plain batched ones, call after call and width after width. A prompt longer than the bound gets caches of its
+    own."""
+    from llm_recipe.components.models.generation import StaticDecode, generate_batch
+
+    assert StaticDecode(8, max_tokens=4096, max_width=100, max_new_tokens=28).kv_positions == 8 * 128
+    assert StaticDecode(8, max_tokens=500, max_width=100, max_new_tokens=28).kv_positions == 500
+    assert StaticDecode(8).kv_positions is None
+    import dataclasses
+
+    def model():  # room for prompts of two width buckets (64 and 128) and one longer than the bound
+        torch.manual_seed(0)
+        return build_model(dataclasses.replace(ARGS, max_position_embeddings=512)).eval()
+
+    trained = model()
+    static = StaticDecode(6, mode="default", backend="eager", max_tokens=400, max_new_tokens=6)
+    short, long = [[3, 14, 15], [9, 2, 6], [7]], [[i % 60 + 1 for i in range(99)], [5] * 70]
+    for prompts in (short, long, short[:2], long[:1], short):
+        got = generate_batch(trained, prompts, max_new_tokens=6, pad_id=0, static=static)
+        assert got == generate_batch(model(), prompts, max_new_tokens=6, pad_id=0)
+    assert sorted(k[:2] for k in static._caches) == [(2, 134), (5, 70)]  # widths 128 and 64, 6 new tokens
+    k = [[c.k_cache for c in caches] for caches in static._caches.values()]
+    for a, b in zip(*k, strict=True):  # each layer: both shapes' caches start at the same address, k apart from v
+        assert a.data_ptr() == b.data_ptr() and a.untyped_storage().nbytes() == 400 * a.shape[1] * a.shape[3] * 4
+    assert next(iter(static._caches.values()))[0].v_cache.data_ptr() != k[0][0].data_ptr()
+    got = generate_batch(trained, [[4] * 300], max_new_tokens=6, pad_id=0, static=static)  # 306 x 1 fits in 400
+    assert got == generate_batch(model(), [[4] * 300], max_new_tokens=6, pad_id=0)
+    own = StaticDecode(6, mode="default", backend="eager", max_tokens=200, max_new_tokens=6)
+    got = generate_batch(trained, [[4] * 300], max_new_tokens=6, pad_id=0, static=own)  # 306 > 200: its own
+    assert got == generate_batch(model(), [[4] * 300], max_new_tokens=6, pad_id=0) and not own._shared

@@ -231,11 +231,13 @@ class StaticDecode:
     - `width(w)`: the prompt width rounded up to 64 x a power of two (64, 128, 256, ...), at most `max_width` (the
       longest prompt the model's max_seq_len leaves room for, never rounded past it): a few shapes for prompts of
       any length.
-    - `caches(model, total, rows)`: one set of torchtune KV caches per cache shape, allocated on first use, reset in
+    - `caches(model, total, rows)`: one set of torchtune KV caches per cache shape, made on first use, reset in
       place before each call (the same addresses every time, which a recorded CUDA graph needs), attached to the
       model's attention layers only while it generates. Outside that, the model's attention layers hold
       `kv_cache = None` exactly as before, so a training forward through separately compiled layers sees what it
-      was compiled for.
+      was compiled for. With `max_tokens` (or `max_width` and `max_new_tokens`), every shape's caches are views of
+      one buffer per layer of `kv_positions` positions (calls run one at a time), not a set of buffers per shape
+      each kept alive for the graphs recorded on it.
 
     The model's weights are whatever it holds at the call: a training model's own parameters, updated in place by
     its optimizer (a CUDA graph reads them at their addresses). The prompt's forward runs eagerly (under
@@ -244,13 +246,21 @@ class StaticDecode:
     layers' code into its own graph and leaves their compiled entries alone."""
 
     def __init__(self, batch: int, mode: str = "reduce-overhead", max_width: int | None = None,
-                 backend: str = "inductor", max_tokens: int | None = None) -> None:
+                 backend: str = "inductor", max_tokens: int | None = None,
+                 max_new_tokens: int | None = None) -> None:
         if batch < 1:
             raise ValueError(f"StaticDecode: need batch >= 1, got {batch}")
         self.batch, self.mode, self.max_tokens = batch, mode, max_tokens
         self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
         self.max_width = max_width  # exact: rounded up, prompt + new tokens could pass the model's max_seq_len
+        # the most KV positions a call's caches span (rows x total), where it is known in advance: max_tokens bounds
+        # rows x total (unless one prompt alone is longer), and no call is wider than max_width + max_new_tokens
+        bounds = [max_tokens] if max_tokens is not None else []
+        if max_width is not None and max_new_tokens is not None:
+            bounds.append(batch * (max_width + max_new_tokens))
+        self.kv_positions = min(bounds) if bounds else None
         self._caches: dict[tuple, list[torch.nn.Module]] = {}
+        self._shared: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (dtype, device): per layer (k, v)
 
     def rows(self, n: int, total: int) -> int:
         """The padded batch for `n` prompts of `total` positions each."""
@@ -280,9 +290,12 @@ class StaticDecode:
         rows = rows or self.batch
         key = (rows, total, weight.dtype, weight.device)
         if key not in self._caches:
-            with weight.device:
-                self._caches[key] = [KVCache(rows, total, a.num_kv_heads, a.head_dim, weight.dtype)
-                                     for a in attns]
+            if self.kv_positions is not None and rows * total <= self.kv_positions:
+                self._caches[key] = self._views(attns, rows, total, weight)
+            else:  # no bound known, or one prompt longer than the bound: caches of its own
+                with weight.device:
+                    self._caches[key] = [KVCache(rows, total, a.num_kv_heads, a.head_dim, weight.dtype)
+                                         for a in attns]
         # where `kv_cache = None` lives: the instance dict (torchtune's __init__) or, after torchtune's
         # delete_kv_caches, the child modules; compiled code guards on that path, so it is put back as it was
         child = ["kv_cache" in a._modules for a in attns]
@@ -299,3 +312,25 @@ class StaticDecode:
                 else:
                     attn.kv_cache = None
                 attn.cache_enabled = False
+
+    def _views(self, attns: list[torch.nn.Module], rows: int, total: int,
+               weight: torch.Tensor) -> list[torch.nn.Module]:
+        """torchtune KV caches of `rows` x `total` positions whose K and V are the first rows x total positions of
+        this decoder's shared per-layer buffers (allocated, zeroed, on first use at `kv_positions` positions)."""
+        from torchtune.modules.kv_cache import KVCache
+
+        shared = self._shared.get((weight.dtype, weight.device))
+        if shared is None:
+            shared = [tuple(torch.zeros(self.kv_positions * a.num_kv_heads * a.head_dim, dtype=weight.dtype,
+                                        device=weight.device) for _ in "kv") for a in attns]
+            self._shared[(weight.dtype, weight.device)] = shared
+        caches = []
+        for attn, (k, v) in zip(attns, shared, strict=True):
+            shape = (rows, attn.num_kv_heads, total, attn.head_dim)
+            with torch.device("meta"):  # torchtune's own buffers, never allocated: replaced by the views below
+                cache = KVCache(rows, total, attn.num_kv_heads, attn.head_dim, weight.dtype)
+            n = rows * attn.num_kv_heads * total * attn.head_dim
+            cache.k_cache, cache.v_cache = k[:n].view(shape), v[:n].view(shape)
+            cache.cache_pos = torch.arange(total, device=weight.device)
+            caches.append(cache)
+        return caches
