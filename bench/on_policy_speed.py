@@ -18,8 +18,8 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups);
 - `onpolicy_compiled_chat_padded`: the same, each sample trained in a row of its own padded to the longest, as
   before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it);
-- `onpolicy_compiled_chat_kvsets` / `_kv4`: the same with a set of decode KV caches per shape, as before session
-  53, or 4x the KV positions a sampling group may span (bench/kv_budget.py).
+- `onpolicy_compiled_chat_kvmicro` / `_kvsets`: the same with a sampling group's KV caches spanning at most one
+  micro-batch's prompts, and also a set of them per decode shape, as before session 53 (bench/kv_budget.py).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -65,11 +65,11 @@ ROWS: dict[str, list[str]] = {
 # sample trained in a row of its own (padded), not packed back into its training row
 ROWS["onpolicy_compiled_chat_alone"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_padded"] = ROWS["onpolicy_compiled_chat"]
-# the decode KV caches: a set per shape (before session 53), or 4x the positions a sampling group may span
+# the decode KV caches as before session 53: a micro-batch's positions per sampling group, and a set per shape
+ROWS["onpolicy_compiled_chat_kvmicro"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
-ROWS["onpolicy_compiled_chat_kv4"] = ROWS["onpolicy_compiled_chat"]
 SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["padded_samples.py"],  # a diagnosis row's script and its
-           "_kvsets": ["kv_budget.py", "kvsets"], "_kv4": ["kv_budget.py", "kv4"]}  # arguments, by name suffix
+           "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"]}  # arguments, by suffix
 
 
 def _median(values: list[float]) -> float | None:

@@ -122,3 +122,34 @@ def needs_checkpointing(model: nn.Module, micro_batch_tokens: int, dtype: torch.
            f"per micro-batch + {(need - acts) / gib:.1f} GiB of training state and reserve "
            f"{'>' if on else '<='} {free / gib:.1f} GiB usable free on {device}")
     return on, why
+
+
+def kv_bytes_per_position(model: nn.Module) -> int:
+    """Bytes a KV cache holds per position: every layer's K and V at the model's dtype (Llama-3.2-1B: 32 KiB)."""
+    size = model.tok_embeddings.weight.element_size()
+    return sum(2 * layer.attn.num_kv_heads * layer.attn.head_dim * size for layer in model.layers)
+
+
+def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_tokens: int,
+                          device: torch.device) -> tuple[int, str]:
+    """How many KV positions one of on-policy KD's sampling groups may span (each group is one decode loop), and
+    why in words: `step` (all of a step's on-policy prompts in one loop, however long) when those KV caches fit in
+    the usable free memory of `device` beside what training still needs (a micro-batch's activations, estimated
+    without checkpointing as `needs_checkpointing` counts them, the training state and the reserve), else `micro`
+    (one micro-batch's prompts per loop at most). On CPU: `micro` (host memory is not measured here). One H200, the
+    shipped 8B -> 1B KD with LoRA on the chat transfer set: 4x the positions ran the step 1.24x faster for 3.0 GiB
+    more peak memory (docs/benchmarks.md, session 53)."""
+    if device.type != "cuda" or step <= micro:
+        return micro, (f"{micro} positions, a micro-batch's prompts per decode loop "
+                       f"({'one on-policy micro-batch per step' if step <= micro else 'on ' + device.type})")
+    per = kv_bytes_per_position(model)
+    need = (activation_bytes(model, micro_batch_tokens, model.tok_embeddings.weight.dtype)
+            + training_state_bytes(model) + RESERVE_BYTES + step * per)
+    free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
+    gib = 2**30
+    if need <= free:
+        return step, (f"{step} positions, a step's prompts per decode loop: {step * per / gib:.1f} GiB of KV caches "
+                      f"+ {(need - step * per) / gib:.1f} GiB for training <= {free / gib:.1f} GiB usable free")
+    return micro, (f"{micro} positions, a micro-batch's prompts per decode loop: {step} would need "
+                   f"{step * per / gib:.1f} GiB of KV caches + {(need - step * per) / gib:.1f} GiB for training "
+                   f"> {free / gib:.1f} GiB usable free")

@@ -73,6 +73,7 @@ from .checkpoint.atomic import atomic_write_bytes
 from .data.dataset import DatasetConfig, TokenizedDataset
 from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
+from .memory import sampling_kv_positions
 from .models.generation import StaticDecode
 from .on_policy_prompts import (
     PROMPT_SET_KEYS,
@@ -257,11 +258,14 @@ class OnPolicy:
     loss's chunks. Metrics use the per-token reverse KL(student || teacher) at temperature 1 on sampled tokens.
     `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`).
     `prompt_set`: `kd.on_policy.prompts` already loaded (`load_prompt_set`; loaded here when None and it is set).
-    `held`: the dataset's held-out rows, already split off (`HeldOut`; else `hold_out` splits them)."""
+    `held`: the dataset's held-out rows, already split off (`HeldOut`; else `hold_out` splits them).
+    `student` (prepared on the run's device) and `train_tokens` (its largest training micro-batch): on one GPU, a
+    sampling group's KV caches may span a whole step's on-policy prompts when memory allows
+    (`sampling_kv_positions`); without them, or on several processes, one micro-batch's."""
 
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None,
-                 held: HeldOut | None = None) -> None:
+                 held: HeldOut | None = None, student: nn.Module | None = None, train_tokens: int = 0) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
@@ -278,7 +282,12 @@ class OnPolicy:
         # is_on_policy spreads them evenly
         self.per_window = max(1, math.ceil(self.accum * s.fraction))
         self.max_seq_len = cfg.dataset.max_seq_len
-        self.max_tokens = self.rows * self.max_seq_len
+        # the KV positions one sampling group (one decode loop) may span: a micro-batch's prompts at most, or, where
+        # memory allows, the step's (chat prompts: fewer, larger groups; memory.py says what it measured)
+        self.max_tokens, kv_why = self.rows * self.max_seq_len, None
+        if student is not None and rt.world_size == 1:
+            self.max_tokens, kv_why = sampling_kv_positions(student, self.max_tokens, self.max_tokens * self.per_window,
+                                                            train_tokens, rt.device)
         self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",
@@ -288,6 +297,8 @@ class OnPolicy:
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         if rt.is_main:
+            if kv_why is not None:
+                print(f"on-policy decode KV caches: {kv_why}", flush=True)
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
             if prompt_set is None:

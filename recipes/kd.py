@@ -176,7 +176,8 @@ def main(cfg: KDConfig) -> None:
 
     accum, chunks = cfg.gradient_accumulation_steps, cfg.num_output_chunks
     with setup.phase("optimizer"):
-        op = OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held) if on_policy is not None else None
+        op = (OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held, student=student,
+                       train_tokens=tokens) if on_policy is not None else None)
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG

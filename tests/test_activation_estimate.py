@@ -80,3 +80,34 @@ def test_formula_at_llama_3_2_1b():
     full = memory.layer_saved_bytes_per_token(**shape, trains=set(memory.LINEARS), norms_train=True)
     lora = memory.layer_saved_bytes_per_token(**shape, trains=set(SHIPPED), adapter_rank_sum=6 * 64)
     assert (full, lora) == (123_528, 107_912)
+
+
+def test_kv_bytes_per_position_are_what_the_decode_caches_hold():
+    """On-policy KD's decode KV budget counts, per position, exactly the bytes StaticDecode's caches allocate."""
+    from llm_recipe.components.models.generation import StaticDecode
+
+    model = _student("wider", "lora_shipped")
+    static = StaticDecode(4, mode="default", backend="eager", max_tokens=300)
+    with static.caches(model, total=60, rows=4):
+        pass
+    held = sum(t.untyped_storage().nbytes() for pair in static._shared.values() for k, v in pair for t in (k, v))
+    assert memory.kv_bytes_per_position(model) * static.kv_positions == held == 3 * 2 * 4 * 16 * 2 * 300
+
+
+def test_sampling_kv_positions_take_a_step_when_it_fits_beside_training(monkeypatch):
+    """One decode loop per step's on-policy prompts when their KV caches and what training still needs (activations,
+    training state, reserve) fit in usable free memory; a micro-batch's when they do not, or on CPU; the reason
+    gives the sizes."""
+    model = _student("wider", "lora_shipped")
+    per = memory.kv_bytes_per_position(model)
+    train = (memory.activation_bytes(model, 4096, torch.bfloat16) + memory.training_state_bytes(model)
+             + memory.RESERVE_BYTES)
+    cuda = torch.device("cuda", 0)
+    for free, want in ((int((train + 40_000 * per) / memory.USABLE_FRACTION) + 1, 40_000),
+                       (int((train + 40_000 * per) / memory.USABLE_FRACTION) - per, 10_000)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+        got, why = memory.sampling_kv_positions(model, 10_000, 40_000, 4096, cuda)
+        assert got == want and why.startswith(f"{want} positions, a {'step' if want == 40_000 else 'micro-batch'}'s")
+        assert "GiB usable free" in why
+    assert memory.sampling_kv_positions(model, 10_000, 40_000, 4096, torch.device("cpu"))[0] == 10_000
+    assert memory.sampling_kv_positions(model, 10_000, 10_000, 4096, cuda)[0] == 10_000
