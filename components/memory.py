@@ -130,26 +130,35 @@ def kv_bytes_per_position(model: nn.Module) -> int:
     return sum(2 * layer.attn.num_kv_heads * layer.attn.head_dim * size for layer in model.layers)
 
 
+def prefill_bytes_per_token(model: nn.Module) -> int:
+    """Bytes a prompt's no-grad forward holds per token at its widest point, an upper estimate: a layer's MLP
+    (gate, up, their product and SiLU: 4 x intermediate) and four hidden-wide tensors (input, norm, attention
+    output, residual) at the model's dtype."""
+    layer = model.layers[0]
+    return (4 * _out_dim(layer.mlp.w1) + 4 * model.tok_embeddings.embedding_dim) * model.tok_embeddings.weight.element_size()
+
+
 def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_tokens: int,
                           device: torch.device) -> tuple[int, str]:
     """How many KV positions one of on-policy KD's sampling groups may span (each group is one decode loop), and
     why in words: `step` (all of a step's on-policy prompts in one loop, however long) when those KV caches fit in
-    the usable free memory of `device` beside what training still needs (a micro-batch's activations, estimated
-    without checkpointing as `needs_checkpointing` counts them, the training state and the reserve), else `micro`
-    (one micro-batch's prompts per loop at most). On CPU: `micro` (host memory is not measured here). One H200, the
+    the usable free memory of `device` beside the larger of what training still needs at once (a micro-batch's
+    activations, estimated without checkpointing as `needs_checkpointing` counts them) and the prompts' forward over
+    `step` tokens (`prefill_bytes_per_token`), plus the training state and the reserve; else `micro` (one
+    micro-batch's prompts per loop at most). On CPU: `micro` (host memory is not measured here). One H200, the
     shipped 8B -> 1B KD with LoRA on the chat transfer set: 4x the positions ran the step 1.24x faster for 3.0 GiB
     more peak memory (docs/benchmarks.md, session 53)."""
     if device.type != "cuda" or step <= micro:
         return micro, (f"{micro} positions, a micro-batch's prompts per decode loop "
                        f"({'one on-policy micro-batch per step' if step <= micro else 'on ' + device.type})")
-    per = kv_bytes_per_position(model)
-    need = (activation_bytes(model, micro_batch_tokens, model.tok_embeddings.weight.dtype)
-            + training_state_bytes(model) + RESERVE_BYTES + step * per)
+    kv = step * kv_bytes_per_position(model)
+    busiest = max(activation_bytes(model, micro_batch_tokens, model.tok_embeddings.weight.dtype),
+                  step * prefill_bytes_per_token(model))  # sampling and training hold these at different times
+    need = kv + busiest + training_state_bytes(model) + RESERVE_BYTES
     free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
     gib = 2**30
+    sizes = f"{kv / gib:.1f} GiB of KV caches + {(need - kv) / gib:.1f} GiB for the rest"
     if need <= free:
-        return step, (f"{step} positions, a step's prompts per decode loop: {step * per / gib:.1f} GiB of KV caches "
-                      f"+ {(need - step * per) / gib:.1f} GiB for training <= {free / gib:.1f} GiB usable free")
-    return micro, (f"{micro} positions, a micro-batch's prompts per decode loop: {step} would need "
-                   f"{step * per / gib:.1f} GiB of KV caches + {(need - step * per) / gib:.1f} GiB for training "
+        return step, f"{step} positions, a step's prompts per decode loop: {sizes} <= {free / gib:.1f} GiB usable free"
+    return micro, (f"{micro} positions, a micro-batch's prompts per decode loop: {step} would need {sizes} "
                    f"> {free / gib:.1f} GiB usable free")

@@ -95,13 +95,14 @@ def test_kv_bytes_per_position_are_what_the_decode_caches_hold():
 
 
 def test_sampling_kv_positions_take_a_step_when_it_fits_beside_training(monkeypatch):
-    """One decode loop per step's on-policy prompts when their KV caches and what training still needs (activations,
-    training state, reserve) fit in usable free memory; a micro-batch's when they do not, or on CPU; the reason
-    gives the sizes."""
+    """One decode loop per step's on-policy prompts when their KV caches and the rest (the larger of a micro-batch's
+    activations and the prompts' forward, the training state, the reserve) fit in usable free memory; a
+    micro-batch's when they do not, or on CPU; the reason gives the sizes."""
     model = _student("wider", "lora_shipped")
     per = memory.kv_bytes_per_position(model)
-    train = (memory.activation_bytes(model, 4096, torch.bfloat16) + memory.training_state_bytes(model)
-             + memory.RESERVE_BYTES)
+    train = (max(memory.activation_bytes(model, 4096, torch.bfloat16), 40_000 * memory.prefill_bytes_per_token(model))
+             + memory.training_state_bytes(model) + memory.RESERVE_BYTES)
+    assert memory.prefill_bytes_per_token(model) == (4 * 384 + 4 * 128) * 2
     cuda = torch.device("cuda", 0)
     for free, want in ((int((train + 40_000 * per) / memory.USABLE_FRACTION) + 1, 40_000),
                        (int((train + 40_000 * per) / memory.USABLE_FRACTION) - per, 10_000)):
