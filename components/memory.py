@@ -1,4 +1,5 @@
-"""`activation_checkpointing: auto`: recompute layers in backward only when the activations would not fit.
+"""`activation_checkpointing: auto`: recompute layers in backward only when the activations would not fit; and
+on-policy KD's sampling KV budget, chosen by the same estimate (`sampling_kv_positions`).
 
 Checkpointing costs about a third of the student's forward again; it pays only when memory is short. The
 activations are what autograd saves for backward in an eager forward of the student's layers

@@ -322,7 +322,7 @@ class StaticDecode:
         shared = self._shared.get((weight.dtype, weight.device))
         if shared is None:
             shared = [tuple(torch.zeros(self.kv_positions * a.num_kv_heads * a.head_dim, dtype=weight.dtype,
-                                        device=weight.device) for _ in "kv") for a in attns]
+                                        device=weight.device) for _ in range(2)) for a in attns]  # K, V
             self._shared[(weight.dtype, weight.device)] = shared
         caches = []
         for attn, (k, v) in zip(attns, shared, strict=True):
