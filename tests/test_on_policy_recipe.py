@@ -1,7 +1,7 @@
 """The kd recipe with on-policy KD (kd.on_policy) end to end on tiny random models: metrics and the held-out score
 (full, LoRA and QAT students), held-out rows never train, a prompt set dealt in a run, prompt-only prompt sets and
 their errors, bit-identical resume after SIGKILL, 2 processes = 1 process with twice the batch, compiled sampling,
-fraction 0, and the teacher's embedding on the host."""
+fraction 0, the teacher's embedding on the host, and a sampling KV budget of a whole step."""
 
 from __future__ import annotations
 
@@ -350,6 +350,37 @@ def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would
     assert flat["together"] == flat["alone"] and len(flat["alone"]) > 8
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
     assert strip(rc.read_metrics(tmp_path / "together")) == strip(rc.read_metrics(tmp_path / "alone"))
+
+
+def test_a_kv_budget_of_a_whole_step_samples_it_in_one_loop_and_changes_no_number(tmp_path, models, short_docs,
+                                                                                  monkeypatch, capsys):
+    """Where memory allows a step's prompts in one decode loop (`sampling_kv_positions` chooses `step` on a GPU with
+    room; chosen here by hand, CPU memory is not measured), long prompts that took several loops per step take one,
+    and the run is the same: samples, losses and held-out score. The log says which budget it took and why."""
+    from llm_recipe.components import on_policy as onp
+
+    loops: dict[str, list[int]] = {"micro": [], "step": []}
+    sample = onp.OnPolicy._sample
+    args = [*_kd(models, *short_docs), "max_steps=2", "gradient_accumulation_steps=4", "kd.on_policy.fraction=1.0",
+            "kd.on_policy.held_out=2", "kd.on_policy.prompt_tokens=40"]
+    for budget in loops:
+        if budget == "step":
+            monkeypatch.setattr(onp, "sampling_kv_positions",
+                                lambda model, micro, step, *_: (step, f"{step} positions (test)"))
+
+        def counted(self, model, prompts, seed, rows, width, budget=budget):
+            if not isinstance(seed, int):  # a training step's loop (the held-out rows' pass has one seed)
+                loops[budget].append(len(seed))  # micro-batches sampled in this loop
+            return sample(self, model, prompts, seed, rows, width)
+
+        monkeypatch.setattr(onp.OnPolicy, "_sample", counted)
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / budget}"]) == 0
+        said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("on-policy decode KV caches: ")]
+        assert len(said) == 1 and ("(on cpu)" in said[0]) == (budget == "micro")
+    assert len(loops["micro"]) > 2 and loops["step"] == [4, 4]  # 2 steps of 4 on-policy micro-batches
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
+    assert strip(rc.read_metrics(tmp_path / "micro")) == strip(rc.read_metrics(tmp_path / "step"))
+    assert (tmp_path / "micro" / "on_policy_eval.json").read_text() == (tmp_path / "step" / "on_policy_eval.json").read_text()
 
 
 @pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
