@@ -147,8 +147,8 @@ def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_t
     activations, estimated without checkpointing as `needs_checkpointing` counts them) and the prompts' forward over
     `step` tokens (`prefill_bytes_per_token`), plus the training state and the reserve; else `micro` (one
     micro-batch's prompts per loop at most). On CPU: `micro` (host memory is not measured here). One H200, the
-    shipped 8B -> 1B KD with LoRA on the chat transfer set: 4x the positions ran the step 1.24x faster for 3.0 GiB
-    more peak memory (docs/benchmarks.md, session 53)."""
+    shipped 8B -> 1B KD with LoRA on the chat transfer set: 4x the positions ran the step 1.20-1.24x faster for 3.0 GiB
+    more peak memory (docs/benchmarks.md, sessions 53-54)."""
     if device.type != "cuda" or step <= micro:
         return micro, (f"{micro} positions, a micro-batch's prompts per decode loop "
                        f"({'one on-policy micro-batch per step' if step <= micro else 'on ' + device.type})")
