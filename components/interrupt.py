@@ -5,7 +5,9 @@ the previous ones back when the block ends). The first signal only sets a flag
 (and says so on stderr); the loop checks it after each optimizer step, saves a checkpoint and raises
 `TrainingInterrupted`, which `run_recipe_script` turns into `recipe: interrupted ...` and exit status 128 + the
 signal (130 for Ctrl-C, what shells report; 143 for SIGTERM, what a scheduler such as SLURM sends before it kills
-a job at its time limit). A second signal interrupts at once, without a checkpoint.
+a job at its time limit). A second signal interrupts at once, without a checkpoint. In one process a thread reads
+the signals from Python's wakeup fd, so both are seen when they come, even inside one long C call (a CPU backward
+of a minute), where Python would run its handler once, for the two, only after the call returned.
 
 Under `recipe run --nproc-per-node N` the launcher passes a Ctrl-C or SIGTERM it gets on to its workers as SIGUSR1
 or SIGUSR2 (cli/launch.py), which each worker's handler takes as that request; the ranks agree on the step to stop
@@ -16,6 +18,7 @@ a collective with a dead peer must die at once (a Python handler would run only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -140,6 +143,8 @@ class StopRequest:
         self.signum: int = signal.SIGINT
         self.ranks, self.main = ranks, main
         self._previous: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._watch: tuple[threading.Thread, int, int, int] | None = None  # thread, read fd, write fd, old wakeup fd
 
     @classmethod
     def install(cls, enabled: bool = True, ranks: int = 1, main: bool = True) -> StopRequest:
@@ -151,16 +156,57 @@ class StopRequest:
         signals = cls._SIGNALS + forwarded if ranks == 1 else forwarded
         if enabled and threading.current_thread() is threading.main_thread():
             stop._previous = {s: signal.signal(s, stop._handle) for s in signals}
+            if ranks == 1 and not forwarded:
+                stop._start_watching()
         return stop
+
+    def _start_watching(self) -> None:
+        """One process: count the signals as they arrive (Python's wakeup fd gets a byte per signal at C level,
+        however long the main thread stays in C), in a thread that takes the first as the request and ends the
+        process on the second. Not when something else (an event loop) already owns the wakeup fd."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if old != -1:
+            signal.set_wakeup_fd(old)
+            os.close(read_fd), os.close(write_fd)
+            return
+        thread = threading.Thread(target=self._count_signals, args=(read_fd,), name="recipe-stop", daemon=True)
+        self._watch = (thread, read_fd, write_fd, old)
+        thread.start()
+
+    def _count_signals(self, read_fd: int) -> None:
+        seen = 0
+        while data := os.read(read_fd, 64):
+            for signum in data:
+                if signum == 0:  # restore(): the training loop is over
+                    return
+                if signum not in self._SIGNALS:
+                    continue
+                seen += 1
+                if seen == 1:
+                    self._request(signum)
+                    continue
+                with contextlib.suppress(Exception):  # the second: stop now, without a checkpoint
+                    sys.stdout.flush()
+                    print("\nrecipe: " + interrupted_message(KeyboardInterrupt()), file=sys.stderr, flush=True)
+                os._exit(128 + signum)  # as the signal's own action would: nothing after the last checkpoint
 
     def _handle(self, signum: int, frame: Any) -> None:
         signum = FORWARDED.get(signum, signum)
+        if self._watch is not None:  # one process: the thread counts; this only sets the flag as early as Python can
+            self._request(signum)
+            return
         if self.requested:  # under torchrun: the launcher passed a second one on; stop now, without a checkpoint
             raise KeyboardInterrupt  # (exit 130; torchrun then stops the other ranks)
-        self.requested, self.signum = True, signum
-        if self.ranks == 1 and not os.environ.get(FORWARDED_ENV):  # the next signal stops at once
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._request(signum)
+
+    def _request(self, signum: int) -> None:
+        """The first stop request: set the flag and say so (once, from the handler or the counting thread)."""
+        with self._lock:
+            if self.requested:
+                return
+            self.requested, self.signum = True, signum
         if self.main:
             name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             print(f"\nrecipe: {name}: stopping after this step and writing a checkpoint ({name} again stops now)",
@@ -192,6 +238,13 @@ class StopRequest:
 
     def restore(self) -> None:
         """Put back the handlers that were there before `install`."""
+        if self._watch is not None:
+            thread, read_fd, write_fd, old = self._watch
+            self._watch = None
+            signal.set_wakeup_fd(old)
+            os.write(write_fd, b"\0")
+            thread.join()
+            os.close(read_fd), os.close(write_fd)
         for s, previous in self._previous.items():
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}

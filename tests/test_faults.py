@@ -178,6 +178,35 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_exits_130(tmp_path, ti
 
 
 
+def test_a_second_ctrl_c_stops_at_once_even_inside_one_long_c_call(tmp_path):
+    """Two Ctrl-Cs while the main thread is inside one C call (a CPU step's backward can take a minute): Python
+    would run its handler once, for both, after the call; the user was told the second one stops now. The first
+    is said at once, the second ends the process with 130 long before the call would have returned."""
+    script = tmp_path / "long_call.py"
+    script.write_text(
+        "import torch\n"
+        "from llm_recipe.components import interrupt\n"
+        "torch.set_num_threads(1)\n"
+        "eye = torch.eye(1200, dtype=torch.float64)\n"
+        "interrupt.note_training()\n"
+        "with interrupt.StopRequest.install():\n"
+        "    print('ready', flush=True)\n"
+        "    torch.linalg.matrix_power(eye, 2**62)  # one C call of ~60 matmuls: tens of seconds on one core\n"
+        "    print('returned', flush=True)\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    p.send_signal(signal.SIGINT)
+    first = p.stderr.readline() + p.stderr.readline()  # a blank line (the progress bar's), then the message
+    assert "Ctrl-C: stopping after this step and writing a checkpoint (Ctrl-C again stops now)" in first
+    p.send_signal(signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "returned" not in out
+    assert "recipe: interrupted during training (second Ctrl-C): the current step was not saved" in err
+
+
 def test_a_torchrun_worker_takes_the_launchers_signal_and_leaves_its_own_sigterm_to_torchrun(monkeypatch):
     """Under `recipe run --nproc-per-node N` a worker's stop request is the launcher's SIGUSR2 (a SIGTERM passed
     on) or SIGUSR1 (a Ctrl-C); a second one stops at once. Its own SIGTERM keeps the default action: torchrun sends
