@@ -119,6 +119,10 @@ def main(cfg: FullConfig) -> None:
 
     with setup.phase("optimizer"):
         steps = total_steps(cfg, loader)
+        if qat is not None and (qat.fake_quant_after_n_steps or 0) >= steps:  # a shortened run: plain training
+            setup.say(f"fake quantization never turns on: qat.fake_quant_after_n_steps={qat.fake_quant_after_n_steps} "
+                      f"and the run has {steps} steps, so it trains without it (its quantized model is post-training "
+                      "quantization); lower qat.fake_quant_after_n_steps or train longer", "note")
         optimizer, scheduler = setup_optimizer(cfg, model, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG
         state = TrainState(cfg, rt, model, args, base_dir, optimizer, scheduler, loader, adapters=lora is not None)

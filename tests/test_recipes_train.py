@@ -410,11 +410,26 @@ def test_qat_recipe_delays_fake_quant_and_converts(tmp_path, full_run, tiny_mode
     rc.assert_ok(proc)
     # said where the step's time and memory change
     assert "qat: fake quantization on from step 2 (the first 1 trained without it)" in proc.stdout + proc.stderr
+    assert "never turns on" not in proc.stdout + proc.stderr
     rows = rc.assert_metrics(out, 2, STEP_KEYS)
     rc.assert_png(out / "loss.png")
     assert rows[0]["loss"] == pytest.approx(rc.read_metrics(full_run[0])[0]["loss"], rel=1e-6)
     assert_loads_like_hf(out / "model")
     assert_quantized_export(out)
+
+
+def test_a_qat_run_shorter_than_its_delay_says_it_never_fake_quantizes(tmp_path, full_run, tiny_model_dir):
+    # A run shortened with max_steps (as the README suggests on a CPU) that ends before fake quantization would
+    # turn on is plain training: the log says so instead of calling the result QAT-trained in silence.
+    out = tmp_path / "out"
+    proc = rc.run_cli("qat", "qat/smollm2", qat_overrides(tiny_model_dir, out, "gradient_accumulation_steps=2",
+                                                          "qat.fake_quant_after_n_steps=2", "qat.convert=false"),
+                      cwd=tmp_path)
+    rc.assert_ok(proc)
+    assert ("note: fake quantization never turns on: qat.fake_quant_after_n_steps=2 and the run has 2 steps"
+            in proc.stdout + proc.stderr)
+    rows = rc.assert_metrics(out, 2, STEP_KEYS)
+    assert rows[0]["loss"] == pytest.approx(rc.read_metrics(full_run[0])[0]["loss"], rel=1e-6)
 
 
 def test_qat_without_delay_fake_quantizes_from_step_1(tmp_path, full_run, tiny_model_dir):
