@@ -224,10 +224,19 @@ def _checkpoint_run_id(ckpt: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def check_resume_or_overwrite(cfg: Any) -> None:
+    """RecipeError when both `resume` and `overwrite` are set: one continues the run in output_dir, the other
+    deletes it; which one the user meant is theirs to say (resume used to win in silence)."""
+    if cfg.resume and cfg.overwrite:
+        raise RecipeError(f"resume=true and overwrite=true contradict each other: resume=true continues the run in "
+                          f"{cfg.output_dir}, overwrite=true deletes its outputs and starts a new one; set only one")
+
+
 def check_new_run(cfg: Any) -> None:
     """RecipeError when a new run (`resume: false`, no `overwrite: true`) would write into a folder holding an
     earlier run's trained outputs. Deletes nothing: `recipe run` calls it once before launching torchrun.
     `cfg`: a training recipe's typed config (components/train_config.py: TrainConfig)."""
+    check_resume_or_overwrite(cfg)
     if cfg.resume:
         return
     if cfg.overwrite:

@@ -42,6 +42,7 @@ from .oom import is_out_of_memory, note_step
 from .runs import (
     RUN_ID_KEY,
     check_resume,
+    check_resume_or_overwrite,
     current_run_id,
     previous_run,
     record_resume_changes,
@@ -59,6 +60,7 @@ def start_or_resume_run(cfg: TrainConfig) -> Path | None:
     folder holds an earlier run's outputs, unless `overwrite: true` deletes them, and writes run.json; returns None.
     With `resume: true`, the latest complete checkpoint (an error when there is none), its file checksums verified
     (an error naming the first corrupt file) and its run id the one of output_dir/run.json."""
+    check_resume_or_overwrite(cfg)
     recover_killed_overwrite(cfg.output_dir)  # a killed overwrite=true run's setup left the earlier run aside
     if not cfg.resume:
         start_run(cfg)

@@ -465,6 +465,24 @@ def test_overwrite_refuses_to_train_from_the_outputs_it_deletes(tmp_path, tiny_m
     assert (out / "base" / "config.json").is_file() and (out / "model" / "config.json").is_file()
 
 
+def test_resume_and_overwrite_together_are_refused_and_change_nothing(tmp_path, tiny_model_dir, capsys):
+    """`resume=true overwrite=true`: one continues the run in output_dir, the other deletes it; resume won in silence.
+    Refused in one line before anything moves, in one process and before torchrun starts."""
+    out = tmp_path / "run"
+    assert run(capsys, args(tiny_model_dir, out, "max_steps=1"))[0] == 0
+    before = snapshot(out)
+    want = (f"recipe: error: resume=true and overwrite=true contradict each other: resume=true continues the run in "
+            f"{out}, overwrite=true deletes its outputs and starts a new one; set only one")
+    code, _, err = run(capsys, args(tiny_model_dir, out, "max_steps=2", "resume=true", "overwrite=true"))
+    assert code == 1 and one_error(err) == want
+    from llm_recipe.cli.main import main
+
+    code = main(["run", "--nproc-per-node", "2", "--standalone", "full", "--config", CONFIG,
+                 *args(tiny_model_dir, out, "max_steps=2", "resume=true", "overwrite=true")])
+    assert code == 1 and one_error(capsys.readouterr().err) == want
+    assert snapshot(out) == before
+
+
 def test_a_run_stopped_in_setup_leaves_nothing_that_gets_in_the_way(tmp_path, tiny_model_dir, capsys):
     """A run refused during setup (here a dataset file that does not parse) had written run.json: the corrected
     command then said "overwrite=true: deleted the earlier run's run.json" without overwrite=true, and resume=true
