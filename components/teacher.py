@@ -68,13 +68,14 @@ def check_teacher_and_student(t: TeacherSettings, student_dir: str | Path, token
                 raise RecipeError(f"teacher.logits_dir={t.logits_dir}: tokenizer (tokenizer.json + chat template) "
                                   f"differs: the cache was built with another tokenizer than {student_dir}'s; "
                                   "build a cache for this run with `recipe run kd_logits`")
-        shared_vocab(student_vocab, student_vocab, tokenizer_vocab)
+        shared_vocab(student_vocab, student_vocab, tokenizer_vocab, student_dir=student_dir)
         return
     teacher_dir = t.checkpoint_dir or student_dir
     targs = read_model_args(teacher_dir)
     check_weight_shapes(teacher_dir, targs)
     shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,
-                 Path(teacher_dir) == Path(student_dir) or same_tokenizer(student_dir, teacher_dir))
+                 Path(teacher_dir) == Path(student_dir) or same_tokenizer(student_dir, teacher_dir),
+                 student_dir, teacher_dir)
 
 
 def load_teacher(t: TeacherSettings, dataset: dict[str, Any], rt: Runtime, student_dir: str | Path,
@@ -110,7 +111,7 @@ def loss_vocab(rt: Runtime, student_vocab: int, targs: ModelArgs, tokenizer_voca
     if cache is not None:
         return cache.student_vocab(student_vocab)
     vocab, note = shared_vocab(student_vocab, targs.vocab_size, tokenizer_vocab,
-                               same_tokenizer(student_dir, teacher_dir))
+                               same_tokenizer(student_dir, teacher_dir), student_dir, teacher_dir)
     if note and rt.is_main:
         print(note, flush=True)
     return None if vocab == student_vocab == targs.vocab_size else vocab

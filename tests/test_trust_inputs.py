@@ -161,7 +161,7 @@ def test_pruned_student_with_another_vocabulary_is_refused_before_layer_scoring(
     for extra in (["student.prune.keep=3"], ["student.prune=null"]):
         code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"student.checkpoint_dir={student}",
                              f"output_dir={tmp_path}/out", *SMALL, *extra], capsys)
-        doc.expect("kd-student-vocab", one_error(code, err))
+        doc.expect("kd-student-vocab", one_error(code, err), student=student)
     assert not (tmp_path / "out" / "layer_importance.json").exists()
 
 
@@ -181,7 +181,7 @@ def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, e
     code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
                          f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", "student.prune.keep=3",
                          *SMALL], capsys)
-    doc.expect("kd-tokenizers-differ", one_error(code, err))
+    doc.expect("kd-tokenizers-differ", one_error(code, err), student=student, teacher=embedded_model_dir)
 
 
 def test_eval_of_a_model_smaller_than_its_tokenizer_is_one_line(embedded_model_dir, tmp_path):

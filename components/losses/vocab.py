@@ -14,24 +14,30 @@ __all__ = ["same_tokenizer", "shared_vocab"]
 
 
 def shared_vocab(
-    student_vocab: int, teacher_vocab: int, tokenizer_vocab: int, tokenizers_match: bool = True
+    student_vocab: int, teacher_vocab: int, tokenizer_vocab: int, tokenizers_match: bool = True,
+    student_dir: str | Path | None = None, teacher_dir: str | Path | None = None,
 ) -> tuple[int, str | None]:
     """Return (size to slice both logits to, message to log or None) for KD between two output heads.
 
     Heads often carry padding rows past the tokenizer (e.g. 151936 vs 151665); logits of padding ids are never
     targets, so both are trimmed to the tokenizer size. A head smaller than the tokenizer, or different tokenizers,
-    means the token ids do not mean the same thing: that is a RecipeError raised before training starts.
+    means the token ids do not mean the same thing: that is a RecipeError raised before training starts, naming
+    the folders (`student_dir`, `teacher_dir`) when given.
     """
+    where = {"student": f" (student.checkpoint_dir={student_dir})" if student_dir is not None else "",
+             "teacher": f" (teacher.checkpoint_dir={teacher_dir})" if teacher_dir is not None else ""}
     if not tokenizers_match:
+        files = (f" ({Path(student_dir) / 'tokenizer.json'} vs {Path(teacher_dir) / 'tokenizer.json'})"
+                 if student_dir is not None and teacher_dir is not None else "")
         raise RecipeError(
-            "kd: student and teacher tokenizers differ; token-level distillation needs the same tokenizer "
+            f"kd: student and teacher tokenizers differ{files}; token-level distillation needs the same tokenizer "
             "(pick a teacher from the student's model family)"
         )
     for who, size in (("student", student_vocab), ("teacher", teacher_vocab)):
         if size < tokenizer_vocab:
             raise RecipeError(
-                f"kd: {who} output vocab ({size}) is smaller than the tokenizer vocab ({tokenizer_vocab}); "
-                "the student and teacher do not share a vocabulary"
+                f"kd: {who} output vocab ({size}){where[who]} is smaller than the tokenizer vocab "
+                f"({tokenizer_vocab}); the student and teacher do not share a vocabulary"
             )
     if student_vocab == teacher_vocab:
         return student_vocab, None
