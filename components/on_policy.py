@@ -113,7 +113,7 @@ class OnPolicySettings:
     temperature: float = setting(1.0, Range(float, gt=0), "sampling temperature (1.0: the student's own "
                                  "distribution)")
     prompt_tokens: int = setting(32, Range(int, ge=1), "text rows (of the dataset, or of a text prompts set): the "
-                                 "first N tokens of a document are its prompt")
+                                 "first N tokens of a document are its prompt (N <= dataset.max_seq_len - max_new_tokens)")
     loss: str = setting("reverse_kl", Choice(*KD_LOSSES), "the divergence on sampled tokens: any kd.loss kind "
                         "(kd.temperature/beta/... apply)")
     held_out: int = setting(16, Range(int, ge=0), "the dataset's (with prompts set: the prompt set's) last N rows "
@@ -142,6 +142,12 @@ def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset:
         raise RecipeError(f"kd.on_policy.max_new_tokens={s.max_new_tokens} must be below dataset.max_seq_len="
                           f"{dataset.max_seq_len}: prompt and completion share one row")
     rows = s.prompts if s.prompts is not None else dataset  # the rows held_out takes its rows from
+    room = dataset.max_seq_len - s.max_new_tokens
+    if rows.format == "text" and s.prompt_tokens > room:  # text prompts were cut to the room in silence
+        raise RecipeError(f"kd.on_policy.prompt_tokens={s.prompt_tokens} does not fit: a prompt and its "
+                          f"kd.on_policy.max_new_tokens={s.max_new_tokens} completion share one row of "
+                          f"dataset.max_seq_len={dataset.max_seq_len}, so a prompt takes at most {room} tokens "
+                          "(lower prompt_tokens or max_new_tokens, or raise dataset.max_seq_len)")
     if rows.limit is not None and s.held_out >= rows.limit:  # rows (packed or not) <= limit: none would train
         key = f"{PROMPTS_KEY}.limit" if s.prompts is not None else "dataset.limit"
         raise RecipeError(f"kd.on_policy.held_out={s.held_out} leaves no training rows: {key}={rows.limit} keeps "

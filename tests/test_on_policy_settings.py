@@ -216,6 +216,18 @@ def test_settings_defaults_and_cross_key_errors():
         check_on_policy(OnPolicySettings(), "cache", text)
     with pytest.raises(RecipeError, match=r"kd.on_policy.max_new_tokens=128 must be below dataset.max_seq_len=128"):
         check_on_policy(OnPolicySettings(max_new_tokens=128), None, text)
+    # text prompts (the first prompt_tokens of a document) and their completions share a row: they were cut to fit
+    check_on_policy(OnPolicySettings(prompt_tokens=64, max_new_tokens=64), None, text)
+    with pytest.raises(RecipeError, match=r"^kd.on_policy.prompt_tokens=65 does not fit: a prompt and its "
+                       r"kd.on_policy.max_new_tokens=64 completion share one row of dataset.max_seq_len=128, so a "
+                       r"prompt takes at most 64 tokens \(lower prompt_tokens or max_new_tokens, or raise "
+                       r"dataset.max_seq_len\)$"):
+        check_on_policy(OnPolicySettings(prompt_tokens=65, max_new_tokens=64), None, text)
+    chat = DatasetConfig(source="x", max_seq_len=128, format="chat")
+    check_on_policy(OnPolicySettings(prompt_tokens=500), None, chat)  # chat prompts keep their end: not used
+    with pytest.raises(RecipeError, match=r"prompt_tokens=500 does not fit"):  # a text prompt set: used
+        check_on_policy(OnPolicySettings(prompt_tokens=500, prompts=DatasetConfig(source="p", format="text")), None,
+                        chat)
     with pytest.raises(RecipeError, match=r"dataset.train_on_input=true"):
         check_on_policy(OnPolicySettings(), None, DatasetConfig(source="x", max_seq_len=128, format="chat",
                                                                 train_on_input=True))
