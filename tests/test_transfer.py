@@ -23,7 +23,7 @@ def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_model_dir):
+def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_model_dir, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert _run(tiny_model_dir, a) == 0
     passages, chat = _lines(a / "passages.jsonl"), _lines(a / "chat.jsonl")
@@ -60,7 +60,11 @@ def test_transfer_set_is_deterministic_resumable_and_trainable(tmp_path, tiny_mo
     c = tmp_path / "c"
     assert _run(tiny_model_dir, c, ("seed=1",)) == 0
     assert _lines(c / "passages.jsonl") != passages
-    assert _run(tiny_model_dir, b, ("seed=1",)) == 1
+    capsys.readouterr()
+    assert _run(tiny_model_dir, b, ("seed=1", "generation.max_new_tokens=7")) == 1
+    assert (f"recipe: error: {b / 'transfer.json'}: output_dir holds a transfer set made with other settings "
+            "(generation.max_new_tokens: 6 -> 7, seed: 0 -> 1); use the same settings to resume, or another "
+            "output_dir") in capsys.readouterr().err
 
     # The training loader reads both files in their formats.
     from llm_recipe.components.data.dataset import build_dataset
