@@ -140,7 +140,8 @@ def score_table(scores: dict, kept: Sequence[int], method: str) -> str:
     rows = scores["layers"]
     rank = {m: {r["layer"]: k + 1 for k, r in enumerate(sorted(rows, key=lambda r: (-r[m], r["layer"])))}
             for m in METHODS}
-    lines = [f"layer importance on {scores['tokens']} calibration tokens (base loss {scores['base_loss']:.3f}); "
+    # the tokens whose next-token loss was scored (labelled positions), fewer than the calibration rows' tokens
+    lines = [f"layer importance on {scores['tokens']} scored target tokens (base loss {scores['base_loss']:.3f}); "
              f"kept by {method}: {len(kept)} of {len(rows)}",
              "layer | block influence (rank) | loss drop, nats (rank) | kept"]
     for r in rows:
