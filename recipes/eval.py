@@ -62,6 +62,10 @@ def main(cfg: EvalConfig) -> None:
                             dtype=dtype_name(DTYPES[cfg.dtype]))
     if cfg.output_dir is not None and is_rank0():  # under torchrun only rank 0 writes results.json
         check_rerun("eval", cfg.output_dir, "eval", "results.json", identity, cfg.overwrite)
+    if is_rank0():  # what is scored, before lm-eval's own progress output (its task loading prints a bar per split)
+        limit = "all items" if cfg.limit is None else (f"{int(cfg.limit)} items per task" if cfg.limit >= 1
+                                                       else f"{cfg.limit:g} of each task")
+        print(f"eval: {cfg.model.checkpoint_dir} on {', '.join(cfg.tasks)} ({limit})", flush=True)
     with writing_run(cfg.output_dir, "eval", identity, cfg.overwrite):
         evaluate(cfg.model.checkpoint_dir, tasks=list(cfg.tasks), limit=cfg.limit, num_fewshot=cfg.num_fewshot,
                  batch_size=cfg.batch_size, apply_chat_template=cfg.apply_chat_template, output_dir=cfg.output_dir,

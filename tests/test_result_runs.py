@@ -128,8 +128,9 @@ def test_eval_keeps_one_evaluation_per_folder(tmp_path, tiny_model_dir, tiny_cop
     out = tmp_path / "e"
     base = [f"model.checkpoint_dir={tiny_model_dir}", "tasks=[recipe_piqa]", "device=cpu", "batch_size=4",
             f"output_dir={out}"]
-    code, _, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])
+    code, printed, err = run(capsys, "eval", "eval/smollm2", [*base, "limit=2"])
     assert code == 0, err
+    assert printed.startswith(f"eval: {tiny_model_dir} on recipe_piqa (2 items per task)\n")  # said first
     results = json.loads((out / "results.json").read_text())
     assert "recipe_piqa" in results["results"] and results["recipe_run"]["limit"] == 2
     before = snapshot(out)
