@@ -80,6 +80,10 @@ def main(cfg: GenerateConfig) -> None:
              stop_ids=tokenizer.stop_ids, seed=cfg.seed, on_token=on_token)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
+    if not shown.strip() and out and out[-1] in tokenizer.stop_ids:  # an empty answer is not a silent mystery
+        print(f"note: the model ended its answer with a stop token (id {out[-1]}) before any "
+              "text" + (" (chat=false: an instruct model sees the raw prompt, not the chat template it was trained "
+                        "on)" if not cfg.chat and tokenizer.has_chat_template else ""), file=sys.stderr)
     print(f"[{len(out)} tokens in {elapsed:.1f}s, {len(out) / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
 
 

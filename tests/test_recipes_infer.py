@@ -22,7 +22,13 @@ def test_generate_answers_the_capital_of_france(tmp_path, embedded_model_dir):
              "max_new_tokens=24", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "tokens/s" in r.stderr
+    assert "tokens/s" in r.stderr and "note:" not in r.stderr
+    # the raw prompt without the chat template: SmolLM2-Instruct ends at once; said, not an empty line alone
+    r = _run("generate", "--config", "generate/smollm2", "prompt=What is the capital of France?", "chat=false",
+             "max_new_tokens=8", cwd=tmp_path)
+    assert r.returncode == 0 and not r.stdout.strip()
+    assert ("note: the model ended its answer with a stop token (id 2) before any text (chat=false: an instruct "
+            "model sees the raw prompt, not the chat template it was trained on)") in r.stderr
     # more new tokens than the model's context holds: one line naming the key and the most it can be, no allocation
     r = _run("generate", "--config", "generate/smollm2", "prompt=Hi", "max_new_tokens=100000000", cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
