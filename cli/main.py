@@ -113,6 +113,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # student's layer indices) run where the folder is here, and say so where it is not.
     cfg = load_recipe_config(args.config, args.overrides, recipe_config(module), recipe=name)
     check_loggers(cfg, recipe_schema(recipe_config(module)))  # tensorboard / wandb, as `recipe run` checks them
+    if hasattr(cfg, "check_inputs"):  # a recipe's checks of its model folders' files (kd: the same tokenizer)
+        cfg.check_inputs()
     absent = _absent_model_folders(cfg, recipe_schema(recipe_config(module)))
     note = f" ({', '.join(absent)}: no config.json here, so what needs it is checked by `recipe run`)" if absent else ""
     print(f"OK: {config_source(cfg).display} is a valid {name} config{note}")

@@ -104,6 +104,15 @@ class KDConfig(TrainConfig):
         self.kd.loss_fn()
         check_on_policy(self.kd.on_policy, self.teacher.logits_dir, self.dataset)
 
+    def check_inputs(self, tokenizer_vocab: int | None = None) -> None:
+        """What the run checks from the model folders' files before any weights load (the same tokens, heads that
+        cover the tokenizer, a cache's teacher and tokenizer); `recipe validate` runs it where the folders are here.
+        `tokenizer_vocab`: the student's tokenizer's, when the caller has loaded it."""
+        student_dir = self.student.checkpoint_dir or self.teacher.checkpoint_dir
+        if all((Path(d) / "config.json").is_file() for d in (student_dir, self.teacher.checkpoint_dir) if d):
+            vocab = tokenizer_vocab if tokenizer_vocab is not None else load_tokenizer(student_dir).vocab_size
+            check_teacher_and_student(self.teacher, student_dir, vocab, self.kd.loss_fn().kind)
+
 
 CONFIG = KDConfig  # the keys this recipe reads: their types, defaults, ranges and docs (`recipe keys kd`)
 
@@ -123,7 +132,7 @@ def main(cfg: KDConfig) -> None:
         tokenizer = load_tokenizer(student_dir)
         resume_from = start_or_resume_run(cfg)  # the checkpoint to resume (None: a new run)
         # same tokens (and a divergence a sampled cache can estimate)? before loading weights
-        check_teacher_and_student(cfg.teacher, student_dir, tokenizer.vocab_size, kd_loss.kind)
+        cfg.check_inputs(tokenizer.vocab_size)
     prompt_set = None
     if on_policy is not None and on_policy.prompts is not None:  # before any weights: a bad set fails in seconds
         with setup.phase("on-policy prompts"):

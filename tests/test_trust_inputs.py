@@ -181,7 +181,11 @@ def test_different_tokenizers_are_refused_before_layer_scoring(tiny_model_dir, e
     code, _, err = doc.run_cli(["run", "kd", "--config", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
                          f"student.checkpoint_dir={student}", f"output_dir={tmp_path}/out", "student.prune.keep=3",
                          *SMALL], capsys)
-    doc.expect("kd-tokenizers-differ", one_error(code, err), student=student, teacher=embedded_model_dir)
+    line = doc.expect("kd-tokenizers-differ", one_error(code, err), student=student, teacher=embedded_model_dir)
+    # `recipe validate` reads the same files where the folders are here, and gives the same line
+    code, _, err = doc.run_cli(["validate", "kd/smollm2_demo", f"teacher.checkpoint_dir={embedded_model_dir}",
+                                f"student.checkpoint_dir={student}", "student.prune.keep=3"], capsys)
+    assert one_error(code, err) == line
 
 
 def test_eval_of_a_model_smaller_than_its_tokenizer_is_one_line(embedded_model_dir, tmp_path):
