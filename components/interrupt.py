@@ -144,7 +144,7 @@ class StopRequest:
         self.ranks, self.main = ranks, main
         self._previous: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._watch: tuple[threading.Thread, int, int, int] | None = None  # thread, read fd, write fd, old wakeup fd
+        self._watch: tuple[threading.Thread, int, int] | None = None  # the counting thread, its pipe's read / write fd
 
     @classmethod
     def install(cls, enabled: bool = True, ranks: int = 1, main: bool = True) -> StopRequest:
@@ -166,13 +166,13 @@ class StopRequest:
         process on the second. Not when something else (an event loop) already owns the wakeup fd."""
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        if old != -1:
-            signal.set_wakeup_fd(old)
+        owner = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if owner != -1:
+            signal.set_wakeup_fd(owner)
             os.close(read_fd), os.close(write_fd)
             return
         thread = threading.Thread(target=self._count_signals, args=(read_fd,), name="recipe-stop", daemon=True)
-        self._watch = (thread, read_fd, write_fd, old)
+        self._watch = (thread, read_fd, write_fd)
         thread.start()
 
     def _count_signals(self, read_fd: int) -> None:
@@ -239,9 +239,9 @@ class StopRequest:
     def restore(self) -> None:
         """Put back the handlers that were there before `install`."""
         if self._watch is not None:
-            thread, read_fd, write_fd, old = self._watch
+            thread, read_fd, write_fd = self._watch
             self._watch = None
-            signal.set_wakeup_fd(old)
+            signal.set_wakeup_fd(-1)  # nobody owned it before (`_start_watching`)
             os.write(write_fd, b"\0")
             thread.join()
             os.close(read_fd), os.close(write_fd)

@@ -37,7 +37,8 @@ DATA_SHAPE_KEYS = frozenset({"kd.on_policy", "kd.on_policy.held_out"})
 _CONTROL_KEYS = frozenset({"output_dir", "resume", "overwrite", "resume_with_changes"})
 _NOT_SET = "<not set>"
 
-__all__ = ["DATA_SHAPE_KEYS", "FREE_KEYS", "SHAPE_KEYS", "config_changes", "describe_changes", "resolved_values"]
+__all__ = ["DATA_SHAPE_KEYS", "FREE_KEYS", "SHAPE_KEYS", "config_changes", "describe_changes", "resolved_values",
+           "value_changes"]
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -67,6 +68,13 @@ def _same(old: Any, new: Any) -> bool:
         except OSError:
             return False
     return False
+
+
+def value_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple]:
+    """`key -> (old, new)` for each key of two flat value dicts (`resolved_values`) whose values are not equal; a key
+    on one side only has `<not set>` on the other (as `describe_changes` shows it)."""
+    return {k: (old.get(k, _NOT_SET), new.get(k, _NOT_SET)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, _NOT_SET) != new.get(k, _NOT_SET)}
 
 
 def config_changes(recorded: dict[str, Any], cfg: Any) -> tuple[dict[str, tuple], dict[str, tuple]]:

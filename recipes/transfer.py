@@ -18,7 +18,7 @@ from llm_recipe.components.config import config_source
 from llm_recipe.components.data.transfer.teacher import KINDS, Sampling, build_prompts, write_teacher_rows
 from llm_recipe.components.errors import RecipeError
 from llm_recipe.components.quantization import load_checkpoint
-from llm_recipe.components.resume_changes import describe_changes, resolved_values
+from llm_recipe.components.resume_changes import describe_changes, resolved_values, value_changes
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.schema import Range
 from llm_recipe.components.settings import REQUIRED, section, setting
@@ -99,10 +99,7 @@ def main(cfg: TransferConfig) -> None:
         except (OSError, ValueError) as e:
             raise RecipeError(f"{meta}: unreadable ({e}); move it away to start this folder's transfer set "
                               "again") from None
-        old, now = resolved_values(earlier), resolved_values(settings)
-        changed = {k: (old.get(k, "<not set>"), now.get(k, "<not set>")) for k in sorted(old.keys() | now.keys())
-                   if old.get(k, "<not set>") != now.get(k, "<not set>")}
-        if changed:
+        if changed := value_changes(resolved_values(earlier), resolved_values(settings)):
             raise RecipeError(f"{meta}: output_dir holds a transfer set made with other settings "
                               f"({describe_changes(changed)}); use the same settings to resume, or another "
                               "output_dir")
