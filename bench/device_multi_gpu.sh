@@ -6,7 +6,7 @@
 #        `recipes` and `fault` phases, default the largest of NPROCS; issue 23 asks for them on 2):
 #        wheels, random-weight 1B/8B HF folders, then in the background bench/multi_gpu.py PHASES (default
 #        "scaling recipes fault extra pytest"; `pytest1`: the one-GPU tests; `final`: bench/final_model_speed.py
-#        on the 8B folder over N GPUs (QLoRA, full); `profile`: the scaling row under
+#        on the 8B folder over N GPUs (QLoRA, full); `onpolicy`: the scaling row of on-policy KD; `profile`: the scaling row under
 #        torch.profiler on 1 GPU and on the largest N) with NPROCS (default "1,2"; the
 #        recipes/fault on the largest)
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
@@ -99,6 +99,9 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
+        onpolicy)  # on-policy KD on 1 GPU (CUDA-graphed decode) and N (eager decode under FSDP2), recompiles logged
+            TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
+                --rows kd_on_policy ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
         final)  # model/ at a run's end on N processes: streamed as gathered vs gathered to rank 0's host first
@@ -119,13 +122,13 @@ runner)  # the phases one after another (the GPUs are never shared between two m
                     >$M/profile_n$g.txt 2>&1
                 grep -E '^\{"row"|^GPU busy' $M/profile_n$g.txt
             done ;;
-        pytest)  # the gpu-marked 2-GPU tests; their tiny model takes SmolLM2's tokenizer from /tmp/tok (no `assets`
+        pytest)  # the gpu-marked 2-GPU tests (distributed recipes, on-policy KD); their tiny model takes SmolLM2's tokenizer from /tmp/tok (no `assets`
                  # stage needed); each test's line is in pytest.log as soon as it ends
             # with 4 GPUs, two halves at once on GPUs 0,1 and 2,3 (each test's runs stay on its own pair)
             link_site_hf
             gpu_tests() {  # CUDA_VISIBLE_DEVICES, -k expression, log
                 CUDA_VISIBLE_DEVICES=$1 RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m \
-                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "${PYTEST_K:-$2}" tests/test_distributed_recipes.py \
+                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "${PYTEST_K:-$2}" tests/test_distributed_recipes.py tests/test_on_policy_recipe.py \
                     >"$3" 2>&1
             }
             if (($(nvidia-smi -L | wc -l) >= 4)); then

@@ -49,6 +49,9 @@ def scaling_rows(m: Path) -> dict[str, tuple[str, str, list[str]]]:
         "kd_lora": ("kd", KD, [*kd_paths(m), LORA]),
         "kd_lora_shard": ("kd", KD, [*kd_paths(m), LORA, "teacher.placement=shard"]),
         "kd_full": ("kd", KD, kd_paths(m)),
+        # on-policy KD (half the micro-batches sampled): 1 GPU samples with the CUDA-graphed decode step, N with
+        # the eager one (FSDP2 gathers the sharded student's layers in it)
+        "kd_on_policy": ("kd", KD, [*kd_paths(m), LORA, "kd.on_policy.fraction=0.5"]),
     }
 
 
@@ -66,6 +69,9 @@ def recipe_rows(m: Path, out: Path) -> dict[str, tuple[str, str, list[str], list
         "kd_dora": ("kd", KD, [*kd_paths(m), LORA.replace("]}", "], use_dora: true}"), "max_steps=4"],
                     ["model", "adapter"]),
         "kd_full": ("kd", KD, [*kd_paths(m), "max_steps=4"], ["model"]),
+        # on-policy KD: half the micro-batches sampled by the sharded student (eager decode: FSDP2 gathers in it)
+        "kd_on_policy": ("kd", KD, [*kd_paths(m), LORA, "kd.on_policy.fraction=0.5", "max_steps=4"],
+                         ["model", "adapter", "on_policy_eval.json"]),
         "qat": ("qat", "qat/llama3_2_1b", [f"model.checkpoint_dir={s}", *DATA, "max_steps=6",
                                            "qat.fake_quant_after_n_steps=2"], ["model", "quantized"]),
         "kd_logits": ("kd_logits", "kd_logits/llama3_1_8b", [f"teacher.checkpoint_dir={t}", f"tokenizer_dir={s}",
@@ -106,6 +112,12 @@ def log_facts(log: Path) -> dict:
             "placement": placement.group(1) if placement else None}
 
 
+def sampled_tokens_per_s(steps: list[dict]) -> float | None:
+    """On-policy KD: the median over `steps` of the student's sampled tokens/s (all GPUs); None off-policy."""
+    rates = [s["sampled_tokens_per_s"] for s in steps if s.get("sampled_tokens_per_s")]
+    return statistics.median(rates) if rates else None
+
+
 def append(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -126,6 +138,7 @@ def cmd_scaling(a) -> None:
             timed = [s["tokens_per_s"] for s in steps if s["step"] > a.warmup]
             row = {"row": name, "nproc": n, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[3:]),
                    "tokens_per_s": statistics.median(timed) if timed else None,
+                   "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup]),
                    "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
                    **log_facts(out_dir.with_suffix(".log"))}
             if rc:
@@ -157,6 +170,7 @@ def cmd_recipes(a) -> None:
                "steps": len(steps), "missing": [e for e in expect if not (out_dir / e).exists()],
                "tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[1:]) if len(steps) > 1 else None,
                "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
+               "sampled_tokens_per_s": sampled_tokens_per_s(steps[1:]),
                **log_facts(out_dir.with_suffix(".log"))}
         if rc:
             row["error"] = out_dir.with_suffix(".log").read_text(errors="replace")[-1500:]
@@ -245,7 +259,9 @@ def cmd_table(a) -> None:
     for r in scaling:
         tps = r.get("tokens_per_s")
         base = one.get(r["row"].removesuffix("_shard")) if r["nproc"] > 1 else None
-        print(f"| {r['row']} | {r['nproc']} | {f'{tps:,.0f}' if tps else 'failed rc ' + str(r['rc'])} | "
+        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f})" if r.get("sampled_tokens_per_s")
+                                     else "") if tps else f"failed rc {r['rc']}"
+        print(f"| {r['row']} | {r['nproc']} | {tps_cell} | "
               f"{f'{tps / base:.2f}x' if tps and base else '-'} | {r.get('peak_gib') or '-'} | "
               f"{r.get('first_step_s') or '-'} | {r.get('placement') or '-'} |")
     print("\n| recipe | GPUs | result | steps | tokens/s | peak GiB | wall s | PEFT |")
@@ -257,7 +273,9 @@ def cmd_table(a) -> None:
                 f"{pe['logits_rel_rounded']:.1e} (vs unrounded {pe['logits_rel']:.1e})" if "merge_mismatch" in pe
                 else ("error" if pe else "-"))
         tps = r.get("tokens_per_s")
-        print(f"| {r['recipe']} | {r['nproc']} | {ok} | {r['steps']} | {f'{tps:,.0f}' if tps else '-'} | "
+        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f})" if r.get("sampled_tokens_per_s")
+                                     else "") if tps else "-"
+        print(f"| {r['recipe']} | {r['nproc']} | {ok} | {r['steps']} | {tps_cell} | "
               f"{r.get('peak_gib') or '-'} | {r['wall_s']} | {peft} |")
     for r in read("fault.jsonl"):
         print("\n" + json.dumps(r, indent=1))

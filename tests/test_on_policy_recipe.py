@@ -31,7 +31,7 @@ _jsonl, _shipped_chat, _chat_prompts = opc.jsonl, opc.shipped_chat, opc.chat_pro
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, embedded_model_dir) -> tuple[Path, Path]:
+def models(tmp_path_factory, embedded_tokenizer_dir) -> tuple[Path, Path]:
     """A teacher and a different student (tiny, random, SmolLM2's tokenizer; peaked heads)."""
     from llm_recipe.components.models import save_model
 
@@ -46,7 +46,7 @@ def models(tmp_path_factory, embedded_model_dir) -> tuple[Path, Path]:
         model = build_model(args)
         with torch.no_grad():
             model.output.weight.mul_(8.0)
-        save_model(model, args, root / name, tokenizer_dir=embedded_model_dir)
+        save_model(model, args, root / name, tokenizer_dir=embedded_tokenizer_dir)
     return root / "teacher", root / "student"
 
 
@@ -397,9 +397,32 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
                  *([prompt_set] if prompts == "prompt_set" else [])), "max_steps=3", "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    _assert_two_processes_match_one(args, one, two, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("compile", [False, True])
+def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, compile):
+    """The test above on 2 GPUs (NCCL): every rank's sampling loop runs the same number of decode steps (FSDP2's
+    collectives in each), so the run ends; same steps, prompts, losses and weights as 1 GPU with twice the batch.
+    With compile, both sample eagerly (one GPU's auto would take the CUDA-graphed decode, which 2 processes cannot:
+    different kernels, so different rounding) between compiled training layers."""
+    args = [*(a.replace("device=cpu", "device=cuda") for a in _kd(
+        models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs)), "max_steps=3",
+        "max_grad_norm=1.0", f"compile={str(compile).lower()}", "kd.on_policy.decode=eager"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    rc.assert_ok(subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "kd", "--config",
+                                 "kd/smollm2_demo", *args, "batch_size=4", f"output_dir={one}"],
+                                cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900))
+    _assert_two_processes_match_one(args, one, two, tmp_path)
+
+
+def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: Path) -> None:
+    """`recipe run --nproc-per-node 2 kd ...` with half the batch finishes and matches the 1-process run `one`."""
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
                            "kd", "--config", "kd/smollm2_demo", *args, "batch_size=2", f"output_dir={two}"],
-                          cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
+                          cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
     rc.assert_ok(proc)
     a, b = rc.read_metrics(one), rc.read_metrics(two)
     assert [r["on_policy_batches"] for r in a] == [r["on_policy_batches"] for r in b] and sum(
