@@ -75,11 +75,17 @@ def reshard(model: nn.Module) -> None:
     """Free the gathered copies of a once-per-step model (after a forward without backward, such as sampling or
     a held-out score), so state dicts and memory see the shards again. A no-op otherwise."""
     if getattr(model, "_recipe_gather_per_step", False):
-        from torch.distributed.fsdp import FSDPModule
+        reshard_all(model)
 
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered copy of an FSDP2 model's weights, whatever its schedule (its registered parameters are
+    the sharded DTensors again); a no-op for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def gather(value: torch.Tensor) -> torch.Tensor:

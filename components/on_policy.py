@@ -43,8 +43,10 @@ Sampling speed (`decode_path`): on one CUDA process with `compile: true` the stu
 compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt width padded to a 64 x 2^k
 bucket, the batch to as many rows as that width allows, KV caches kept between steps), so the graph is recorded
 once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training
-layers never see a KV cache. Elsewhere (CPU, FSDP2 over N processes, `decode: eager`) sampling is eager, under
-`no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
+layers never see a KV cache. On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
+student (components/sampling_twin.py: its trained weights gathered into it before each sampling), where memory
+allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is eager, under `no_grad` (not
+inference mode: FSDP2's gathered weights must stay normal tensors).
 
 Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch
 index), and so is its sampling noise (a torch.Generator seeded from them), so a resumed run samples exactly what
@@ -93,6 +95,7 @@ from .on_policy_prompts import (
 from .on_policy_sampling import completion_batch, packed_completion_batch, sample_completions
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
+from .sampling_twin import make_twin, twin_structure
 from .schema import Choice, Range
 from .settings import section, setting
 from .training import hidden_states, to_device
@@ -121,8 +124,9 @@ class OnPolicySettings:
     prompts_per_row: int = setting(8, Range(int, ge=1), "a prompt from each document of a row, up to N, while they "
                                    "and their completions fit in max_seq_len (with prompts: batch_size x N of the "
                                    "set per on-policy micro-batch)")
-    decode: str = setting("auto", Choice(*DECODE_PATHS), "auto: compiled (CUDA graphs) on one CUDA process with "
-                          "compile: true, else eager | compiled (one process only) | eager")
+    decode: str = setting("auto", Choice(*DECODE_PATHS), "auto: compiled (CUDA graphs) on CUDA with compile: true "
+                          "(several processes: on an unsharded copy of the student each, where it fits), else "
+                          "eager | compiled | eager")
     prompts: DatasetConfig | None = section(DatasetConfig, "where on-policy prompts come from: null, each training "
                                             "row's own; or a dataset section (source, format, split, name, "
                                             "data_files, column_map, limit, use_chat_template) whose rows' prompts "
@@ -158,18 +162,22 @@ def check_on_policy(s: OnPolicySettings | None, logits_dir: str | None, dataset:
                           "from kd.on_policy.prompts)")
 
 
-def decode_path(s: OnPolicySettings, compile: bool, device: torch.device, world_size: int) -> str:
-    """"compiled" or "eager": how the student samples (`kd.on_policy.decode`; module docstring)."""
+def decode_path(s: OnPolicySettings, compile: bool, device: torch.device) -> str:
+    """"compiled" or "eager": how the student samples (`kd.on_policy.decode`; module docstring). On several
+    processes "compiled" runs on an unsharded twin of the student, where it fits (`OnPolicy`)."""
     if s.decode == "eager":
         return "eager"
-    if world_size > 1:
-        if s.decode == "compiled":
-            raise RecipeError(f"kd.on_policy.decode=compiled runs on one process only: on {world_size} the student "
-                              "is sharded with FSDP2, which gathers each layer's weights in hooks around every "
-                              "decode step, and the compiled, CUDA-graphed step is built for an unsharded model; "
-                              "use decode: auto (eager sampling) or one process")
-        return "eager"
     return "compiled" if s.decode == "compiled" or (device.type == "cuda" and compile) else "eager"
+
+
+def twin_structure_for(s: OnPolicySettings | None, compile: bool, rt: Runtime,
+                       student: nn.Module) -> tuple[nn.Module, int] | None:
+    """On several processes, when the student will sample with the compiled step: its structure for the sampling
+    twin (components/sampling_twin.py), which must be copied before `Runtime.prepare_model` compiles and shards it;
+    else None."""
+    if s is None or rt.world_size == 1 or decode_path(s, compile, rt.device) != "compiled":
+        return None
+    return twin_structure(student)
 
 
 def score_samples(student: nn.Module, teacher: nn.Module, prompts: Sequence[Sequence[int]],
@@ -267,11 +275,13 @@ class OnPolicy:
     `held`: the dataset's held-out rows, already split off (`HeldOut`; else `hold_out` splits them).
     `student` (prepared on the run's device) and `train_tokens` (its largest training micro-batch): on one GPU, a
     sampling group's KV caches may span a whole step's on-policy prompts when memory allows
-    (`sampling_kv_positions`); without them, or on several processes, one micro-batch's."""
+    (`sampling_kv_positions`); without them one micro-batch's. `twin`: on several processes, the student's structure
+    for the compiled step's unsharded copy (`twin_structure_for`; none: eager sampling through FSDP2)."""
 
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None,
-                 held: HeldOut | None = None, student: nn.Module | None = None, train_tokens: int = 0) -> None:
+                 held: HeldOut | None = None, student: nn.Module | None = None, train_tokens: int = 0,
+                 twin: tuple[nn.Module, int] | None = None) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
@@ -291,10 +301,20 @@ class OnPolicy:
         # the KV positions one sampling group (one decode loop) may span: a micro-batch's prompts at most, or, where
         # memory allows, the step's (chat prompts: fewer, larger groups; memory.py says what it measured)
         self.max_tokens, kv_why = self.rows * self.max_seq_len, None
-        if student is not None and rt.world_size == 1:
+        self.path = decode_path(s, cfg.compile, rt.device)
+        # several processes: the compiled step samples with an unsharded twin of the sharded student where it fits
+        # (components/sampling_twin.py), else sampling is eager through the sharded student
+        self.twin, twin_why = None, None
+        if self.path == "compiled" and rt.world_size > 1:
+            if twin is not None and student is not None:
+                self.twin, twin_why = make_twin(*twin, student, self.max_tokens, train_tokens, rt,
+                                                required=s.decode == "compiled")
+            self.path = "compiled" if self.twin is not None else "eager"
+        if student is not None and (rt.world_size == 1 or self.twin is not None):
+            gathered = twin[1] if self.twin is not None and getattr(student, "_recipe_gather_per_step", False) else 0
             self.max_tokens, kv_why = sampling_kv_positions(student, self.max_tokens, self.max_tokens * self.per_window,
-                                                            train_tokens, rt.device)
-        self.path = decode_path(s, cfg.compile, rt.device, rt.world_size)
+                                                            train_tokens, rt.device, gathered)
+            self.max_tokens = rt.broadcast_object(self.max_tokens)  # rank 0's free memory decides for every rank
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",
                                     max_width=min(self.budget, self.prompt_tokens or self.budget),
@@ -303,6 +323,8 @@ class OnPolicy:
         self._held = held if held is not None else HeldOut(s, prompt_set)  # kd.py: the data already went through it
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         if rt.is_main:
+            if twin_why is not None:
+                print(f"on-policy sampling on {rt.world_size} processes: {twin_why}", flush=True)
             if kv_why is not None:
                 print(f"on-policy decode KV caches: {kv_why}", flush=True)
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
@@ -357,8 +379,10 @@ class OnPolicy:
 
     def _sample(self, model: nn.Module, prompts: list[list[int]], seed: int | Sequence[int], rows: Sequence[int],
                 width: int) -> list[list[int]]:
+        # the twin (refreshed by the caller) needs no collective inside the loop: each rank stops when its rows do
+        model, all_done = (self.twin.model, None) if self.twin is not None else (model, self._all_done)
         return sample_completions(model, prompts, self.s.max_new_tokens, self.s.temperature, self.tokenizer.pad_id,
-                                  self.tokenizer.stop_ids, seed, rows, width, self.vocab, self._all_done, self.static)
+                                  self.tokenizer.stop_ids, seed, rows, width, self.vocab, all_done, self.static)
 
     def _prompts_of_rows(self, batch: dict) -> tuple[list[list[int]], list[int], list[int]]:
         """The prompts of a training micro-batch's rows, each one's noise slot in the global batch (prompt j of
@@ -391,6 +415,8 @@ class OnPolicy:
         if not chosen:
             return window
         start, out, width = time.perf_counter(), list(window), self.rows * self.rt.world_size
+        if self.twin is not None:
+            self.twin.refresh(model)  # the step's starting weights, gathered into the unsharded twin
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])
                  for m in chosen]
         for group in self._groups([prompts for prompts, *_ in dealt]):
@@ -484,6 +510,8 @@ class OnPolicy:
         if not prompts:  # a prompt set with held_out: 0
             return None
         seed = _key(self.seed, "held_out")
+        if self.twin is not None:
+            self.twin.refresh(student)
         scores = score_samples(student, teacher, prompts, lambda chunk, rows: self._sample(
             student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab)
         return {"held_out_rows": len(prompts), "sampled_tokens": sum(scores["tokens"]),

@@ -27,7 +27,13 @@ from llm_recipe.components.metrics import MetricLogger, check_finite
 from llm_recipe.components.models import LoRASettings, load_model
 from llm_recipe.components.models.args import check_context
 from llm_recipe.components.models.prune import StudentSettings, check_student_layers, student_layers
-from llm_recipe.components.on_policy import HeldOut, OnPolicy, check_on_policy, load_prompt_set
+from llm_recipe.components.on_policy import (
+    HeldOut,
+    OnPolicy,
+    check_on_policy,
+    load_prompt_set,
+    twin_structure_for,
+)
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     KD_QAT_KEYS,
@@ -180,13 +186,16 @@ def main(cfg: KDConfig) -> None:
         if prompt_set is not None:  # on-policy rows of the prompt set: batch_size x prompts_per_row of them
             tokens = max(tokens, prompt_set.micro_batch_tokens(cfg.batch_size * on_policy.prompts_per_row,
                                                                on_policy.max_new_tokens))
+        # several processes sample (kd.on_policy) with the compiled step on an unsharded twin of the student: its
+        # structure is copied now, before compiling and sharding (components/sampling_twin.py)
+        twin = twin_structure_for(on_policy, cfg.compile, rt, student)
         rt.prepare_model(student, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                          micro_batch_tokens=tokens)
 
     accum, chunks = cfg.gradient_accumulation_steps, cfg.num_output_chunks
     with setup.phase("optimizer"):
         op = (OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held, student=student,
-                       train_tokens=tokens) if on_policy is not None else None)
+                       train_tokens=tokens, twin=twin) if on_policy is not None else None)
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG

@@ -400,26 +400,44 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
     _assert_two_processes_match_one(args, one, two, tmp_path)
 
 
+@pytest.mark.slow  # ~3 min on 2 cores: Inductor compiles the decode step in the 1-process run and in each rank
+def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, models, short_docs):
+    """`kd.on_policy.decode=compiled` on 2 processes (gloo): each rank samples with the compiled step on an
+    unsharded twin of the sharded student (components/sampling_twin.py), its trained weights gathered into it before
+    each sampling, so the steps, prompts, losses, weights and held-out score are those of 1 process sampling with
+    the compiled step on its own student with twice the batch. A twin left with the step's first weights, or a rank
+    sampling another's prompts, would move the later steps' losses."""
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs), "max_steps=3",
+            "max_grad_norm=1.0", "kd.on_policy.decode=compiled"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    out = _assert_two_processes_match_one(args, one, two, tmp_path)
+    assert "on-policy sampling on 2 processes: an unsharded copy of the student per process" in out, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("compile", [False, True])
-def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, compile):
-    """The test above on 2 GPUs (NCCL): every rank's sampling loop runs the same number of decode steps (FSDP2's
-    collectives in each), so the run ends; same steps, prompts, losses and weights as 1 GPU with twice the batch.
-    With compile, both sample eagerly (one GPU's auto would take the CUDA-graphed decode, which 2 processes cannot:
-    different kernels, so different rounding) between compiled training layers."""
+@pytest.mark.parametrize(("compile", "decode"), [(False, "eager"), (True, "eager"), (True, "auto")])
+def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, compile, decode):
+    """The tests above on 2 GPUs (NCCL), as 1 GPU with twice the batch: the same steps, prompts, losses, weights
+    and held-out score. Eager: every rank's sampling loop runs the same decode steps through the sharded student
+    (FSDP2's collectives in each), between eager or compiled training layers. auto with compile: 1 GPU samples with
+    the CUDA-graphed step on its student, 2 GPUs with the same step on each rank's unsharded twin."""
     args = [*(a.replace("device=cpu", "device=cuda") for a in _kd(
         models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs)), "max_steps=3",
-        "max_grad_norm=1.0", f"compile={str(compile).lower()}", "kd.on_policy.decode=eager"]
+        "max_grad_norm=1.0", f"compile={str(compile).lower()}", f"kd.on_policy.decode={decode}"]
     one, two = tmp_path / "one", tmp_path / "two"
     rc.assert_ok(subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "kd", "--config",
                                  "kd/smollm2_demo", *args, "batch_size=4", f"output_dir={one}"],
                                 cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900))
-    _assert_two_processes_match_one(args, one, two, tmp_path)
+    out = _assert_two_processes_match_one(args, one, two, tmp_path)
+    assert ("on-policy sampling on 2 processes: an unsharded copy of the student per GPU" in out) == (
+        decode == "auto"), out
 
 
-def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: Path) -> None:
-    """`recipe run --nproc-per-node 2 kd ...` with half the batch finishes and matches the 1-process run `one`."""
+def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: Path) -> str:
+    """`recipe run --nproc-per-node 2 kd ...` with half the batch finishes and matches the 1-process run `one`;
+    what it printed."""
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
                            "kd", "--config", "kd/smollm2_demo", *args, "batch_size=2", f"output_dir={two}"],
                           cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
@@ -442,6 +460,7 @@ def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: 
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
+    return proc.stdout
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: Inductor compiles the layers and the decode step for the CPU

@@ -1,0 +1,138 @@
+"""An unsharded twin of an FSDP2-sharded student, so on-policy KD on several processes samples with the compiled,
+CUDA-graphed decode step one process uses.
+
+Why: under FSDP2 each layer's weights are gathered in hooks around every forward, and a CUDA graph reads weights at
+fixed addresses with no hooks, so a sharded student could only sample eagerly, every decode step running those hooks
+and an all-reduce of "every row stopped" (two H200s, the shipped 8B -> 1B KD with LoRA: 2,482 sampled tokens/s over
+both GPUs against one GPU's 12,061 with the compiled step; docs/benchmarks.md, session 55). The twin holds the
+student's full weights on each GPU at addresses that never change: its structure is copied before sharding
+(`twin_structure`: placeholders on the meta device, no weights), its weights are gathered into it once, and before
+each sampling only the trained ones are gathered again, into the same tensors (`SamplingTwin.refresh`). Each rank
+then samples its own prompts with no collective inside the decode loop. The cost is one full copy of the student's
+weights per GPU (an NF4 base at its 4-bit size), which `twin_fits` weighs against free memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+
+from .memory import RESERVE_BYTES, USABLE_FRACTION, weight_bytes
+
+
+def twin_structure(model: nn.Module) -> tuple[nn.Module, int]:
+    """A deep copy of `model` (loaded, not yet compiled, checkpointed or sharded) whose parameters and buffers are
+    meta placeholders (tied weights stay one placeholder), and the bytes its weights will take once gathered
+    (as stored now: NF4 at its real size)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo), weight_bytes(model)
+
+
+def twin_fits(twin_bytes: int, kv_bytes: int, rest_bytes: int, device: torch.device) -> tuple[bool, str]:
+    """Whether the twin's weights, a sampling loop's KV caches and `rest_bytes` (what training holds at once beside
+    them) fit in the usable free memory of `device` with the reserve, and the sizes in words."""
+    gib = 2**30
+    free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
+    need = twin_bytes + kv_bytes + rest_bytes + RESERVE_BYTES
+    return need <= free, (f"{twin_bytes / gib:.1f} GiB of weights + {kv_bytes / gib:.1f} GiB of KV caches + "
+                          f"{(rest_bytes + RESERVE_BYTES) / gib:.1f} GiB for the rest "
+                          f"{'<=' if need <= free else '>'} {free / gib:.1f} GiB usable free")
+
+
+class SamplingTwin:
+    """`structure` (from `twin_structure`) filled with the full weights of `sharded` (the same model after
+    `Runtime.prepare_model` sharded it) on its device. Every rank must build it and call `refresh` at the same
+    points, in the same order (each gathers the sharded weights with collectives)."""
+
+    @torch.no_grad()
+    def __init__(self, structure: nn.Module, sharded: nn.Module) -> None:
+        params, buffers = self._sources(sharded)
+        made: dict[int, nn.Parameter] = {}  # id of the sharded parameter -> the twin's (tied weights stay one)
+        self._trained: list[tuple[str, nn.Parameter]] = []  # refreshed before each sampling
+        for prefix, module in structure.named_modules(remove_duplicate=False):
+            for attr, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                source = params[name]
+                if id(source) not in made:
+                    made[id(source)] = nn.Parameter(_full(source, copy=True), requires_grad=False)
+                    if source.requires_grad:
+                        self._trained.append((name, made[id(source)]))
+                module._parameters[attr] = made[id(source)]
+            for attr, b in list(module._buffers.items()):
+                if b is not None:  # read-only (the rope cache): the student's own tensor, on its device
+                    module._buffers[attr] = buffers[f"{prefix}.{attr}" if prefix else attr]
+        self.model = structure.eval()
+
+    @staticmethod
+    def _sources(sharded: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The sharded model's parameters (every name of a tied one) and buffers, each layer sharded again first:
+        a parameter read while its layer is gathered would be FSDP2's unsharded copy, whose memory it frees."""
+        from .fsdp import reshard_all
+
+        reshard_all(sharded)
+        return (dict(sharded.named_parameters(remove_duplicate=False)),
+                dict(sharded.named_buffers(remove_duplicate=False)))
+
+    @torch.no_grad()
+    def refresh(self, sharded: nn.Module) -> nn.Module:
+        """The twin with the trained weights of `sharded` as they are now (gathered into its tensors in place: the
+        addresses a recorded CUDA graph reads stay the same); frozen ones never change."""
+        params, _ = self._sources(sharded)
+        for name, p in self._trained:
+            p.copy_(_full(params[name], copy=False))
+        return self.model
+
+
+def _full(value: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A sharded parameter's full tensor, gathered on its device (every rank must call it); a plain one detached,
+    cloned when `copy` (one not sharded by FSDP2 stays the student's own tensor otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    from .fsdp import gather
+
+    if isinstance(value, DTensor):
+        return gather(value.detach())
+    return _clone(value.detach()) if copy else value.detach()
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """An exact copy; a tensor subclass through its inner tensors (torchao 0.18's NF4 `clone` quantizes the
+    dequantized weight again, which moves its scales)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, ctx = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({n: _clone(getattr(t, n)) for n in names}, ctx, t.size(), t.stride())
+    return t.clone()
+
+
+def make_twin(structure: nn.Module, twin_bytes: int, sharded: nn.Module, kv_positions: int, train_tokens: int,
+              rt, required: bool) -> tuple[SamplingTwin | None, str]:
+    """The twin of `sharded` when its weights and a micro-batch's `kv_positions` of KV caches fit beside what a
+    training step holds (activations of `train_tokens`, this rank's optimizer state, the layers gathered for a
+    whole step where they are), else None (eager sampling, through the sharded student), and why in words. Rank 0's
+    free memory decides for every rank (the twin's gathers are collectives). `required` (`decode: compiled`): a
+    one-line error instead of None. `rt`: the run's Runtime."""
+    from .errors import RecipeError
+    from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
+
+    if rt.device.type != "cuda":
+        return SamplingTwin(structure, sharded), "an unsharded copy of the student per process"
+    gathered = twin_bytes if getattr(sharded, "_recipe_gather_per_step", False) else 0  # fsdp.shard(per_step)
+    rest = (activation_bytes(sharded, train_tokens, sharded.tok_embeddings.weight.dtype) + gathered
+            + training_state_bytes(sharded) // rt.world_size)
+    fits, sizes = twin_fits(twin_bytes, kv_positions * kv_bytes_per_position(sharded), rest, rt.device)
+    fits = rt.broadcast_object(fits)
+    if fits:
+        return SamplingTwin(structure, sharded), f"an unsharded copy of the student per GPU: {sizes}"
+    if required:
+        raise RecipeError("kd.on_policy.decode=compiled on several GPUs samples with an unsharded copy of the "
+                          f"student on each, which does not fit: {sizes}; use decode: auto (eager sampling "
+                          "through the sharded student) or free memory (a smaller batch_size or prompts_per_row)")
+    return None, f"eager decode steps through the sharded student: an unsharded copy per GPU would not fit ({sizes})"

@@ -1,0 +1,83 @@
+"""The sampling twin (components/sampling_twin.py) on one process: a copy of the student's structure made before
+preparation, filled with its weights, computes the student's logits; `refresh` brings the trained weights' updates
+into the same tensors (a recorded CUDA graph reads them there) and leaves frozen ones alone; tied weights stay
+tied; an NF4 base (QLoRA) comes through as NF4. Two processes (the sharded case) are in test_on_policy_recipe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_recipe.components.memory import weight_bytes
+from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
+from llm_recipe.components.runtime import setup_runtime
+from llm_recipe.components.sampling_twin import SamplingTwin, twin_structure
+from llm_recipe.components.training import freeze_all_but_adapters
+
+TOKENS = torch.tensor([[1, 40, 100, 31, 7, 90, 12, 5]])
+# 256 wide: NF4 quantizes in blocks of 64 elements and its scalers in blocks of 256
+ARGS = ModelArgs(family="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=64,
+                 tie_word_embeddings=True, qkv_bias=False, o_bias=False)
+
+
+def _student(quantize_base):
+    torch.manual_seed(0)
+    lora = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"), quantize_base=quantize_base)
+    model = build_model(ARGS, lora=lora, max_seq_len=64)
+    with torch.no_grad():  # adapters that change the logits (lora_b starts at zero)
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(0, 0.02)
+    freeze_all_but_adapters(model)
+    return model
+
+
+@pytest.mark.parametrize("quantize_base", [False, "nf4"])
+def test_twin_computes_the_students_logits_and_refresh_updates_in_place(quantize_base):
+    student = _student(quantize_base)
+    structure, nbytes = twin_structure(student)
+    assert all(p.is_meta for p in structure.parameters()) and nbytes == weight_bytes(student)
+    rt = setup_runtime("cpu", "fp32", 0)
+    rt.prepare_model(student, activation_checkpointing=True)  # what the copy must not carry
+    twin = SamplingTwin(structure, student)
+    assert twin.model.output.tied_module is twin.model.tok_embeddings  # a tied head: the twin's own table
+    assert not any(p.requires_grad for p in twin.model.parameters())
+    student.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin.model(TOKENS), student(TOKENS), rtol=0, atol=0)
+    if quantize_base:
+        assert type(twin.model.layers[0].attn.q_proj.weight).__name__ == "NF4Tensor"
+
+    trained = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    frozen = dict(twin.model.named_parameters())["layers.0.attn.k_proj.weight"]
+    where = {n: p.data_ptr() for n, p in twin.model.named_parameters()}
+    with torch.no_grad():  # an optimizer step's in-place update of the adapters
+        for p in trained.values():
+            p.add_(torch.randn_like(p) * 0.1)
+        assert not torch.equal(twin.model(TOKENS), student(TOKENS))  # the twin keeps the weights it was given
+        assert twin.refresh(student) is twin.model
+        torch.testing.assert_close(twin.model(TOKENS), student(TOKENS), rtol=0, atol=0)
+    assert {n: p.data_ptr() for n, p in twin.model.named_parameters()} == where  # the same tensors
+    assert dict(twin.model.named_parameters())["layers.0.attn.k_proj.weight"] is frozen
+
+
+def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(monkeypatch):
+    """On GPUs the twin is made only where rank 0's free memory holds it beside training (`twin_fits`); otherwise
+    auto samples eagerly through the sharded student and says why, and `decode: compiled` stops in one line."""
+    from types import SimpleNamespace
+
+    from llm_recipe.components import sampling_twin
+    from llm_recipe.components.errors import RecipeError
+
+    student = _student(False)
+    structure, nbytes = twin_structure(student)
+    seen = []
+    monkeypatch.setattr(sampling_twin, "twin_fits", lambda *a: (seen.append(a), (False, "9.0 GiB > 1.0 GiB"))[1])
+    rt = SimpleNamespace(device=torch.device("cuda"), world_size=2, broadcast_object=lambda obj: obj)
+    twin, why = sampling_twin.make_twin(structure, nbytes, student, 4096, 2048, rt, required=False)
+    assert twin is None and why == ("eager decode steps through the sharded student: an unsharded copy per GPU "
+                                    "would not fit (9.0 GiB > 1.0 GiB)")
+    assert seen[0][:2] == (nbytes, 4096 * 2 * 2 * 2 * 64 * 4)  # the twin's bytes; 4096 positions of K and V
+    with pytest.raises(RecipeError, match=r"^kd.on_policy.decode=compiled on several GPUs .* does not fit: 9.0 GiB"):
+        sampling_twin.make_twin(structure, nbytes, student, 4096, 2048, rt, required=True)
