@@ -197,11 +197,26 @@ def last_logits(model: torch.nn.Module, tokens: torch.Tensor, input_pos: torch.T
     return model.output(hidden[:, -1]).float()
 
 
+def _decode_layer(layer: torch.nn.Module, h: torch.Tensor, mask: torch.Tensor,
+                  input_pos: torch.Tensor) -> torch.Tensor:
+    return layer(h, mask=mask, input_pos=input_pos)
+
+
+# Compiled once and reused for every identical decoder layer (Dynamo traces one layer, Inductor compiles it once),
+# not unrolled 16-32 times into one graph: a 16-layer decode step compiled in 8.9 s instead of 38.1 s on 2 CPU
+# cores (session 55), the same samples. Eager calls run the function as it is.
+_decode_layer = torch.compiler.nested_compile_region(_decode_layer)
+
+
 def _step_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
-    """The logits of a one-token decode step [b, vocab] (the model's forward with the KV cache): what
+    """The fp32 logits of a one-token decode step [b, vocab]: the model's forward with the KV cache (torchtune's
+    TransformerDecoder.forward: embedding, layers, norm, head), each layer through `_decode_layer`. What
     `_compiled_decode` compiles, so it leaves `skip_output` alone (a module attribute Dynamo would guard on)."""
-    return model(tokens, input_pos=input_pos, mask=mask)[:, -1]
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers:
+        h = _decode_layer(layer, h, mask, input_pos)
+    return model.output(model.norm(h)).float()[:, -1]
 
 
 def decode_capacity(total: int, max_rows: int, max_tokens: int | None) -> int:
@@ -242,8 +257,9 @@ class StaticDecode:
     The model's weights are whatever it holds at the call: a training model's own parameters, updated in place by
     its optimizer (a CUDA graph reads them at their addresses). The prompt's forward runs eagerly (under
     `torch.compiler.set_stance("force_eager")`), so layers compiled for training (`nn.Module.compile`) never
-    compile a KV-cache variant; the decode step, compiled as one function over the whole model, inlines those
-    layers' code into its own graph and leaves their compiled entries alone."""
+    compile a KV-cache variant; the decode step, compiled as one function over the whole model, traces those
+    layers' code into its own graph (one layer compiled, reused for every identical one: `_decode_layer`) and
+    leaves their compiled entries alone."""
 
     def __init__(self, batch: int, mode: str = "reduce-overhead", max_width: int | None = None,
                  backend: str = "inductor", max_tokens: int | None = None,
