@@ -225,8 +225,8 @@ def eval_one(name: str, model_dir: str, teacher_dir: str, out: Path, scale: dict
 
     from llm_recipe.components.models import load_model
     from llm_recipe.components.models.tokenizer import Tokenizer
-    from llm_recipe.components.on_policy import per_prompt_summary, score_samples
     from llm_recipe.components.on_policy_sampling import sample_completions
+    from llm_recipe.components.on_policy_score import per_prompt_summary, score_samples
 
     t0 = time.time()
     device = scale["device"]

@@ -14,7 +14,9 @@ The blocks recipes/kd.py calls from its loop:
   for `kd.on_policy.prompts` and its stateless dealing): components/on_policy_prompts.py.
 - plain functions, tested on their own: `sample_completions`, `completion_batch` and `packed_completion_batch`
   (components/on_policy_sampling.py), `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric
-  per prompt, also what bench/kd_study2_onp.py scores every student of the KD study with), `sampling_groups`.
+  per prompt, also what bench/kd_study2_onp.py scores every student of the KD study with:
+  components/on_policy_score.py), `sampling_groups`; the sampling twin of several processes:
+  components/sampling_twin.py.
 
 Where prompts come from: by default each on-policy micro-batch takes the prompts of its own training rows (below).
 With `kd.on_policy.prompts` (a dataset section: source, format, split, ...) they come from that set instead, so the
@@ -93,12 +95,12 @@ from .on_policy_prompts import (
     sampling_groups,
 )
 from .on_policy_sampling import completion_batch, packed_completion_batch, sample_completions
+from .on_policy_score import per_prompt_summary, score_samples
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
 from .sampling_twin import make_twin, twin_structure
 from .schema import Choice, Range
 from .settings import section, setting
-from .training import hidden_states, to_device
 
 EVAL_FILE = ON_POLICY_EVAL_FILE  # held_out_eval's result, in output_dir (an output overwrite=true replaces)
 KD_OPTIONS = ("beta", "alpha", "ratio")
@@ -178,51 +180,6 @@ def twin_structure_for(s: OnPolicySettings | None, compile: bool, rt: Runtime,
     if s is None or rt.world_size == 1 or decode_path(s, compile, rt.device) != "compiled":
         return None
     return twin_structure(student)
-
-
-def score_samples(student: nn.Module, teacher: nn.Module, prompts: Sequence[Sequence[int]],
-                  sample: Callable[[list[list[int]], range], list[list[int]]], batch: int, pad_id: int,
-                  num_chunks: int = 8, vocab_size: int | None = None) -> dict[str, list[float]]:
-    """Per prompt: the summed reverse KL(student || teacher) at T = 1 over the student's sampled completion, the
-    teacher's summed NLL of it, and its token count. `sample(chunk, rows)` samples a chunk of `batch` prompts
-    (`rows`: their indices in `prompts`, which fix their sampling noise). The held-out metric of a KD run
-    (`OnPolicy.held_out_eval`) and of a study's evaluation of any trained student (bench/kd_study2_onp.py)."""
-    metric, device = build_kd_loss("reverse_kl", 1.0), student.tok_embeddings.weight.device
-    out: dict[str, list[float]] = {"reverse_kl_sum": [], "teacher_nll_sum": [], "tokens": []}
-    training = student.training
-    student.eval()
-    try:
-        for i in range(0, len(prompts), batch):  # training's sampling batch (and the compiled step's shapes)
-            chunk = [list(p) for p in prompts[i : i + batch]]
-            b = to_device(completion_batch(chunk, sample(chunk, range(i, i + len(chunk))), pad_id), device)
-            with torch.inference_mode():
-                t_hidden = hidden_states(teacher, b)
-            # not inference mode: a sharded student's gathered weights stay normal tensors; eager: the compiled
-            # training layers would compile a no-grad variant for this one pass at the end
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                s_hidden = hidden_states(student, b)
-                for r in range(len(chunk)):  # one prompt at a time: its own sums (a row is one prompt's sample)
-                    labels, t = b["labels"][r : r + 1], t_hidden[r : r + 1]
-                    parts = kd_and_ce(s_hidden[r : r + 1], student.output, labels, LiveTeacher(t, teacher.output),
-                                      metric, 1.0, num_chunks=num_chunks, vocab_size=vocab_size)
-                    nll = kd_and_ce(t, teacher.output, labels, num_chunks=num_chunks, vocab_size=vocab_size)["ce"]
-                    out["reverse_kl_sum"].append(float(parts["kd"]))
-                    out["teacher_nll_sum"].append(float(nll))
-                    out["tokens"].append(int(parts["n"]))
-    finally:
-        student.train(training)
-    return out
-
-
-def per_prompt_summary(scores: dict[str, list[float]]) -> dict[str, Any]:
-    """`score_samples`' sums as per-prompt means per sampled token (rounded: the file stays small), their means
-    over prompts (each prompt weighs the same, as in a paired comparison across prompts) and the prompt count."""
-    n = [max(int(k), 1) for k in scores["tokens"]]
-    rkl = [round(v / k, 6) for v, k in zip(scores["reverse_kl_sum"], n, strict=True)]
-    nll = [round(v / k, 6) for v, k in zip(scores["teacher_nll_sum"], n, strict=True)]
-    return {"prompts": len(n), "reverse_kl_mean": sum(rkl) / max(len(rkl), 1),
-            "teacher_nll_mean": sum(nll) / max(len(nll), 1),
-            "per_prompt": {"reverse_kl": rkl, "teacher_nll": nll, "tokens": [int(k) for k in scores["tokens"]]}}
 
 
 def on_policy_kd_loss(s: OnPolicySettings, kd: Any) -> KDLoss:
@@ -350,7 +307,7 @@ class OnPolicy:
                           "end-of-run score is not of unseen prompts; for that, give the prompts rows of their own, "
                           "or slice them off with the two splits (e.g. dataset.split='train[:-100]', "
                           f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
-        self._batches_logged = 0
+        self._batches_logged, self.step_seconds = 0, 0.0
         self._reset()
 
     # ------------------------------------------------------------------ data
@@ -469,6 +426,7 @@ class OnPolicy:
 
     def sums(self) -> dict[str, Tensor]:
         """The step's on-policy sums, to reduce over ranks with the step's other values (`step_values`)."""
+        self.step_seconds = self._seconds  # this rank's sampling time in the step (the setup log's first step)
         out = {"on_policy_loss": self._loss, "on_policy_rkl_sum": self._rkl,
                "on_policy_prompts": torch.tensor(float(self._prompts), device=self.rt.device),
                "on_policy_sampled": torch.tensor(float(self._sampled), device=self.rt.device),

@@ -73,12 +73,17 @@ class SetupLog:
         self.parts.append((what, seconds))
         self.say(f"{what}: {seconds:.1f} s")
 
-    def first_step(self, step_seconds: float, compiled: bool, step: int = 1) -> None:
+    def first_step(self, step_seconds: float, compiled: bool, step: int = 1,
+                   within: dict[str, float] | None = None) -> None:
         """After this process's first optimizer step (`step`: 1, or the one after a resumed checkpoint): its time
-        (compilation included when `compiled`) and the whole breakdown."""
+        (compilation included when `compiled`), the parts of it `within` names (e.g. on-policy sampling's seconds)
+        and the whole breakdown."""
         now = time.time()
         parts = ", ".join(f"{what} {s:.1f} s" for what, s in self.parts)
-        note = " (includes torch.compile of what runs in it)" if compiled else ""
+        inside = [f"{what} {s:.1f} s of it" for what, s in (within or {}).items() if s > 0]
+        if compiled:
+            inside.append("includes torch.compile of what runs in it")
+        note = f" ({'; '.join(inside)})" if inside else ""
         when = (f"{now - self.launched:.1f} s after launch ({now - self.began:.1f} s after setup began)" if self.fresh
                 else f"{now - self.began:.1f} s after setup began")
         self.say(f"first optimizer step done {when}: {parts}{', ' if parts else ''}step {step} {step_seconds:.1f} s"

@@ -248,7 +248,8 @@ def main(cfg: KDConfig) -> None:
             optimizer_step(optimizer, scheduler)
             step += 1
             if step == start + 1:  # say when the first step of this process ended, and what setup took
-                setup.first_step(clock.elapsed(), compiled=cfg.compile, step=step)
+                setup.first_step(clock.elapsed(), compiled=cfg.compile, step=step,  # with its sampling's time
+                                 within={"on-policy sampling": op.step_seconds} if op is not None else None)
             logger.log(step, loss=values["loss"], ce_loss=values.get("ce"), kd_loss=values.get("kd"),
                        lr=lr, grad_norm=values["grad_norm"],
                        tokens_per_s=clock.rate(window, rt), peak_memory_gib=rt.peak_memory_gib(),

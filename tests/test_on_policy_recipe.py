@@ -138,12 +138,14 @@ def test_on_policy_micro_batches_sample_the_prompt_set_by_the_dealing_rule(tmp_p
     held-out one, and those 3 score the student at the end; the training rows still feed the
     off-policy micro-batches, all 16 of them (the dataset keeps its tail)."""
     from llm_recipe.components import on_policy as onp
+    from llm_recipe.components import on_policy_score
     from llm_recipe.components.data.dataset import build_dataset
     from llm_recipe.components.models.tokenizer import Tokenizer
 
     sampled, windows = [], []
     batch = onp.completion_batch
-    monkeypatch.setattr(onp, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
+    for module in (onp, on_policy_score):  # training's on-policy batches, and the held-out score's
+        monkeypatch.setattr(module, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
     window = onp.OnPolicy.sample_window
     monkeypatch.setattr(onp.OnPolicy, "sample_window",
                         lambda self, model, w, step: windows.append((w, window(self, model, w, step))) or windows[-1][1])
@@ -198,12 +200,14 @@ def test_a_prompt_only_prompt_set_trains_end_to_end(tmp_path, models, monkeypatc
     of the 3 training rows, each rendered up to where the response would start and cut to its last 48 - 8 tokens,
     and the 3 held-out ones score the student at the end."""
     from llm_recipe.components import on_policy as onp
+    from llm_recipe.components import on_policy_score
     from llm_recipe.components.data.formats import ALPACA_PROMPT_NO_INPUT
     from llm_recipe.components.models.tokenizer import Tokenizer
 
     sampled = []
     batch = onp.completion_batch
-    monkeypatch.setattr(onp, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
+    for module in (onp, on_policy_score):  # training's on-policy batches, and the held-out score's
+        monkeypatch.setattr(module, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
     chat = _shipped_chat(range(1043, 1049))
     path = _jsonl(tmp_path / "prompts.jsonl", [{"messages": m[:-1]} if fmt == "chat" else
                                                {"instruction": m[0]["content"]} for m in chat])

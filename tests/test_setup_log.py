@@ -40,3 +40,14 @@ def test_silent_off_rank_zero(monkeypatch, capsys):
         pass
     log.first_step(0.5, compiled=False)
     assert capsys.readouterr().out == ""
+
+
+def test_the_first_step_says_what_of_it_was_sampling(capsys):
+    """kd with on-policy micro-batches: the first step's time names its sampling's share (the compiled decode
+    step's compile and CUDA graph recording fall in it) next to torch.compile's note."""
+    log = setup_log.SetupLog(is_main=True)
+    log.first_step(80.7, compiled=True, within={"on-policy sampling": 55.25})
+    assert capsys.readouterr().out.endswith(
+        "step 1 80.7 s (on-policy sampling 55.2 s of it; includes torch.compile of what runs in it)\n")
+    log.first_step(3.0, compiled=False, within={"on-policy sampling": 0.0})  # a first step with none sampled
+    assert capsys.readouterr().out.endswith("step 1 3.0 s\n")
