@@ -297,6 +297,7 @@ def test_compiled_sampling_and_compiled_training_layers_never_recompile_each_oth
     torch._dynamo.reset()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and Inductor's GPU kernels")
 def test_cuda_graph_sampling_is_recorded_once_and_reads_the_trained_weights(monkeypatch):
     """On a GPU: the on-policy sampler's decode step (StaticDecode, mode reduce-overhead) between training steps of
