@@ -98,7 +98,7 @@ from .on_policy_sampling import completion_batch, packed_completion_batch, sampl
 from .on_policy_score import per_prompt_summary, score_samples
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
-from .sampling_twin import make_twin, twin_structure
+from .sampling_twin import TwinPlan, make_twin, step_gathered_bytes, twin_structure
 from .schema import Choice, Range
 from .settings import section, setting
 
@@ -173,7 +173,7 @@ def decode_path(s: OnPolicySettings, compile: bool, device: torch.device) -> str
 
 
 def twin_structure_for(s: OnPolicySettings | None, compile: bool, rt: Runtime,
-                       student: nn.Module) -> tuple[nn.Module, int] | None:
+                       student: nn.Module) -> TwinPlan | None:
     """On several processes, when the student will sample with the compiled step: its structure for the sampling
     twin (components/sampling_twin.py), which must be copied before `Runtime.prepare_model` compiles and shards it;
     else None."""
@@ -238,7 +238,7 @@ class OnPolicy:
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None,
                  held: HeldOut | None = None, student: nn.Module | None = None, train_tokens: int = 0,
-                 twin: tuple[nn.Module, int] | None = None) -> None:
+                 twin: TwinPlan | None = None) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
@@ -264,11 +264,11 @@ class OnPolicy:
         self.twin, twin_why = None, None
         if self.path == "compiled" and rt.world_size > 1:
             if twin is not None and student is not None:
-                self.twin, twin_why = make_twin(*twin, student, self.max_tokens, train_tokens, rt,
+                self.twin, twin_why = make_twin(twin, student, self.max_tokens, train_tokens, rt,
                                                 required=s.decode == "compiled")
             self.path = "compiled" if self.twin is not None else "eager"
         if student is not None and (rt.world_size == 1 or self.twin is not None):
-            gathered = twin[1] if self.twin is not None and getattr(student, "_recipe_gather_per_step", False) else 0
+            gathered = step_gathered_bytes(twin, student) if self.twin is not None else 0
             self.max_tokens, kv_why = sampling_kv_positions(student, self.max_tokens, self.max_tokens * self.per_window,
                                                             train_tokens, rt.device, gathered)
             self.max_tokens = rt.broadcast_object(self.max_tokens)  # rank 0's free memory decides for every rank
@@ -478,8 +478,10 @@ class OnPolicy:
                 **per_prompt_summary(scores)}
 
     def report_held_out(self, student: nn.Module, teacher: nn.Module, output_dir: str | Path) -> dict[str, Any] | None:
-        """`held_out_eval`, printed and written to output_dir/on_policy_eval.json by rank 0."""
+        """`held_out_eval`, printed and written to output_dir/on_policy_eval.json by rank 0. The run's last sampling:
+        the twin's copy of the student and the decode KV caches go (model/ and a QAT conversion come next)."""
         result = self.held_out_eval(student, teacher)
+        self.twin = self.static = None
         if result is not None and self.rt.is_main:
             atomic_write_bytes(Path(output_dir) / EVAL_FILE, (json.dumps(result, indent=2) + "\n").encode())
             print(f"on-policy held-out: teacher-scored reverse KL {result['reverse_kl_per_token']:.4f} per sampled "

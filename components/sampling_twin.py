@@ -16,22 +16,30 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .memory import RESERVE_BYTES, USABLE_FRACTION, weight_bytes
+from .memory import RESERVE_BYTES, USABLE_FRACTION, gathered_bytes, weight_bytes
 
 
-def twin_structure(model: nn.Module) -> tuple[nn.Module, int]:
+class TwinPlan(NamedTuple):
+    """What `twin_structure` takes from the loaded student before it is sharded."""
+
+    structure: nn.Module  # its modules, with meta placeholders for weights
+    weight_bytes: int  # the twin's weights once gathered (as stored: NF4 at its real size)
+    gathered_bytes: int  # what FSDP2 holds while the layers stay gathered for a whole step: weights + full gradients
+
+
+def twin_structure(model: nn.Module) -> TwinPlan:
     """A deep copy of `model` (loaded, not yet compiled, checkpointed or sharded) whose parameters and buffers are
-    meta placeholders (tied weights stay one placeholder), and the bytes its weights will take once gathered
-    (as stored now: NF4 at its real size)."""
+    meta placeholders (tied weights stay one placeholder), and the sizes `make_twin` weighs."""
     memo: dict[int, torch.Tensor] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo), weight_bytes(model)
+    return TwinPlan(copy.deepcopy(model, memo), weight_bytes(model), gathered_bytes(model))
 
 
 def twin_fits(twin_bytes: int, kv_bytes: int, rest_bytes: int, device: torch.device) -> tuple[bool, str]:
@@ -99,8 +107,21 @@ def _full(value: torch.Tensor, copy: bool) -> torch.Tensor:
     from .fsdp import gather
 
     if isinstance(value, DTensor):
-        return gather(value.detach())
+        return _waited(gather(value.detach()))
     return _clone(value.detach()) if copy else value.detach()
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """`t` with each AsyncCollectiveTensor (itself, or an inner tensor of a subclass: a gathered NF4 weight's three)
+    replaced by its waited result; a compiled decode step would otherwise wait on each at every replay."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.trigger_wait()
+    if hasattr(t, "__tensor_flatten__"):
+        names, ctx = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({n: _waited(getattr(t, n)) for n in names}, ctx, t.size(), t.stride())
+    return t
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -112,8 +133,14 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def make_twin(structure: nn.Module, twin_bytes: int, sharded: nn.Module, kv_positions: int, train_tokens: int,
-              rt, required: bool) -> tuple[SamplingTwin | None, str]:
+def step_gathered_bytes(plan: TwinPlan, sharded: nn.Module) -> int:
+    """Bytes a step holds beside the twin while `sharded`'s layers stay gathered for the whole step (fsdp.shard's
+    per-step schedule: weights and full gradients), else 0."""
+    return plan.gathered_bytes if getattr(sharded, "_recipe_gather_per_step", False) else 0
+
+
+def make_twin(plan: TwinPlan, sharded: nn.Module, kv_positions: int, train_tokens: int, rt,
+              required: bool) -> tuple[SamplingTwin | None, str]:
     """The twin of `sharded` when its weights and a micro-batch's `kv_positions` of KV caches fit beside what a
     training step holds (activations of `train_tokens`, this rank's optimizer state, the layers gathered for a
     whole step where they are), else None (eager sampling, through the sharded student), and why in words. Rank 0's
@@ -123,14 +150,13 @@ def make_twin(structure: nn.Module, twin_bytes: int, sharded: nn.Module, kv_posi
     from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
 
     if rt.device.type != "cuda":
-        return SamplingTwin(structure, sharded), "an unsharded copy of the student per process"
-    gathered = twin_bytes if getattr(sharded, "_recipe_gather_per_step", False) else 0  # fsdp.shard(per_step)
-    rest = (activation_bytes(sharded, train_tokens, sharded.tok_embeddings.weight.dtype) + gathered
-            + training_state_bytes(sharded) // rt.world_size)
-    fits, sizes = twin_fits(twin_bytes, kv_positions * kv_bytes_per_position(sharded), rest, rt.device)
+        return SamplingTwin(plan.structure, sharded), "an unsharded copy of the student per process"
+    rest = (activation_bytes(sharded, train_tokens, sharded.tok_embeddings.weight.dtype)
+            + step_gathered_bytes(plan, sharded) + training_state_bytes(sharded) // rt.world_size)
+    fits, sizes = twin_fits(plan.weight_bytes, kv_positions * kv_bytes_per_position(sharded), rest, rt.device)
     fits = rt.broadcast_object(fits)
     if fits:
-        return SamplingTwin(structure, sharded), f"an unsharded copy of the student per GPU: {sizes}"
+        return SamplingTwin(plan.structure, sharded), f"an unsharded copy of the student per GPU: {sizes}"
     if required:
         raise RecipeError("kd.on_policy.decode=compiled on several GPUs samples with an unsharded copy of the "
                           f"student on each, which does not fit: {sizes}; use decode: auto (eager sampling "

@@ -108,6 +108,30 @@ def test_compiled_decode_step_gives_the_same_tokens():
     assert cut == [row[: row.index(stop)] if stop in row else row for row in eager]
 
 
+@pytest.mark.parametrize("student", ["plain", "nf4", "qat"])
+def test_compiled_decode_of_plain_nf4_and_qat_layers(student):
+    """The compiled decode step compiles one plain layer and reuses it for every layer (a region) on torch >= 2.11;
+    layers with an NF4 base or QAT fake quantizers, which Dynamo cannot trace through a region, compile unrolled:
+    the same greedy tokens as eager decode either way (through a region, NF4 and QAT layers fail to compile)."""
+    from llm_recipe.components.models import LoRASettings
+    from llm_recipe.components.models.generation import _LAYER_REGION, generate_batch, layers_fit_a_region
+    from llm_recipe.components.quantization import prepare_qat
+
+    torch.manual_seed(0)
+    # 256 wide: NF4 quantizes in blocks of 64 elements and its scalers in blocks of 256
+    args = ModelArgs(**{**ARGS.__dict__, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64})
+    lora = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), quantize_base="nf4")
+    model = build_model(args, lora=lora if student == "nf4" else None).eval()
+    if student == "qat":
+        prepare_qat(model, "8da4w", 32)
+    assert layers_fit_a_region(model) == (student == "plain" and _LAYER_REGION is not None)
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8]]
+    with torch.no_grad():
+        eager = generate_batch(model, prompts, max_new_tokens=6, pad_id=0)
+        assert generate_batch(model, prompts, max_new_tokens=6, pad_id=0, compile_mode="default") == eager
+    torch._dynamo.reset()
+
+
 def test_batched_sampling_is_reproducible_and_honours_top_k():
     from llm_recipe.components.models.generation import generate_batch, sample_batch
 

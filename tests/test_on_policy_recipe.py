@@ -404,15 +404,18 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
     _assert_two_processes_match_one(args, one, two, tmp_path)
 
 
-@pytest.mark.slow  # ~3 min on 2 cores: Inductor compiles the decode step in the 1-process run and in each rank
-def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, models, short_docs):
+@pytest.mark.slow  # ~1 min each on 2 cores: Inductor compiles the decode step in the 1-process run and each rank
+@pytest.mark.parametrize("student", ["full", "lora"])
+def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, models, short_docs, student):
     """`kd.on_policy.decode=compiled` on 2 processes (gloo): each rank samples with the compiled step on an
     unsharded twin of the sharded student (components/sampling_twin.py), its trained weights gathered into it before
     each sampling, so the steps, prompts, losses, weights and held-out score are those of 1 process sampling with
     the compiled step on its own student with twice the batch. A twin left with the step's first weights, or a rank
     sampling another's prompts, would move the later steps' losses."""
-    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs), "max_steps=3",
-            "max_grad_norm=1.0", "kd.on_policy.decode=compiled"]
+    kind = (["student.keep_layers=[0,3]"] if student == "full" else  # LoRA: only the adapters are refreshed
+            ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]}"])
+    args = [*_kd(models, *kind, "teacher.placement=shard", *short_docs), "max_steps=3", "max_grad_norm=1.0",
+            "kd.on_policy.decode=compiled"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     out = _assert_two_processes_match_one(args, one, two, tmp_path)

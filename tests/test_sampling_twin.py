@@ -36,8 +36,9 @@ def _student(quantize_base):
 @pytest.mark.parametrize("quantize_base", [False, "nf4"])
 def test_twin_computes_the_students_logits_and_refresh_updates_in_place(quantize_base):
     student = _student(quantize_base)
-    structure, nbytes = twin_structure(student)
+    structure, nbytes, gathered = twin_structure(student)
     assert all(p.is_meta for p in structure.parameters()) and nbytes == weight_bytes(student)
+    assert gathered == nbytes + 4 * sum(p.numel() for p in student.parameters() if p.requires_grad)  # + fp32 grads
     rt = setup_runtime("cpu", "fp32", 0)
     rt.prepare_model(student, activation_checkpointing=True)  # what the copy must not carry
     twin = SamplingTwin(structure, student)
@@ -71,13 +72,14 @@ def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(mon
     from llm_recipe.components.errors import RecipeError
 
     student = _student(False)
-    structure, nbytes = twin_structure(student)
+    plan = twin_structure(student)
+    nbytes = plan.weight_bytes
     seen = []
     monkeypatch.setattr(sampling_twin, "twin_fits", lambda *a: (seen.append(a), (False, "9.0 GiB > 1.0 GiB"))[1])
     rt = SimpleNamespace(device=torch.device("cuda"), world_size=2, broadcast_object=lambda obj: obj)
-    twin, why = sampling_twin.make_twin(structure, nbytes, student, 4096, 2048, rt, required=False)
+    twin, why = sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=False)
     assert twin is None and why == ("eager decode steps through the sharded student: an unsharded copy per GPU "
                                     "would not fit (9.0 GiB > 1.0 GiB)")
     assert seen[0][:2] == (nbytes, 4096 * 2 * 2 * 2 * 64 * 4)  # the twin's bytes; 4096 positions of K and V
     with pytest.raises(RecipeError, match=r"^kd.on_policy.decode=compiled on several GPUs .* does not fit: 9.0 GiB"):
-        sampling_twin.make_twin(structure, nbytes, student, 4096, 2048, rt, required=True)
+        sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=True)

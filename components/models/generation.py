@@ -155,8 +155,9 @@ def generate_batch(
     done = torch.zeros(b, dtype=torch.bool, device=device)
     done[real_rows:] = True
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
-    decode = (static.decode if static is not None else
-              _step_logits if compile_mode is None else _compiled_decode(compile_mode))
+    decode = (_step_logits if static is None and compile_mode is None else
+              _compiled_decode(static.mode if static is not None else compile_mode,
+                               static.backend if static is not None else "inductor", layers_fit_a_region(model)))
     with contextlib.ExitStack() as stack:
         if static is not None:
             stack.enter_context(static.caches(model, total, b))
@@ -197,34 +198,57 @@ def last_logits(model: torch.nn.Module, tokens: torch.Tensor, input_pos: torch.T
     return model.output(hidden[:, -1]).float()
 
 
+def _step_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """The logits of a one-token decode step [b, vocab] (the model's forward with the KV cache): what
+    `_compiled_decode` compiles, so it leaves `skip_output` alone (a module attribute Dynamo would guard on)."""
+    return model(tokens, input_pos=input_pos, mask=mask)[:, -1]
+
+
 def _decode_layer(layer: torch.nn.Module, h: torch.Tensor, mask: torch.Tensor,
                   input_pos: torch.Tensor) -> torch.Tensor:
     return layer(h, mask=mask, input_pos=input_pos)
 
 
-def _compile_once(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _region(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
     """`fn` compiled once and reused for every identical decoder layer it is called on (Dynamo traces one layer,
     Inductor compiles it once), not unrolled 16-32 times into one graph: a 16-layer decode step's first call took
     22-25 s instead of 42 s on 2 CPU cores with torch 2.13, 32 s instead of 45 s with torch 2.11 (session 55, an
-    empty Inductor cache each), the same samples. Eager calls run `fn` as it is. torch before 2.11 (not tried here;
-    nested_compile_region came in 2.8): `fn` itself, unrolled as before."""
+    empty Inductor cache each), the same samples. None before torch 2.11 (nested_compile_region came in 2.8; not
+    tried here)."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     region = getattr(torch.compiler, "nested_compile_region", None)
-    return region(fn) if region is not None and version >= (2, 11) else fn
+    return region(fn) if region is not None and version >= (2, 11) else None
 
 
-_decode_layer = _compile_once(_decode_layer)
-
-
-def _step_logits(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """The fp32 logits of a one-token decode step [b, vocab]: the model's forward with the KV cache (torchtune's
-    TransformerDecoder.forward: embedding, layers, norm, head), each layer through `_decode_layer`. What
-    `_compiled_decode` compiles, so it leaves `skip_output` alone (a module attribute Dynamo would guard on)."""
+def _step_logits_by_layer(model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+    """`_step_logits` with each layer through `_region(_decode_layer)`: torchtune's TransformerDecoder.forward
+    for one token with the KV cache (embedding, layers, norm, head in fp32), spelled out so the layer call can be a
+    region."""
     h = model.tok_embeddings(tokens)
     for layer in model.layers:
-        h = _decode_layer(layer, h, mask, input_pos)
+        h = _LAYER_REGION(layer, h, mask, input_pos)
     return model.output(model.norm(h)).float()[:, -1]
+
+
+_LAYER_REGION = _region(_decode_layer)  # None: no region on this torch
+
+
+def layers_fit_a_region(model: torch.nn.Module) -> bool:
+    """Whether the decode step can compile `model`'s layers as one region: this torch has it, and every layer
+    holds plain tensors and no QAT fake quantizer. Dynamo (torch 2.11-2.13) traces neither a tensor-subclass weight
+    (an NF4 or fp8 base: "no rule registered for HOP invoke_subgraph and subclass") nor a fake quantizer, which
+    sets tensors on itself in forward, through a region; those models compile unrolled, as before."""
+    if _LAYER_REGION is None:
+        return False
+    for layer in getattr(model, "layers", ()):
+        if any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in layer.parameters()):
+            return False
+        if any(getattr(m, a, None) is not None for m in layer.modules()
+               for a in ("activation_fake_quantizer", "weight_fake_quantizer")):
+            return False
+    return True
 
 
 def decode_capacity(total: int, max_rows: int, max_tokens: int | None) -> int:
@@ -236,9 +260,11 @@ def decode_capacity(total: int, max_rows: int, max_tokens: int | None) -> int:
 
 
 @functools.cache
-def _compiled_decode(mode: str, backend: str = "inductor") -> Callable[..., torch.Tensor]:
-    """One compiled decode step per mode, backend and process (compiling it again per call would recompile)."""
-    return torch.compile(_step_logits, mode=None if mode == "default" else mode, dynamic=False, backend=backend)
+def _compiled_decode(mode: str, backend: str = "inductor", by_layer: bool = False) -> Callable[..., torch.Tensor]:
+    """One compiled decode step per mode, backend, layer region (`layers_fit_a_region`) and process (compiling it
+    again per call would recompile)."""
+    return torch.compile(_step_logits_by_layer if by_layer else _step_logits,
+                         mode=None if mode == "default" else mode, dynamic=False, backend=backend)
 
 
 class StaticDecode:
@@ -275,7 +301,7 @@ class StaticDecode:
         if batch < 1:
             raise ValueError(f"StaticDecode: need batch >= 1, got {batch}")
         self.batch, self.mode, self.max_tokens = batch, mode, max_tokens
-        self.decode = _compiled_decode(mode, backend)  # `backend`: "eager" in tests (Dynamo's guards, no Inductor)
+        self.backend = backend  # "eager" in tests (Dynamo's guards, no Inductor)
         self.max_width = max_width  # exact: rounded up, prompt + new tokens could pass the model's max_seq_len
         # the most KV positions a call's caches span (rows x total), where it is known in advance: max_tokens bounds
         # rows x total (unless one prompt alone is longer), and no call is wider than max_width + max_new_tokens
