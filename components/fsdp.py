@@ -97,17 +97,21 @@ def gather(value: torch.Tensor) -> torch.Tensor:
     NF4Tensor whose three inner tensors are; on the ranks that drop them they were never waited, so every QLoRA run
     on several GPUs ended with torch's "672 unwaited collective calls" warning (8B: 224 NF4 weights x 3) and held
     the gathered copies until exit. Here the tensor, and each of its inner tensors, is waited."""
+    return _waited(value.full_tensor())
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """`t` with each AsyncCollectiveTensor, itself or an inner tensor of a subclass (NF4's gathered parts), waited
+    and replaced by its result: a plain tensor, which a compiled graph that reads it (on-policy KD's sampling twin)
+    does not wait on again at every replay."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    full = value.full_tensor()
-    if isinstance(full, AsyncCollectiveTensor):
-        return full.trigger_wait()
-    if hasattr(full, "__tensor_flatten__"):  # a tensor subclass: wait for its inner tensors (NF4's gathered parts)
-        for name in full.__tensor_flatten__()[0]:
-            inner = getattr(full, name)
-            if isinstance(inner, AsyncCollectiveTensor):
-                inner.trigger_wait()
-    return full
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.trigger_wait()
+    if hasattr(t, "__tensor_flatten__"):
+        names, ctx = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({n: _waited(getattr(t, n)) for n in names}, ctx, t.size(), t.stride())
+    return t
 
 
 def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor | Deferred]:

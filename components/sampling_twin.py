@@ -107,21 +107,8 @@ def _full(value: torch.Tensor, copy: bool) -> torch.Tensor:
     from .fsdp import gather
 
     if isinstance(value, DTensor):
-        return _waited(gather(value.detach()))
+        return gather(value.detach())
     return _clone(value.detach()) if copy else value.detach()
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    """`t` with each AsyncCollectiveTensor (itself, or an inner tensor of a subclass: a gathered NF4 weight's three)
-    replaced by its waited result; a compiled decode step would otherwise wait on each at every replay."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    if isinstance(t, AsyncCollectiveTensor):
-        return t.trigger_wait()
-    if hasattr(t, "__tensor_flatten__"):
-        names, ctx = t.__tensor_flatten__()
-        return type(t).__tensor_unflatten__({n: _waited(getattr(t, n)) for n in names}, ctx, t.size(), t.stride())
-    return t
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
