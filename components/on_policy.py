@@ -176,8 +176,9 @@ def twin_structure_for(s: OnPolicySettings | None, compile: bool, rt: Runtime,
                        student: nn.Module) -> TwinPlan | None:
     """On several processes, when the student will sample with the compiled step: its structure for the sampling
     twin (components/sampling_twin.py), which must be copied before `Runtime.prepare_model` compiles and shards it;
-    else None."""
-    if s is None or rt.world_size == 1 or decode_path(s, compile, rt.device) != "compiled":
+    else None. None with `fraction: 0` too: only the held-out score samples, once, at the end, which is not worth a
+    copy of the student held through the whole run (it samples eagerly)."""
+    if s is None or s.fraction == 0 or rt.world_size == 1 or decode_path(s, compile, rt.device) != "compiled":
         return None
     return twin_structure(student)
 
