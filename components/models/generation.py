@@ -214,8 +214,9 @@ def _region(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | No
     """`fn` compiled once and reused for every identical decoder layer it is called on (Dynamo traces one layer,
     Inductor compiles it once), not unrolled 16-32 times into one graph: a 16-layer decode step's first call took
     22-25 s instead of 42 s on 2 CPU cores with torch 2.13, 32 s instead of 45 s with torch 2.11 (session 55, an
-    empty Inductor cache each), the same samples. None before torch 2.11 (nested_compile_region came in 2.8; not
-    tried here)."""
+    empty Inductor cache each), the same samples; on one H200 (Llama-1B shape, batch 32, CUDA graphs) 11.1-12.4 s
+    instead of 19.8-20.3 s, for a decode step 1.3% slower (a layer's boundary is no longer fused across: session
+    56). None before torch 2.11 (nested_compile_region came in 2.8; not tried here)."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     region = getattr(torch.compiler, "nested_compile_region", None)
     return region(fn) if region is not None and version >= (2, 11) else None
