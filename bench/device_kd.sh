@@ -42,6 +42,9 @@
 set -uo pipefail
 stage=${1:?stage: shipped [ROWS] | start [ROWS [MORE]] | wait [SECS] | profile [ROW [ARGS]] | kl | onpolicy [ROWS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
+# a failing test's traceback under its FAILED line as it happens (tests/conftest.py): the machine may go back
+# before pytest's summary at the end
+export RECIPE_TEST_FAILURES_AT_ONCE=1
 # Python's bytecode, as a user's install has it: the image sets PYTHONDONTWRITEBYTECODE=1 and ships torch and sympy
 # without .pyc, so every process compiled them from source again (session 36: 9-10 s before a run's setup began,
 # 3.3 s with bytecode). `prepare` compiles every package once into this cache, as `pip install` does at install.

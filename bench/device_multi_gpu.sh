@@ -19,6 +19,9 @@
 set -uo pipefail
 stage=${1:?stage: start [NPROCS] [PHASES] [ROWS] [N] | part | assets | wait [SECS]}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RECIPE_CACHE=/tmp/cache
+# a failing test's traceback under its FAILED line as it happens (tests/conftest.py): the machine may go back
+# before pytest's summary at the end
+export RECIPE_TEST_FAILURES_AT_ONCE=1
 export PYTHONPATH=/tmp/site
 # bytecode as a user's install has it (device_kd.sh says why: the image ships torch without .pyc and forbids writing)
 export PYTHONPYCACHEPREFIX=/tmp/pycache

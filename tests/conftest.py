@@ -22,6 +22,17 @@ def pytest_configure(config):
         torch.set_num_threads(share)
 
 
+def pytest_runtest_logreport(report):
+    # RECIPE_TEST_FAILURES_AT_ONCE=1 (the device scripts): a failure's traceback right under its FAILED line, not
+    # only in the summary at the end, which a lent GPU machine may be taken back before (session 55 lost the cause
+    # of a 2-GPU failure that way).
+    if report.failed and os.environ.get("RECIPE_TEST_FAILURES_AT_ONCE") == "1":
+        import sys
+
+        sys.__stderr__.write(f"\n---- {report.nodeid} failed ({report.when}):\n{report.longreprtext}\n----\n")
+        sys.__stderr__.flush()
+
+
 def pytest_collection_modifyitems(config, items):
     # GPU tests skip cleanly on machines without CUDA (CI has none).
     if torch.cuda.is_available():
