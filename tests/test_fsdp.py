@@ -1,5 +1,5 @@
 """When FSDP2 gathers a trained model once per optimizer step instead of per micro-batch (components/fsdp.py), and
-gradient clipping on FSDP2's shards. The schedule itself is covered end to end by tests/test_distributed_recipes.py
+gradient clipping on FSDP2's shards, and a gathered NF4 weight. The schedule itself is covered end to end by tests/test_distributed_recipes.py
 (2 processes vs 1, 2 micro-batches)."""
 
 import os
@@ -73,3 +73,48 @@ def test_clipping_fsdp_gradients_on_their_shards_equals_clipping_the_whole_tenso
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "clip ok" in proc.stdout
+
+
+GATHER_NF4_CHECK = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from llm_recipe.components import fsdp
+    from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
+    from llm_recipe.components.training import freeze_all_but_adapters
+    dist.init_process_group("gloo")
+    args = ModelArgs(family="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False)
+    torch.manual_seed(0)  # the same model on both ranks
+    model = build_model(args, lora=LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "down_proj"),
+                                                quantize_base="nf4"), max_seq_len=64)
+    freeze_all_but_adapters(model)
+    whole = {n: p.get_original_weight().clone() for n, p in model.named_parameters() if type(p).__name__ == "NF4Tensor"}
+    fsdp.shard(model, model.layers, "cpu", 2, per_step=False)
+    for name, p in model.named_parameters():
+        if name not in whole:
+            continue
+        g = fsdp.gather(p)
+        names, _ = g.__tensor_flatten__()
+        inner = {n: type(getattr(g, n)).__name__ for n in names}
+        assert type(g).__name__ == "NF4Tensor" and set(inner.values()) == {"Tensor"}, (name, inner)
+        assert torch.equal(g.get_original_weight(), whole[name]), name
+    if dist.get_rank() == 0:
+        print("gathered", len(whole))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_gathered_nf4_weight_is_whole_with_plain_inner_tensors(tmp_path):
+    """fsdp.gather of a sharded NF4 base (QLoRA on 2 processes) gives the unsharded NF4 weight with each inner tensor
+    a plain tensor, its collective waited: on-policy KD's sampling twin keeps that tensor, and a compiled decode step
+    reading an AsyncCollectiveTensor would wait on it at every replay; torch warns of unwaited collectives at exit
+    when a rank drops one unwaited."""
+    script = tmp_path / "gather_nf4_check.py"
+    script.write_text(GATHER_NF4_CHECK)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gathered 4" in proc.stdout
+    assert "unwaited" not in proc.stderr, proc.stderr[-3000:]
