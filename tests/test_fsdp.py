@@ -1,6 +1,6 @@
-"""When FSDP2 gathers a trained model once per optimizer step instead of per micro-batch (components/fsdp.py), and
-gradient clipping on FSDP2's shards, and a gathered NF4 weight. The schedule itself is covered end to end by tests/test_distributed_recipes.py
-(2 processes vs 1, 2 micro-batches)."""
+"""When FSDP2 gathers a trained model once per optimizer step instead of per micro-batch (components/fsdp.py),
+gradient clipping on FSDP2's shards, and a gathered NF4 weight. The schedule itself is covered end to end by
+tests/test_distributed_recipes.py (2 processes vs 1, 2 micro-batches)."""
 
 import os
 import subprocess
