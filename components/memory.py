@@ -140,7 +140,7 @@ def prefill_bytes_per_token(model: nn.Module) -> int:
 
 
 def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_tokens: int,
-                          device: torch.device, gathered: int = 0) -> tuple[int, str]:
+                          device: torch.device, gathered: int = 0, shards: int = 1) -> tuple[int, str]:
     """How many KV positions one of on-policy KD's sampling groups may span (each group is one decode loop), and
     why in words: `step` (all of a step's on-policy prompts in one loop, however long) when those KV caches fit in
     the usable free memory of `device` beside the larger of what training still needs at once (a micro-batch's
@@ -149,14 +149,15 @@ def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_t
     take while gathered for a whole step) and the reserve; else `micro` (one
     micro-batch's prompts per loop at most). On CPU: `micro` (host memory is not measured here). One H200, the
     shipped 8B -> 1B KD with LoRA on the chat transfer set: 4x the positions ran the step 1.20-1.24x faster for 3.0 GiB
-    more peak memory (docs/benchmarks.md, sessions 53-54)."""
+    more peak memory (docs/benchmarks.md, sessions 53-54). `shards`: the processes FSDP2 shards the student over (a
+    rank's gradients and optimizer state are 1/shards of the model's; `numel` of a sharded parameter is its whole)."""
     if device.type != "cuda" or step <= micro:
         return micro, (f"{micro} positions, a micro-batch's prompts per decode loop "
                        f"({'one on-policy micro-batch per step' if step <= micro else 'on ' + device.type})")
     kv = step * kv_bytes_per_position(model)
     busiest = max(activation_bytes(model, micro_batch_tokens, model.tok_embeddings.weight.dtype),
                   step * prefill_bytes_per_token(model))  # sampling and training hold these at different times
-    need = kv + busiest + training_state_bytes(model) + gathered + RESERVE_BYTES
+    need = kv + busiest + training_state_bytes(model) // shards + gathered + RESERVE_BYTES
     free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
     gib = 2**30
     sizes = f"{kv / gib:.1f} GiB of KV caches + {(need - kv) / gib:.1f} GiB for the rest"

@@ -271,7 +271,7 @@ class OnPolicy:
         if student is not None and (rt.world_size == 1 or self.twin is not None):
             gathered = step_gathered_bytes(twin, student) if self.twin is not None else 0
             self.max_tokens, kv_why = sampling_kv_positions(student, self.max_tokens, self.max_tokens * self.per_window,
-                                                            train_tokens, rt.device, gathered)
+                                                            train_tokens, rt.device, gathered, rt.world_size)
             self.max_tokens = rt.broadcast_object(self.max_tokens)  # rank 0's free memory decides for every rank
         self.static = (StaticDecode(self.rows * self.per_window,
                                     "reduce-overhead" if rt.device.type == "cuda" else "default",

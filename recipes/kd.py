@@ -196,6 +196,7 @@ def main(cfg: KDConfig) -> None:
     with setup.phase("optimizer"):
         op = (OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held, student=student,
                        train_tokens=tokens, twin=twin) if on_policy is not None else None)
+        twin = None  # the twin is the plan's structure filled in: `op` holds it and frees it after the held-out score
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
         # what a checkpoint holds and resume restores: weights, optimizer, schedule, data position, RNG

@@ -112,3 +112,9 @@ def test_sampling_kv_positions_take_a_step_when_it_fits_beside_training(monkeypa
         assert "GiB usable free" in why
     assert memory.sampling_kv_positions(model, 10_000, 40_000, 4096, torch.device("cpu"))[0] == 10_000
     assert memory.sampling_kv_positions(model, 10_000, 10_000, 4096, cuda)[0] == 10_000
+    # sharded over 2 processes, a rank holds half the training state: a step fits in what one process lacks
+    state = memory.training_state_bytes(model)
+    free = int((train - state + state // 2 + 40_000 * per) / memory.USABLE_FRACTION) + 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    assert memory.sampling_kv_positions(model, 10_000, 40_000, 4096, cuda)[0] == 10_000
+    assert memory.sampling_kv_positions(model, 10_000, 40_000, 4096, cuda, shards=2)[0] == 40_000
