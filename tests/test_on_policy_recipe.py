@@ -33,20 +33,29 @@ _jsonl, _shipped_chat, _chat_prompts = opc.jsonl, opc.shipped_chat, opc.chat_pro
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, embedded_tokenizer_dir) -> tuple[Path, Path]:
     """A teacher and a different student (tiny, random, SmolLM2's tokenizer; peaked heads)."""
+    return _model_pair(tmp_path_factory.mktemp("on_policy_models"), embedded_tokenizer_dir, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory, embedded_tokenizer_dir) -> tuple[Path, Path]:
+    """`models` 256 wide: an NF4 base shards over 2 processes only in multiples of 32,768 elements per weight."""
+    return _model_pair(tmp_path_factory.mktemp("on_policy_wide_models"), embedded_tokenizer_dir, hidden=256)
+
+
+def _model_pair(root: Path, tokenizer_dir: Path, hidden: int) -> tuple[Path, Path]:
     from llm_recipe.components.models import save_model
 
     args = ModelArgs.from_hf_config({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2})
-    root = tmp_path_factory.mktemp("on_policy_models")
     for name, seed in (("teacher", 0), ("student", 1)):
         torch.manual_seed(seed)
         model = build_model(args)
         with torch.no_grad():
             model.output.weight.mul_(8.0)
-        save_model(model, args, root / name, tokenizer_dir=embedded_tokenizer_dir)
+        save_model(model, args, root / name, tokenizer_dir=tokenizer_dir)
     return root / "teacher", root / "student"
 
 
@@ -405,15 +414,17 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
 
 
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor compiles the decode step in the 1-process run and each rank
-@pytest.mark.parametrize("student", ["full", "lora"])
-def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, models, short_docs, student):
+@pytest.mark.parametrize("student", ["full", "lora", "qlora"])
+def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, request, short_docs, student):
     """`kd.on_policy.decode=compiled` on 2 processes (gloo): each rank samples with the compiled step on an
     unsharded twin of the sharded student (components/sampling_twin.py), its trained weights gathered into it before
     each sampling, so the steps, prompts, losses, weights and held-out score are those of 1 process sampling with
     the compiled step on its own student with twice the batch. A twin left with the step's first weights, or a rank
     sampling another's prompts, would move the later steps' losses."""
     kind = (["student.keep_layers=[0,3]"] if student == "full" else  # LoRA: only the adapters are refreshed
-            ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]}"])
+            ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]"  # QLoRA: an NF4 base gathered once
+             + (", quantize_base: nf4}" if student == "qlora" else "}")])
+    models = request.getfixturevalue("wide_models" if student == "qlora" else "models")
     args = [*_kd(models, *kind, "teacher.placement=shard", *short_docs), "max_steps=3", "max_grad_norm=1.0",
             "kd.on_policy.decode=compiled"]
     one, two = tmp_path / "one", tmp_path / "two"
