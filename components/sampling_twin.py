@@ -130,9 +130,11 @@ def make_twin(plan: TwinPlan, sharded: nn.Module, kv_positions: int, train_token
               required: bool) -> tuple[SamplingTwin | None, str]:
     """The twin of `sharded` when its weights and a micro-batch's `kv_positions` of KV caches fit beside what a
     training step holds (activations of `train_tokens`, this rank's optimizer state, the layers gathered for a
-    whole step where they are), else None (eager sampling, through the sharded student), and why in words. Rank 0's
-    free memory decides for every rank (the twin's gathers are collectives). `required` (`decode: compiled`): a
-    one-line error instead of None. `rt`: the run's Runtime."""
+    whole step where they are), else None (eager sampling, through the sharded student), and why in words. Every
+    rank weighs its own free memory and the twin is made only where it fits on all (the twin's gathers are
+    collectives: a rank that ran out of memory in them would leave the others waiting in the next one until the
+    NCCL timeout); the words are rank 0's sizes. `required` (`decode: compiled`): a one-line error instead of None.
+    `rt`: the run's Runtime."""
     from .errors import RecipeError
     from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
 
@@ -141,8 +143,10 @@ def make_twin(plan: TwinPlan, sharded: nn.Module, kv_positions: int, train_token
     rest = (activation_bytes(sharded, train_tokens, sharded.tok_embeddings.weight.dtype)
             + step_gathered_bytes(plan, sharded) + training_state_bytes(sharded) // rt.world_size)
     fits, sizes = twin_fits(plan.weight_bytes, kv_positions * kv_bytes_per_position(sharded), rest, rt.device)
-    fits = rt.broadcast_object(fits)
-    if fits:
+    short = int(rt.all_reduce_sum(0.0 if fits else 1.0))  # the GPUs it would not fit on
+    if short and (fits or short > 1):  # this GPU's sizes, and how many lack the room
+        sizes += f" here; it would not fit on {short} of {rt.world_size} GPUs"
+    if not short:
         return SamplingTwin(plan.structure, sharded), f"an unsharded copy of the student per GPU: {sizes}"
     if required:
         raise RecipeError("kd.on_policy.decode=compiled on several GPUs samples with an unsharded copy of the "

@@ -64,8 +64,9 @@ def test_twin_computes_the_students_logits_and_refresh_updates_in_place(quantize
 
 
 def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(monkeypatch):
-    """On GPUs the twin is made only where rank 0's free memory holds it beside training (`twin_fits`); otherwise
-    auto samples eagerly through the sharded student and says why, and `decode: compiled` stops in one line."""
+    """On GPUs the twin is made only where every rank's free memory holds it beside training (`twin_fits`);
+    otherwise auto samples eagerly through the sharded student and says why, and `decode: compiled` stops in one
+    line. One rank short of room is enough: the twin's gathers are collectives, which it would fail in."""
     from types import SimpleNamespace
 
     from llm_recipe.components import sampling_twin
@@ -76,10 +77,16 @@ def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(mon
     nbytes = plan.weight_bytes
     seen = []
     monkeypatch.setattr(sampling_twin, "twin_fits", lambda *a: (seen.append(a), (False, "9.0 GiB > 1.0 GiB"))[1])
-    rt = SimpleNamespace(device=torch.device("cuda"), world_size=2, broadcast_object=lambda obj: obj)
+    rt = SimpleNamespace(device=torch.device("cuda"), world_size=2, all_reduce_sum=lambda x: x)
     twin, why = sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=False)
     assert twin is None and why == ("eager decode steps through the sharded student: an unsharded copy per GPU "
                                     "would not fit (9.0 GiB > 1.0 GiB)")
     assert seen[0][:2] == (nbytes, 4096 * 2 * 2 * 2 * 64 * 4)  # the twin's bytes; 4096 positions of K and V
     with pytest.raises(RecipeError, match=r"^kd.on_policy.decode=compiled on several GPUs .* does not fit: 9.0 GiB"):
         sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=True)
+    # this rank has the room, the other does not (the sum over ranks counts it): no twin on any rank
+    monkeypatch.setattr(sampling_twin, "twin_fits", lambda *a: (True, "1.0 GiB <= 9.0 GiB usable free"))
+    rt.all_reduce_sum = lambda x: x + 1.0
+    twin, why = sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=False)
+    assert twin is None and why.endswith("would not fit (1.0 GiB <= 9.0 GiB usable free here; it would not fit on "
+                                         "1 of 2 GPUs)"), why
