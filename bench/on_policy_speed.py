@@ -58,6 +58,9 @@ ROWS: dict[str, list[str]] = {
     "onpolicy_eager": [*ON, "kd.on_policy.decode=eager"],
     "decode": [],
     "offpolicy": ["kd.on_policy.fraction=0"],
+    # a diagnosis: the on-policy micro-batches' loss as forward KL, whose gradient is closed-form (two Triton passes
+    # over the logits) where reverse KL's runs its reference implementation with autograd per chunk
+    "onpolicy_compiled_fkl": [*ON, "kd.on_policy.loss=forward_kl"],
     "onpolicy_compiled_chat": [*ON, "dataset.source=transfer:chat", "dataset.format=chat",
                                "dataset.use_chat_template=true"],
 }
