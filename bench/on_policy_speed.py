@@ -19,7 +19,11 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `onpolicy_compiled_chat_padded`: the same, each sample trained in a row of its own padded to the longest, as
   before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it);
 - `onpolicy_compiled_chat_kvmicro` / `_kvsets`: the same with a sampling group's KV caches spanning at most one
-  micro-batch's prompts, and also a set of them per decode shape, as before session 53 (bench/kv_budget.py).
+  micro-batch's prompts, and also a set of them per decode shape, as before session 53 (bench/kv_budget.py);
+- `onpolicy_compiled_fkl`: forward KL as the on-policy loss (a closed-form gradient, where reverse KL's is autograd);
+- `onpolicy_compiled_steptime` / `_packed` / `_static`: tokens/s counting every micro-batch as a data one (so it
+  compares step times), with the shipped layout, with on-policy micro-batches packed into the loader's shape, and
+  with the shipped layout compiled with static shapes (bench/on_policy_layout.py).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -71,8 +75,13 @@ ROWS["onpolicy_compiled_chat_padded"] = ROWS["onpolicy_compiled_chat"]
 # the decode KV caches as before session 53: a micro-batch's positions per sampling group, and a set per shape
 ROWS["onpolicy_compiled_chat_kvmicro"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
+# step times, every micro-batch counted as a data one: the shipped layout, on-policy micro-batches packed into the
+# loader's shape, and the shipped layout compiled with static shapes (bench/on_policy_layout.py)
+for _how in ("steptime", "packed", "static"):
+    ROWS[f"onpolicy_compiled_{_how}"] = ON
 SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["padded_samples.py"],  # a diagnosis row's script and its
-           "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"]}  # arguments, by suffix
+           "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"],  # arguments, by suffix
+           **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "static")}}
 
 
 def _median(values: list[float]) -> float | None:
