@@ -451,9 +451,10 @@ class OnPolicy:
     # ------------------------------------------------------------------ held-out prompts
     def held_out_eval(self, student: nn.Module, teacher: nn.Module) -> dict[str, Any] | None:
         """The teacher-scored per-token reverse KL of the student's samples on the held-out rows' prompts (the
-        same sampling as training, seeded from the seed alone; every rank computes the same numbers), overall and
-        per prompt: prompt i's noise depends on (seed, i) only, so two runs with the same seed and held_out sample
-        their held-out prompts with the same noise and compare prompt by prompt."""
+        same sampling as training, seeded from the seed alone; on N processes each samples and scores a share of
+        them and every rank gets all the numbers), overall and per prompt: prompt i's noise depends on (seed, i)
+        only, so two runs with the same seed and held_out sample their held-out prompts with the same noise and
+        compare prompt by prompt."""
         if self.prompt_set is not None:
             prompts = self.prompt_set.held
             trained = self.prompts_trained_on
@@ -472,7 +473,8 @@ class OnPolicy:
         if self.twin is not None:
             self.twin.refresh(student)
         scores = score_samples(student, teacher, prompts, lambda chunk, rows: self._sample(
-            student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab)
+            student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab,
+            rank=self.rt.rank, world=self.rt.world_size, gather=self.rt.all_gather_object)
         return {"held_out_rows": len(prompts), "sampled_tokens": sum(scores["tokens"]),
                 "reverse_kl_per_token": sum(scores["reverse_kl_sum"]) / max(sum(scores["tokens"]), 1),
                 "chosen_as": chosen,

@@ -254,6 +254,14 @@ class Runtime:
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (a list of one when not distributed)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     # ---------------------------------------------------------------- memory
     def peak_memory_gib(self) -> float:
         """Peak memory so far in GiB: CUDA max allocated on GPU, the process's peak RSS on CPU."""

@@ -386,7 +386,9 @@ def test_on_policy_loss_is_the_divergence_on_completion_tokens(kind, head):
 def test_score_samples_per_prompt_reverse_kl_and_teacher_nll_whatever_the_batch():
     """The held-out metric per prompt: the student's sample of prompt i depends on (seed, i) alone (so every
     student evaluated with one seed sees the same noise, whatever the batch), its reverse KL and teacher NLL sums
-    are the reference ones on that row, and the summary holds per-prompt means, their mean and the count."""
+    are the reference ones on that row, and the summary holds per-prompt means, their mean and the count. Split
+    over ranks, each scores its share with as many samplings as the others, and the gathered result is one
+    process's."""
     student, teacher = _model(1).float(), _model(0).float()
     prompts = [*PROMPTS, [1, 2]]
     kw = dict(max_new_tokens=6, temperature=1.0, pad_id=0, stop_ids=[], seed=3, width=len(prompts))
@@ -410,6 +412,20 @@ def test_score_samples_per_prompt_reverse_kl_and_teacher_nll_whatever_the_batch(
         assert one["tokens"][i] == 6
         assert one["reverse_kl_sum"][i] == pytest.approx(float(rkl), rel=1e-4)
         assert one["teacher_nll_sum"][i] == pytest.approx(float(nll), rel=1e-4)
+    # 3 ranks over 4 chunks of one prompt: rank r scores chunks r, r + 3; ranks 1 and 2 score a chunk again in the
+    # last round (as many samplings and forwards as rank 0) and drop it; gathered, every rank has the one result
+    calls, local = {}, {}
+    for rank in range(3):
+        def counted(chunk, rows, rank=rank):
+            calls[rank] = calls.get(rank, 0) + 1
+            return sample(chunk, rows)
+        score_samples(student, teacher, prompts, counted, batch=1, pad_id=0, num_chunks=3, rank=rank, world=3,
+                      gather=lambda mine, rank=rank: [local.setdefault(rank, mine)])  # keeps each rank's own
+    assert calls == {0: 2, 1: 2, 2: 2} and sorted(k for mine in local.values() for k, _ in mine) == [0, 1, 2, 3]
+    parts = [local[r] for r in range(3)]
+    split = score_samples(student, teacher, prompts, sample, batch=1, pad_id=0, num_chunks=3, rank=0, world=3,
+                          gather=lambda mine: [mine, *parts[1:]])
+    assert split == alone
     summary = per_prompt_summary(one)
     assert summary["prompts"] == 4 and len(summary["per_prompt"]["reverse_kl"]) == 4
     assert summary["per_prompt"]["reverse_kl"][0] == pytest.approx(one["reverse_kl_sum"][0] / 6, abs=1e-6)

@@ -406,11 +406,15 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
     rounding: the two batch shapes move the logits by ~1e-5, which flips a sample whose uniform lands that close to
     a boundary of the CDF (seen with 5 rows, each dealt 2-3 times a micro-batch: 2 of 14 seeds)."""
     prompt_set = CHAT_PROMPTS.replace("limit: 8", "limit: 20")
+    # rows: 5 held-out rows give 13-15 prompts, 3 chunks of a rank's 6: rank 1 scores a chunk again and drops it
     args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs,
-                 *([prompt_set] if prompts == "prompt_set" else [])), "max_steps=3", "max_grad_norm=1.0"]
+                 *([prompt_set] if prompts == "prompt_set" else ["kd.on_policy.held_out=5"])), "max_steps=3",
+            "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     _assert_two_processes_match_one(args, one, two, tmp_path)
+    if prompts == "rows":
+        assert 12 < json.loads((one / "on_policy_eval.json").read_text())["held_out_rows"] <= 18
 
 
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor compiles the decode step in the 1-process run and each rank
