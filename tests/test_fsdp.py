@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from torch import nn
 
@@ -66,13 +67,18 @@ CLIP_CHECK = textwrap.dedent("""
 def test_clipping_fsdp_gradients_on_their_shards_equals_clipping_the_whole_tensors(tmp_path):
     """clip_gradients computes the norm of FSDP2 gradients from each rank's shards (components/training.py): the
     norm and the clipped gradients equal torch's clip_grad_norm_ on the unsharded tensors, empty shards included."""
-    script = tmp_path / "clip_check.py"
-    script.write_text(CLIP_CHECK)
+    proc = _two_processes(tmp_path / "clip_check.py", CLIP_CHECK)
+    assert "clip ok" in proc.stdout
+
+
+def _two_processes(script: Path, text: str) -> subprocess.CompletedProcess:
+    """`text` as a script run by torchrun on 2 CPU processes (gloo), which must exit 0."""
+    script.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "clip ok" in proc.stdout
+    return proc
 
 
 GATHER_NF4_CHECK = textwrap.dedent("""
@@ -110,11 +116,6 @@ def test_a_gathered_nf4_weight_is_whole_with_plain_inner_tensors(tmp_path):
     a plain tensor, its collective waited: on-policy KD's sampling twin keeps that tensor, and a compiled decode step
     reading an AsyncCollectiveTensor would wait on it at every replay; torch warns of unwaited collectives at exit
     when a rank drops one unwaited."""
-    script = tmp_path / "gather_nf4_check.py"
-    script.write_text(GATHER_NF4_CHECK)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _two_processes(tmp_path / "gather_nf4_check.py", GATHER_NF4_CHECK)
     assert "gathered 4" in proc.stdout
     assert "unwaited" not in proc.stderr, proc.stderr[-3000:]
