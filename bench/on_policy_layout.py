@@ -28,10 +28,9 @@ def main() -> int:
     how, args = sys.argv[1], sys.argv[2:]
     if how not in ("steptime", "packed", "static"):
         raise SystemExit(f"on_policy_layout.py: steptime, packed or static, not {how!r}")
-    rate = Throughput.rate
+    rate = Throughput.rate  # each micro-batch counted as the window's first data one (none: its first)
     Throughput.rate = lambda self, window, rt: rate(self, [next(
-        (b for b in window if "prompt_lens" not in b), window[0])] * len(window), rt)  # (a window of on-policy only:
-    # its own count)
+        (b for b in window if "prompt_lens" not in b), window[0])] * len(window), rt)
     if how == "packed":  # the padded layout's comparison loses: its `tokens` count as more than any packed batch
         padded = on_policy.completion_batch
 
