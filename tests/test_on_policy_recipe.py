@@ -437,6 +437,31 @@ def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_pa
     assert "on-policy sampling on 2 processes: an unsharded copy of the student per process" in out, out
 
 
+@pytest.mark.slow  # ~1.5 min on 2 cores: three 2-process runs
+def test_two_processes_resume_with_the_twin_as_if_never_stopped(tmp_path, models, short_docs):
+    """2 processes sampling on the compiled twin, stopped after step 2 (its final checkpoint) and resumed to step 3
+    with `resume=true`: the twin, built before the checkpoint's weights load, samples with the restored weights,
+    so step 3, the weights and the held-out score are the uninterrupted 3-step run's, bit for bit."""
+    args = [*_kd(models, "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]}",
+                 "teacher.placement=shard", *short_docs), "batch_size=2", "gradient_accumulation_steps=2",
+            "kd.on_policy.decode=compiled"]  # a step: one on-policy micro-batch and one of data
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+
+    def two(*extra: str) -> None:
+        rc.assert_ok(subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2",
+                                     "--standalone", "kd", "--config", "kd/smollm2_demo", *args, *extra],
+                                    cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900))
+
+    two("max_steps=3", f"output_dir={whole}")
+    two("max_steps=2", f"output_dir={cut}")
+    two("max_steps=3", f"output_dir={cut}", "resume=true")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
+    assert strip(rc.read_metrics(cut)) == strip(rc.read_metrics(whole))
+    assert sum(r["on_policy_batches"] for r in rc.read_metrics(whole)[2:]) >= 1  # step 3 samples after the resume
+    rc.assert_same_weights(cut / "model", whole / "model")
+    assert (cut / "on_policy_eval.json").read_text() == (whole / "on_policy_eval.json").read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize(("compile", "decode"), [(False, "eager"), (True, "eager"), (True, "auto")])
