@@ -418,21 +418,28 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
 
 
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor compiles the decode step in the 1-process run and each rank
-@pytest.mark.parametrize("student", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("student", ["full", "lora", "qlora", "dora", "qat"])
 def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, request, short_docs, student):
     """`kd.on_policy.decode=compiled` on 2 processes (gloo): each rank samples with the compiled step on an
     unsharded twin of the sharded student (components/sampling_twin.py), its trained weights gathered into it before
     each sampling, so the steps, prompts, losses, weights and held-out score are those of 1 process sampling with
     the compiled step on its own student with twice the batch. A twin left with the step's first weights, or a rank
-    sampling another's prompts, would move the later steps' losses."""
-    kind = (["student.keep_layers=[0,3]"] if student == "full" else  # LoRA: only the adapters are refreshed
-            ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]"  # QLoRA: an NF4 base gathered once
-             + (", quantize_base: nf4}" if student == "qlora" else "}")])
+    sampling another's prompts, would move the later steps' losses. KD-QAT against 2 processes sampling eagerly
+    through the sharded student instead: after one step the weights of 1 and 2 processes are ~1e-6 apart (rounding),
+    which fake quantization's int4 rounding turns into different samples at step 2, on either path."""
+    lora = "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]"  # only the adapters are refreshed
+    kind = {"full": ["student.keep_layers=[0,3]"], "lora": [lora + "}"],
+            "qlora": [lora + ", quantize_base: nf4}"],  # an NF4 base, gathered into the twin once
+            "dora": [lora + ", use_dora: true}"],  # DoRA's magnitudes are trained too
+            "qat": ["student.keep_layers=[0,3]", "qat={scheme: 8da4w, group_size: 32}"]}[student]  # fake-quantized
     models = request.getfixturevalue("wide_models" if student == "qlora" else "models")
     args = [*_kd(models, *kind, "teacher.placement=shard", *short_docs), "max_steps=3", "max_grad_norm=1.0",
             "kd.on_policy.decode=compiled"]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    if student == "qat":  # the reference: the same 2 processes, sampling eagerly through the sharded student
+        _two_processes([*args, "batch_size=2", "kd.on_policy.decode=eager", f"output_dir={one}"], tmp_path)
+    else:
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     out = _assert_two_processes_match_one(args, one, two, tmp_path)
     assert "on-policy sampling on 2 processes: an unsharded copy of the student per process" in out, out
 
@@ -447,14 +454,9 @@ def test_two_processes_resume_with_the_twin_as_if_never_stopped(tmp_path, models
             "kd.on_policy.decode=compiled"]  # a step: one on-policy micro-batch and one of data
     whole, cut = tmp_path / "whole", tmp_path / "cut"
 
-    def two(*extra: str) -> None:
-        rc.assert_ok(subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2",
-                                     "--standalone", "kd", "--config", "kd/smollm2_demo", *args, *extra],
-                                    cwd=tmp_path, env=rc.cli_env(), capture_output=True, text=True, timeout=900))
-
-    two("max_steps=3", f"output_dir={whole}")
-    two("max_steps=2", f"output_dir={cut}")
-    two("max_steps=3", f"output_dir={cut}", "resume=true")
+    _two_processes([*args, "max_steps=3", f"output_dir={whole}"], tmp_path)
+    _two_processes([*args, "max_steps=2", f"output_dir={cut}"], tmp_path)
+    _two_processes([*args, "max_steps=3", f"output_dir={cut}", "resume=true"], tmp_path)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]  # noqa: E731
     assert strip(rc.read_metrics(cut)) == strip(rc.read_metrics(whole))
     assert sum(r["on_policy_batches"] for r in rc.read_metrics(whole)[2:]) >= 1  # step 3 samples after the resume
@@ -482,13 +484,20 @@ def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, c
         decode == "auto"), out
 
 
-def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: Path) -> str:
-    """`recipe run --nproc-per-node 2 kd ...` with half the batch finishes and matches the 1-process run `one`;
-    what it printed."""
+def _two_processes(args: list[str], cwd: Path) -> str:
+    """`recipe run --nproc-per-node 2 --standalone kd --config kd/smollm2_demo ARGS`, which must exit 0; what it
+    printed."""
     proc = subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "--nproc-per-node", "2", "--standalone",
-                           "kd", "--config", "kd/smollm2_demo", *args, "batch_size=2", f"output_dir={two}"],
-                          cwd=cwd, env=rc.cli_env(), capture_output=True, text=True, timeout=900)
+                           "kd", "--config", "kd/smollm2_demo", *args], cwd=cwd, env=rc.cli_env(), capture_output=True,
+                          text=True, timeout=900)
     rc.assert_ok(proc)
+    return proc.stdout
+
+
+def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: Path) -> str:
+    """`recipe run --nproc-per-node 2 kd ...` with half the batch finishes and matches the run in `one` (1 process,
+    or a reference on 2); what it printed."""
+    out = _two_processes([*args, "batch_size=2", f"output_dir={two}"], cwd)
     a, b = rc.read_metrics(one), rc.read_metrics(two)
     assert [r["on_policy_batches"] for r in a] == [r["on_policy_batches"] for r in b] and sum(
         r["on_policy_batches"] for r in a) >= 1
@@ -507,7 +516,7 @@ def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: 
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)
-    return proc.stdout
+    return out
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: Inductor compiles the layers and the decode step for the CPU
