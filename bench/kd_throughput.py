@@ -72,6 +72,8 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # transfer set instead of the Hub's Alpaca, output_dir), a run length, and for LoRA the LoRA section.
     "shipped_lora": ("shipped", "lora", []),
     "shipped_lora_bf16_teacher": ("shipped", "lora", ["teacher.quantize=null"]),
+    # on-policy KD as bench/on_policy_speed.py runs it (for bench/profile_kd.py: where its step's time goes)
+    "shipped_lora_onpolicy": ("shipped", "lora", ["kd.on_policy.fraction=0.5", "kd.on_policy.max_new_tokens=128"]),
     # the frozen student base in fp8 under the LoRA section (lora.quantize_base=fp8): beside shipped_lora
     "shipped_lora_fp8_base": ("shipped", "lora", ["lora.quantize_base=fp8"]),
     "shipped_full": ("shipped", "full", []),

@@ -8,13 +8,17 @@ step times across layouts:
 - `packed`: every on-policy micro-batch packed back into its training rows (the loader's shape, whose compiled
   graphs the data micro-batches already use), however many tokens that holds;
 - `static`: the shipped layout, with Dynamo's automatic dynamic shapes off (and room for more recompiles): each
-  on-policy shape gets a static graph, as the loader's shape has, instead of one graph with dynamic sizes.
+  on-policy shape gets a static graph, as the loader's shape has, instead of one graph with dynamic sizes;
+- `microbatch`: the shipped layout, and a line per step with each micro-batch's time between CUDA events recorded
+  as the loop moves it to the device (`microbatch_ms: [[on_policy, shape, ms], ...]`; the last one's time runs to
+  the optimizer step, so it holds the gradient clipping and the step's reductions too).
 
-    python bench/on_policy_layout.py steptime|packed|static run kd --config ...
+    python bench/on_policy_layout.py steptime|packed|static|microbatch run kd --config ...
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -26,8 +30,8 @@ def main() -> int:
     from llm_recipe.components.training import Throughput
 
     how, args = sys.argv[1], sys.argv[2:]
-    if how not in ("steptime", "packed", "static"):
-        raise SystemExit(f"on_policy_layout.py: steptime, packed or static, not {how!r}")
+    if how not in ("steptime", "packed", "static", "microbatch"):
+        raise SystemExit(f"on_policy_layout.py: steptime, packed, static or microbatch, not {how!r}")
     rate = Throughput.rate  # each micro-batch counted as the window's first data one (none: its first)
     Throughput.rate = lambda self, window, rt: rate(self, [next(
         (b for b in window if "prompt_lens" not in b), window[0])] * len(window), rt)
@@ -43,7 +47,39 @@ def main() -> int:
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.recompile_limit = 64
         torch._dynamo.config.accumulated_recompile_limit = 1024
+    if how == "microbatch":
+        _time_microbatches()
     return recipe(args)
+
+
+def _time_microbatches() -> None:
+    """Record a CUDA event as each micro-batch moves to the device and one before each optimizer step; print each
+    step's micro-batch times."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from llm_recipe.recipes import kd
+
+    marks: list[tuple[bool, list[int], torch.cuda.Event]] = []
+    to_device = kd.to_device
+
+    def timed(batch, device):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append(("prompt_lens" in batch, list(batch["tokens"].shape), event))
+        return to_device(batch, device)
+
+    def step_end(*_):
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        ends = [e for *_, e in marks[1:]] + [end]
+        print("microbatch_ms: " + json.dumps([[on, shape, round(e0.elapsed_time(e1), 2)]
+                                               for (on, shape, e0), e1 in zip(marks, ends)]), flush=True)
+        marks.clear()
+
+    kd.to_device = timed
+    register_optimizer_step_pre_hook(step_end)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
 - `onpolicy_compiled_fkl`: forward KL as the on-policy loss (a closed-form gradient, where reverse KL's is autograd);
 - `onpolicy_compiled_steptime` / `_packed` / `_static`: tokens/s counting every micro-batch as a data one (so it
   compares step times), with the shipped layout, with on-policy micro-batches packed into the loader's shape, and
-  with the shipped layout compiled with static shapes (bench/on_policy_layout.py).
+  with the shipped layout compiled with static shapes (bench/on_policy_layout.py);
+- `onpolicy_compiled_microbatch` / `offpolicy_microbatch`: each micro-batch's time, printed per step in the log.
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -77,11 +78,12 @@ ROWS["onpolicy_compiled_chat_kvmicro"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
 # step times, every micro-batch counted as a data one: the shipped layout, on-policy micro-batches packed into the
 # loader's shape, and the shipped layout compiled with static shapes (bench/on_policy_layout.py)
-for _how in ("steptime", "packed", "static"):
+for _how in ("steptime", "packed", "static", "microbatch"):
     ROWS[f"onpolicy_compiled_{_how}"] = ON
+ROWS["offpolicy_microbatch"] = ROWS["offpolicy"]  # each micro-batch's time, on-policy or not (on_policy_layout.py)
 SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["padded_samples.py"],  # a diagnosis row's script and its
            "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"],  # arguments, by suffix
-           **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "static")}}
+           **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "static", "microbatch")}}
 
 
 def _median(values: list[float]) -> float | None:
