@@ -75,6 +75,40 @@ def test_batched_greedy_matches_one_prompt_at_a_time():
     assert not model.caches_are_enabled()
 
 
+def test_cached_attention_gives_torchtunes_scores_without_expanding_the_cache(monkeypatch):
+    """Grouped heads with a KV cache attend as g x s query rows per KV head (builder.py's `_cached_attention`):
+    every step's logits equal those of torchtune's forward, which copies the cache out to every query head."""
+    from torchtune.modules import MultiHeadAttention
+
+    from llm_recipe.components.models.builder import tune_layers
+    from llm_recipe.components.models.generation import generate_batch
+
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [7]]  # left padding: the mask matters in prefill and decode
+    seen: dict[str, list[torch.Tensor]] = {"ours": [], "torchtune": []}
+
+    def run(name: str) -> list[list[int]]:
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            seen[name].append(logits.clone())
+            return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)  # varied tokens
+
+        gen = torch.Generator().manual_seed(0)
+        return generate_batch(_model(), prompts, max_new_tokens=8, pad_id=0, pick=pick)
+
+    calls = []
+    ours = tune_layers().Attention._cached_attention
+    monkeypatch.setattr(tune_layers().Attention, "_cached_attention",
+                        lambda self, *a: calls.append(1) or ours(self, *a))
+    got = run("ours")
+    assert calls, "the decode did not take the grouped-head cache path"
+    monkeypatch.setattr(tune_layers().Attention, "_cached_attention",
+                        lambda self, x, y, mask, input_pos: MultiHeadAttention.forward(self, x, y, mask=mask,
+                                                                                       input_pos=input_pos))
+    assert run("torchtune") == got
+    assert len(seen["ours"]) == 8
+    for a, b in zip(seen["ours"], seen["torchtune"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_prompt_forward_projects_only_each_rows_last_position():
     """A batch of prompts projects b positions to the vocabulary, not b x width: on-policy KD's 64 chat prompts of
     512 tokens held 17 GB of fp32 logits at a 128k vocabulary (a 10 GiB higher peak, measured on an H200)."""
