@@ -16,15 +16,24 @@ from .data.formats import IGNORE_INDEX
 from .models.generation import StaticDecode, generate_batch
 
 
-def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor) -> Tensor:
+def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor, block: int = 256) -> Tensor:
     """Next token of each row of `logits [b, v]` at `temperature`, by inverse CDF from one uniform per row: the
-    same uniform gives the same token whatever else is in the batch. The CDF is summed in fp64 (an fp32 running
-    sum over a 128k vocabulary drifts by more than its smallest probabilities)."""
+    same uniform gives the same token whatever else is in the batch. The CDF is in fp64 (an fp32 running sum over
+    a 128k vocabulary drifts by more than its smallest probabilities), in two levels: the blocks' sums (of `block`
+    ids each), then the CDF inside the one block the uniform falls in. One fp64 cumsum over the whole vocabulary
+    took 0.25 ms of every decode step (one H200, 64 rows of 128,256 ids: torch's scan kernel for fp64)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    cdf = probs.double().cumsum(-1)
-    u = uniforms.double() * cdf[:, -1]
-    picked = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
-    return picked.clamp_max(logits.shape[-1] - 1)
+    rows, vocab = probs.shape
+    if vocab % block:  # zero-probability ids past the end: never picked (a zero-width step of the CDF)
+        probs = torch.nn.functional.pad(probs, (0, block - vocab % block))
+    blocks = probs.view(rows, -1, block)
+    edges = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [b, blocks]: the CDF at each block's end
+    u = (uniforms.double() * edges[:, -1]).unsqueeze(-1)
+    at = torch.searchsorted(edges, u, right=True).clamp_max(edges.shape[1] - 1)  # [b, 1]: the uniform's block
+    before = torch.where(at > 0, edges.gather(1, (at - 1).clamp_min(0)), 0.0)
+    inside = blocks.gather(1, at.unsqueeze(-1).expand(rows, 1, block)).squeeze(1).double().cumsum(-1) + before
+    picked = at.squeeze(-1) * block + torch.searchsorted(inside, u, right=True).squeeze(-1).clamp_max(block - 1)
+    return picked.clamp_max(vocab - 1)
 
 
 @torch.no_grad()

@@ -201,6 +201,19 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert hot[0] > 0.95  # a low temperature sharpens it
 
 
+@pytest.mark.parametrize("vocab", [61, 256, 1000, 49152])
+def test_inverse_cdf_in_blocks_picks_what_one_fp64_cdf_picks(vocab):
+    """The block sums + one block's CDF pick the token one fp64 CDF over the whole vocabulary picks, for vocabularies
+    that fill their last block or not, flat and peaked (a low temperature), uniforms from 0 to nearly 1."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(256, vocab, generator=gen) * 4
+    u = torch.cat([torch.tensor([0.0, 1e-9, 1 - 1e-9]), torch.rand(253, generator=gen)])
+    for temperature in (1.0, 0.3):
+        cdf = torch.softmax(logits / temperature, -1).double().cumsum(-1)
+        want = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert torch.equal(sample_with_uniforms(logits, temperature, u), want.clamp_max(vocab - 1))
+
+
 def test_samples_are_seeded_and_laid_out_by_global_row():
     """Rank k's row r takes global row r * world + k: two ranks with 2 prompts each sample what one process with
     the 4 prompts samples (same seed), whatever their batch neighbours."""
