@@ -8,7 +8,8 @@ Rows: `ours_eager`, `ours_default`, `ours_reduce-overhead` (generate_batch's `co
 `onpolicy_compiled`: what `recipe run kd` with `kd.on_policy` samples with on one GPU with `compile: true`
 (`sample_completions` with a `StaticDecode`: the layers compiled for training as rt.prepare_model does, the model
 in train mode, its decode step compiled over the whole model as a CUDA graph, inverse-CDF sampling from seeded
-uniforms); `hf_static`: transformers' `generate(cache_implementation="static")`, which on CUDA compiles its own
+uniforms); `onpolicy_compiled_expanded` / `_fullcdf`: the same as before session 57, with torchtune's attention
+(the KV cache copied out to every query head each step) / one fp64 cumsum over the vocabulary per token; `hf_static`: transformers' `generate(cache_implementation="static")`, which on CUDA compiles its own
 forward (mode "reduce-overhead", fullgraph) in recent transformers: "a static cache + torch.compile" as
 transformers ships it; `hf_static_compiled`: `model.forward` wrapped in torch.compile on top of that (the old
 recipe; it failed on the H200 with "accessing tensor output of CUDAGraphs that has been overwritten");
@@ -52,7 +53,31 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
+def onpolicy(shape: str, batch: int, prompt: int, new: int, row: str = "onpolicy_compiled") -> dict:
+    """The on-policy sampler's row; `_expanded` / `_fullcdf` put back what session 57 replaced, for this row only."""
+    from llm_recipe.components import on_policy_sampling
+    from llm_recipe.components.models.builder import tune_layers
+
+    attention, sampler = tune_layers().Attention._cached_attention, on_policy_sampling.sample_with_uniforms
+    if "_expanded" in row:  # torchtune's forward with the KV cache: k and v copied out to every query head
+        from torchtune.modules import MultiHeadAttention
+
+        tune_layers().Attention._cached_attention = lambda self, x, y, mask, pos: MultiHeadAttention.forward(
+            self, x, y, mask=mask, input_pos=pos)
+    if "_fullcdf" in row:  # one fp64 cumsum over the whole vocabulary per token
+        def full_cdf(logits, temperature, uniforms):
+            cdf = torch.softmax(logits.float() / temperature, dim=-1).double().cumsum(-1)
+            u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+            return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+
+        on_policy_sampling.sample_with_uniforms = full_cdf
+    try:
+        return {**_onpolicy(shape, batch, prompt, new), "row": row}
+    finally:
+        tune_layers().Attention._cached_attention, on_policy_sampling.sample_with_uniforms = attention, sampler
+
+
+def _onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
     from llm_recipe.components.models import ModelArgs, build_model
     from llm_recipe.components.models.generation import StaticDecode
     from llm_recipe.components.on_policy_sampling import sample_completions
@@ -71,8 +96,7 @@ def onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
 
     first = timed(run)
     second = timed(run)
-    return {"row": "onpolicy_compiled", "first_s": round(first, 2), "s": round(second, 3),
-            "tokens_per_s": round(batch * new / second)}
+    return {"first_s": round(first, 2), "s": round(second, 3), "tokens_per_s": round(batch * new / second)}
 
 
 def ours(shape: str, batch: int, prompt: int, new: int, mode: str | None) -> dict:
@@ -136,8 +160,8 @@ def main() -> int:
             if row.startswith("ours_"):
                 mode = row.removeprefix("ours_")
                 r = ours(a.shape, a.batch, a.prompt, a.new, None if mode == "eager" else mode)
-            elif row == "onpolicy_compiled":
-                r = onpolicy(a.shape, a.batch, a.prompt, a.new)
+            elif row.startswith("onpolicy_compiled"):
+                r = onpolicy(a.shape, a.batch, a.prompt, a.new, row)
             elif row in ("hf_static", "hf_static_nocompile", "hf_static_compiled"):
                 r = hf(a.shape, a.batch, a.prompt, a.new, row)
             else:
