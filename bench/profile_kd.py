@@ -8,6 +8,9 @@ kernels by total device time and the share of each kernel family (matmul, attent
 `--gaps`: also records host ops (a table by host time) and prints where the GPU sat idle inside the profiled steps
 (the largest gaps between kernels, the kernels around each and the host ops running meanwhile), and the busy share
 of the span. `--host`: cProfile the host's Python in those steps instead (what a host-bound step spends it on).
+`--microbatches`: a marker kernel on the GPU as each micro-batch moves to the device (`torch.cuda._sleep`, longer for
+an on-policy one), and per micro-batch of the profiled steps its span on the GPU's timeline and the time kernels ran
+in it: an on-policy micro-batch whose kernels fill much less than its span kept the GPU waiting (on the host).
 
 Several GPUs: `torchrun --standalone --nproc-per-node N bench/profile_kd.py ...` runs the row's recipe in each
 worker (each joins the process group as `recipe run --nproc-per-node N` does), every rank under the profiler, rank 0
@@ -46,6 +49,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: SmolLM2 shapes, CPU op times")
     p.add_argument("--gaps", action="store_true", help="GPU idle time between kernels and what the host did")
     p.add_argument("--host", action="store_true", help="cProfile the host's Python instead (a host-bound step)")
+    p.add_argument("--microbatches", action="store_true", help="each micro-batch's GPU span and busy time")
     a = p.parse_args()
     side, student, extra = kd_throughput.ROWS.get(a.row, (a.row, "full", []))
     gpu = a.device == "cuda"
@@ -70,6 +74,8 @@ def main() -> None:
 
     from llm_recipe.cli.main import main as recipe_main
 
+    if a.microbatches:
+        mark_microbatches()
     if a.host:
         return profile_host(recipe_main, argv, a)
     sched = torch.profiler.schedule(wait=a.skip, warmup=1, active=a.active, repeat=1)
@@ -93,6 +99,8 @@ def main() -> None:
                       "profiled_steps": a.active,
                       "ms_per_step": total / 1000 / a.active,
                       "share": {k: round(v, 3) for k, v in sorted(share.items(), key=lambda kv: -kv[1])}}))
+    if gpu and a.microbatches:
+        print_microbatches(prof.events())
     if gpu and a.gaps:  # the host's side too: the ops that take the most host time (a host-bound step shows here)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=90))
         print_gaps(prof.events(), a.active)
@@ -127,6 +135,60 @@ def profile_host(recipe_main, argv: list[str], a: argparse.Namespace) -> None:
     wall = (marks["end"] - marks["start"]) / a.active if "end" in marks else None
     print(json.dumps({"row": a.row, "rc": rc, "host_profile": True, "wall_ms_per_step_under_cprofile":
                       None if wall is None else round(wall * 1000, 1)}))
+
+
+# marker kernels (`torch.cuda._sleep` cycles): a data micro-batch ~1 us, an optimizer step ~10 us, an on-policy
+# micro-batch ~100 us (at the 1-2.5 GHz clocks of these GPUs); told apart by duration below 5 us / 50 us
+MARKS = {"data": 2_000, "step": 20_000, "on_policy": 200_000}
+
+
+def mark_microbatches() -> None:
+    """Launch a marker kernel (`torch.cuda._sleep`) on the GPU as the kd recipe moves each micro-batch to the device
+    (a longer one for an on-policy micro-batch) and before each optimizer step."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from llm_recipe.recipes import kd
+
+    to_device = kd.to_device
+
+    def marked(batch, device):
+        torch.cuda._sleep(MARKS["on_policy" if "prompt_lens" in batch else "data"])
+        return to_device(batch, device)
+
+    kd.to_device = marked
+    register_optimizer_step_pre_hook(lambda *_: torch.cuda._sleep(MARKS["step"]))
+
+
+def print_microbatches(events) -> None:
+    """Each profiled micro-batch, from its marker to the next one (a step's last micro-batch ends at the optimizer
+    step's marker): on-policy or not, its span on the GPU's timeline and the time kernels ran in it (markers
+    excluded), then the medians by kind."""
+    import statistics
+
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+                     and not e.name.startswith("ProfilerStep"))
+    marks = [(start, end, "data" if end - start < 5 else "step" if end - start < 50 else "on_policy")
+             for start, end, name in kernels if "spin" in name.lower()]
+    rows = []
+    for (_, end, kind), (stop, _, _) in zip(marks, marks[1:]):
+        if kind == "step":
+            continue
+        inside = [(s, e, n) for s, e, n in kernels if s >= end and e <= stop and "spin" not in n.lower()]
+        busy = idle_gaps(inside, 1e9)[0] if inside else 0.0
+        rows.append({"on_policy": kind == "on_policy", "span_ms": round((stop - end) / 1000, 2),
+                     "busy_ms": round(busy / 1000, 2)})
+        print(json.dumps(rows[-1]))
+    if not rows:
+        print(json.dumps({"microbatches": "no marker kernels recorded"}))
+    for on in (False, True):
+        mine = [r for r in rows if r["on_policy"] == on]
+        if mine:
+            print(json.dumps({"on_policy": on, "microbatches": len(mine),
+                              "median_span_ms": statistics.median(r["span_ms"] for r in mine),
+                              "median_busy_ms": statistics.median(r["busy_ms"] for r in mine)}))
 
 
 def idle_gaps(kernels: list[tuple[float, float, str]], min_us: float) -> tuple[float, float, list[tuple]]:
