@@ -133,13 +133,36 @@ def test_ignored_rows_do_not_contribute(kind):
     s, t, labels = _inputs()
     kw = KWARGS.get(kind, {})
     valid = labels != -100
-    only_valid = FUNCS[kind](s[valid], t[valid], labels[valid], **kw)
+    kept = s.detach()[valid].requires_grad_(True)
+    only_valid = FUNCS[kind](kept, t[valid], labels[valid], **kw)
+    only_valid.backward()
     s2, t2 = s.detach().clone(), t.clone()
-    s2[~valid] = float("nan")  # garbage in ignored rows must not leak in
+    s2[~valid] = float("nan")  # garbage in ignored rows must not leak in, in the value or the gradient
     t2[~valid] = 1e6
-    torch.testing.assert_close(FUNCS[kind](s2, t2, labels, **kw), only_valid)
+    s2.requires_grad_(True)
+    got = FUNCS[kind](s2, t2, labels, **kw)
+    got.backward()
+    torch.testing.assert_close(got, only_valid)
+    torch.testing.assert_close(s2.grad[valid], kept.grad)
+    assert torch.equal(s2.grad[~valid], torch.zeros_like(s2.grad[~valid]))
     all_ignored = torch.full_like(labels, -100)
     assert FUNCS[kind](s, t, all_ignored, **kw).item() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: whether a divergence waits for the GPU")
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_divergences_never_wait_for_the_gpu(kind):
+    """No device-to-host sync in a divergence's value or gradient (on-policy KD runs one per loss chunk: a sync
+    leaves the GPU idle while the host queues the next kernels)."""
+    s, t, labels = (x.cuda() for x in _inputs())
+    s = s.detach().float().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        FUNCS[kind](s, t.float(), labels, **KWARGS.get(kind, {})).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

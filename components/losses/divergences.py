@@ -71,8 +71,11 @@ def _log_mixture(logp: Tensor, logq: Tensor, weight_p: float) -> Tensor:
 
 def _prepare(
     student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float, ignore_index: int
-) -> tuple[Tensor, Tensor]:
-    """Validate shapes, keep rows with a valid label, and return (student, teacher) log-probs at temperature T."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate shapes; return (student, teacher) log-probs at temperature T of every row, and which rows count (a
+    valid label): the divergences sum only those (`_valid_sum`). Every row is computed, the ignored ones from zero
+    logits: selecting the valid rows (`logits[valid]`) asked the GPU how many there are, a sync per call that left
+    the GPU idle while the host queued the next kernels (on-policy KD's loss runs this on every chunk)."""
     if student_logits.dim() != 2 or teacher_logits.shape != student_logits.shape:
         raise ValueError(
             f"KD losses expect student and teacher logits of the same shape [n, v]; got "
@@ -82,9 +85,15 @@ def _prepare(
         raise ValueError(f"labels must have shape [{student_logits.shape[0]}], got {tuple(labels.shape)}")
     valid = labels != ignore_index
     dtype = _compute_dtype(student_logits)
-    s = student_logits[valid].to(dtype) / temperature
-    t = teacher_logits[valid].to(dtype) / temperature
-    return F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    keep = valid.unsqueeze(-1)  # an ignored row's logits may be anything (a NaN would reach the gradient)
+    s = torch.where(keep, student_logits.to(dtype), 0.0) / temperature
+    t = torch.where(keep, teacher_logits.to(dtype), 0.0) / temperature
+    return F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), valid
+
+
+def _valid_sum(per_token: Tensor, valid: Tensor) -> Tensor:
+    """The sum of `per_token [n]` over the valid rows."""
+    return torch.where(valid, per_token, 0.0).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,23 +104,23 @@ def _prepare(
 def forward_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0,
                ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Sum over valid tokens of the true forward KL(p_T || p_S) * T^2 (0 when student equals teacher)."""
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
-    return _kl_rows(log_t, log_s).sum() * temperature**2
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    return _valid_sum(_kl_rows(log_t, log_s), valid) * temperature**2
 
 
 def reverse_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0,
                ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Sum over valid tokens of the reverse KL(p_S || p_T) * T^2 (mode-seeking)."""
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
-    return _kl_rows(log_s, log_t).sum() * temperature**2
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    return _valid_sum(_kl_rows(log_s, log_t), valid) * temperature**2
 
 
 def symmetric_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0,
                  ratio: float = 0.5, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Sum over valid tokens of (ratio * KL(p_T||p_S) + (1 - ratio) * KL(p_S||p_T)) * T^2."""
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
     per_token = ratio * _kl_rows(log_t, log_s) + (1.0 - ratio) * _kl_rows(log_s, log_t)
-    return per_token.sum() * temperature**2
+    return _valid_sum(per_token, valid) * temperature**2
 
 
 def jsd(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0, beta: float = 0.5,
@@ -122,10 +131,10 @@ def jsd(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperat
     beta = 0 or 1 makes it identically 0 (build_kd_loss refuses them: use forward_kl / reverse_kl, which TRL
     substitutes there).
     """
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
     log_m = _log_mixture(log_t, log_s, beta)
     per_token = beta * _kl_rows(log_t, log_m) + (1.0 - beta) * _kl_rows(log_s, log_m)
-    return per_token.sum() * temperature**2
+    return _valid_sum(per_token, valid) * temperature**2
 
 
 def skew_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0,
@@ -134,15 +143,15 @@ def skew_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temp
 
     alpha = 0 is the plain forward KL; at alpha = 1 the divergence is identically 0.
     """
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
-    return _kl_rows(log_t, _log_mixture(log_t, log_s, alpha)).sum() * temperature**2
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    return _valid_sum(_kl_rows(log_t, _log_mixture(log_t, log_s, alpha)), valid) * temperature**2
 
 
 def skew_reverse_kl(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0,
                     alpha: float = 0.1, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Sum over valid tokens of DistiLLM's skew reverse KL(p_S || alpha*p_S + (1-alpha)*p_T) * T^2."""
-    log_s, log_t = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
-    return _kl_rows(log_s, _log_mixture(log_s, log_t, alpha)).sum() * temperature**2
+    log_s, log_t, valid = _prepare(student_logits, teacher_logits, labels, temperature, ignore_index)
+    return _valid_sum(_kl_rows(log_s, _log_mixture(log_s, log_t, alpha)), valid) * temperature**2
 
 
 # The kinds a config names (`kd.loss`), in the order the docs list them.
