@@ -75,9 +75,12 @@ def test_batched_greedy_matches_one_prompt_at_a_time():
     assert not model.caches_are_enabled()
 
 
-def test_cached_attention_gives_torchtunes_scores_without_expanding_the_cache(monkeypatch):
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query heads, and one KV head per query head
+def test_cached_attention_gives_torchtunes_scores_without_expanding_the_cache(monkeypatch, kv_heads):
     """Grouped heads with a KV cache attend as g x s query rows per KV head (builder.py's `_cached_attention`):
     every step's logits equal those of torchtune's forward, which copies the cache out to every query head."""
+    import dataclasses
+
     from torchtune.modules import MultiHeadAttention
 
     from llm_recipe.components.models.builder import tune_layers
@@ -92,7 +95,9 @@ def test_cached_attention_gives_torchtunes_scores_without_expanding_the_cache(mo
             return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)  # varied tokens
 
         gen = torch.Generator().manual_seed(0)
-        return generate_batch(_model(), prompts, max_new_tokens=8, pad_id=0, pick=pick)
+        torch.manual_seed(0)
+        model = build_model(dataclasses.replace(ARGS, num_kv_heads=kv_heads)).eval()
+        return generate_batch(model, prompts, max_new_tokens=8, pad_id=0, pick=pick)
 
     calls = []
     ours = tune_layers().Attention._cached_attention
@@ -107,6 +112,19 @@ def test_cached_attention_gives_torchtunes_scores_without_expanding_the_cache(mo
     assert len(seen["ours"]) == 8
     for a, b in zip(seen["ours"], seen["torchtune"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_position_past_the_kv_cache_is_an_error():
+    """The cache is written without torchtune's assert on a device value (a sync per layer and token): writing
+    past its end still fails, in the index, rather than wrapping around or writing somewhere else."""
+    model = _model()
+    model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=8)
+    mask = torch.ones(1, 8, 8, dtype=torch.bool).tril()
+    with torch.no_grad():
+        model(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]), input_pos=torch.arange(8)[None], mask=mask)
+        with pytest.raises(IndexError, match="out of bounds"):
+            model(torch.tensor([[5]]), input_pos=torch.tensor([[8]]), mask=mask[:, -1:])
+    model.reset_caches()
 
 
 def test_prompt_forward_projects_only_each_rows_last_position():

@@ -90,14 +90,14 @@ def tune_layers() -> SimpleNamespace:
         """torchtune's attention, except for packed rows (a flex-attention BlockMask) inside a compiled layer: there
         flex attention is called in the layer's own graph with grouped-query heads as they are (`enable_gqa`).
         torchtune copies k and v out to every query head first (4x their memory, saved for backward, for Llama
-        3.2 1B) and calls a separately compiled flex attention behind a graph break. With a KV cache and grouped
-        heads, `_cached_attention` (no copy of the cache either). Everything else (dense masks, eager training
+        3.2 1B) and calls a separately compiled flex attention behind a graph break. With a KV cache,
+        `_cached_attention` (no copy of the cache either, no sync). Everything else (dense masks, eager training
         runs) is torchtune's forward."""
 
         def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, mask=None,
                     input_pos: torch.Tensor | None = None) -> torch.Tensor:
             if (self.kv_cache is not None and self.cache_enabled and y is not None and not isinstance(mask, BlockMask)
-                    and self.num_heads != self.num_kv_heads and self.q_norm is None and self.k_norm is None):
+                    and self.q_norm is None and self.k_norm is None):
                 return self._cached_attention(x, y, mask, input_pos)
             if (not isinstance(mask, BlockMask) or not torch.compiler.is_compiling() or y is None
                     or self.q_norm is not None or self.k_norm is not None
@@ -119,7 +119,9 @@ def tune_layers() -> SimpleNamespace:
             """torchtune's KV-cache forward (prefill and decode) without copying the whole cache out to every query
             head at every step: the g query heads of a KV head attend as g x s query rows of that head (query head
             i uses KV head i // g, as torchtune expands), the mask repeated for each. The same scores; on one H200
-            (Llama-3.2-1B student, a decode batch of 64) the copies took 0.48 ms of every decode step."""
+            (Llama-3.2-1B student, a decode batch of 64) the copies took 0.48 ms of every decode step. The cache is
+            written as torchtune's `KVCache.update` writes it, less its assert on a device value (a sync per layer
+            and token in an eager decode; a position past the cache fails in the index instead)."""
             b, s, _ = x.shape
             n_kv, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
             q = self.q_proj(x).view(b, s, self.num_heads, d)
@@ -128,7 +130,14 @@ def tune_layers() -> SimpleNamespace:
             if self.pos_embeddings is not None:
                 q = self.pos_embeddings(q, input_pos=input_pos)
                 k = self.pos_embeddings(k, input_pos=input_pos)
-            k, v = self.kv_cache.update(k.transpose(1, 2), v.transpose(1, 2))  # [b, n_kv, cache length, d]
+            cache = self.kv_cache
+            if b > cache.k_cache.shape[0]:
+                raise ValueError(f"a KV cache for {cache.k_cache.shape[0]} rows got {b}")
+            at = cache.cache_pos[:s]
+            cache.k_cache[:, :, at] = k.transpose(1, 2)
+            cache.v_cache[:, :, at] = v.transpose(1, 2)
+            cache.cache_pos.add_(s)
+            k, v = cache.k_cache, cache.v_cache  # [b, n_kv, cache length, d]
             q = q.view(b, s, n_kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv, g * s, d)
             if mask is not None:  # [b, s, L] -> [b, 1, g * s, L]: row j * s + t is query t's
                 mask = mask[:, None].expand(b, g, s, mask.shape[-1]).reshape(b, 1, g * s, mask.shape[-1])
