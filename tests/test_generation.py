@@ -127,6 +127,27 @@ def test_a_position_past_the_kv_cache_is_an_error():
     model.reset_caches()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: whether a cached forward waits for the GPU")
+def test_a_cached_forward_never_waits_for_the_gpu():
+    """Prefill and decode steps with the KV cache run without a device sync (torchtune's cache write asserted on a
+    device value: a sync per layer and token of an eager decode)."""
+    model = _model().cuda()
+    with torch.device("cuda"):
+        model.setup_caches(batch_size=2, dtype=torch.float32, decoder_max_seq_len=8)
+    mask = torch.ones(2, 8, 8, dtype=torch.bool, device="cuda").tril()
+    tokens = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            model(tokens, input_pos=torch.arange(4, device="cuda").expand(2, 4), mask=mask[:, :4])
+            for pos in range(4, 8):
+                model(tokens[:, :1], input_pos=torch.full((2, 1), pos, device="cuda"), mask=mask[:, pos:pos + 1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_prompt_forward_projects_only_each_rows_last_position():
     """A batch of prompts projects b positions to the vocabulary, not b x width: on-policy KD's 64 chat prompts of
     512 tokens held 17 GB of fp32 logits at a 128k vocabulary (a 10 GiB higher peak, measured on an H200)."""
