@@ -61,7 +61,7 @@ def tune_layers() -> SimpleNamespace:
     call."""
     import_torchtune()
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    from torchtune.modules import MultiHeadAttention, TransformerDecoder
+    from torchtune.modules import KVCache, MultiHeadAttention, TransformerDecoder
     from torchtune.modules import RMSNorm as TuneRMSNorm
     from torchtune.modules.peft import DoRALinear
 
@@ -90,14 +90,14 @@ def tune_layers() -> SimpleNamespace:
         """torchtune's attention, except for packed rows (a flex-attention BlockMask) inside a compiled layer: there
         flex attention is called in the layer's own graph with grouped-query heads as they are (`enable_gqa`).
         torchtune copies k and v out to every query head first (4x their memory, saved for backward, for Llama
-        3.2 1B) and calls a separately compiled flex attention behind a graph break. With a KV cache,
+        3.2 1B) and calls a separately compiled flex attention behind a graph break. With torchtune's KV cache,
         `_cached_attention` (no copy of the cache either, no sync). Everything else (dense masks, eager training
-        runs) is torchtune's forward."""
+        runs, the ExecuTorch export's static cache) is torchtune's forward."""
 
         def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, mask=None,
                     input_pos: torch.Tensor | None = None) -> torch.Tensor:
-            if (self.kv_cache is not None and self.cache_enabled and y is not None and not isinstance(mask, BlockMask)
-                    and self.q_norm is None and self.k_norm is None):
+            if (isinstance(self.kv_cache, KVCache) and self.cache_enabled and y is not None  # not an export's cache
+                    and not isinstance(mask, BlockMask) and self.q_norm is None and self.k_norm is None):
                 return self._cached_attention(x, y, mask, input_pos)
             if (not isinstance(mask, BlockMask) or not torch.compiler.is_compiling() or y is None
                     or self.q_norm is not None or self.k_norm is not None
