@@ -21,7 +21,10 @@ def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor, b
     same uniform gives the same token whatever else is in the batch. The CDF is in fp64 (an fp32 running sum over
     a 128k vocabulary drifts by more than its smallest probabilities), in two levels: the blocks' sums (of `block`
     ids each), then the CDF inside the one block the uniform falls in. One fp64 cumsum over the whole vocabulary
-    took 0.25 ms of every decode step (one H200, 64 rows of 128,256 ids: torch's scan kernel for fp64)."""
+    took 0.25 ms of every decode step (one H200, 64 rows of 128,256 ids: torch's scan kernel for fp64). The two
+    levels round differently, so a uniform within fp64 rounding (~1e-16) of a block's edge may find the block's
+    mass used up: it takes the block's last id with probability (one CDF would take the next one's first); never
+    an id of probability 0."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     rows, vocab = probs.shape
     if vocab % block:  # zero-probability ids past the end: never picked (a zero-width step of the CDF)
@@ -31,9 +34,13 @@ def sample_with_uniforms(logits: Tensor, temperature: float, uniforms: Tensor, b
     u = (uniforms.double() * edges[:, -1]).unsqueeze(-1)
     at = torch.searchsorted(edges, u, right=True).clamp_max(edges.shape[1] - 1)  # [b, 1]: the uniform's block
     before = torch.where(at > 0, edges.gather(1, (at - 1).clamp_min(0)), 0.0)
-    inside = blocks.gather(1, at.unsqueeze(-1).expand(rows, 1, block)).squeeze(1).double().cumsum(-1) + before
-    picked = at.squeeze(-1) * block + torch.searchsorted(inside, u, right=True).squeeze(-1).clamp_max(block - 1)
-    return picked.clamp_max(vocab - 1)
+    chosen = blocks.gather(1, at.unsqueeze(-1).expand(rows, 1, block)).squeeze(1)  # [b, block]
+    inside = torch.searchsorted(chosen.double().cumsum(-1) + before, u, right=True).squeeze(-1)  # `block`: used up
+    ids = torch.arange(block, device=probs.device)
+    last = torch.where(chosen > 0, ids, -1).amax(-1)  # the block's last id with probability (-1: none)
+    picked = at.squeeze(-1) * block + torch.minimum(inside, last)
+    # a block without probability (edges apart by rounding alone): the row's likeliest id
+    return torch.where(last >= 0, picked, probs.argmax(-1)).clamp_max(vocab - 1)
 
 
 @torch.no_grad()

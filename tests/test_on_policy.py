@@ -6,6 +6,8 @@ kd recipe with it: test_on_policy_recipe.py."""
 
 from __future__ import annotations
 
+import math
+
 import kd_reference as ref
 import pytest
 import torch
@@ -212,6 +214,17 @@ def test_inverse_cdf_in_blocks_picks_what_one_fp64_cdf_picks(vocab):
         cdf = torch.softmax(logits / temperature, -1).double().cumsum(-1)
         want = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         assert torch.equal(sample_with_uniforms(logits, temperature, u), want.clamp_max(vocab - 1))
+
+
+def test_inverse_cdf_in_blocks_never_picks_an_id_of_probability_zero():
+    """A uniform at a block's edge, where the block sums and the block's own CDF round apart (0.5 against 0.5 plus
+    254 probabilities of 2^-56): the id taken has probability, the block's last such one; one fp64 CDF over the
+    vocabulary takes the next block's first."""
+    logits = torch.full((1, 512), -math.inf)
+    logits[0, 0] = logits[0, 256] = 0.0
+    logits[0, 1:255] = math.log(2.0**-55)  # token 255: probability 0
+    picked = int(sample_with_uniforms(logits, 1.0, torch.tensor([0.5])))
+    assert torch.softmax(logits, -1)[0, picked] > 0 and picked == 254
 
 
 def test_samples_are_seeded_and_laid_out_by_global_row():
