@@ -14,6 +14,7 @@
 #                                                          # (for `pytest1`; `pytest` needs only .carry/tok)
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
 #   PYTEST_K=EXPR bash bench/device_multi_gpu.sh start 2 pytest   # only the 2-GPU tests EXPR selects, no model build
+#   PYTEST_FILES="tests/a.py ..."                              # the `pytest` phase's files instead of its three
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
@@ -131,7 +132,7 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             link_site_hf
             gpu_tests() {  # CUDA_VISIBLE_DEVICES, -k expression, log
                 CUDA_VISIBLE_DEVICES=$1 RECIPE_TEST_TOKENIZER_DIR=/tmp/tok PYTHONPATH=/tmp/site_hf:/tmp/peft python3 -m \
-                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "${PYTEST_K:-$2}" tests/test_on_policy.py tests/test_on_policy_recipe.py tests/test_distributed_recipes.py \
+                    pytest -m gpu -v -p no:cacheprovider --durations=0 -k "${PYTEST_K:-$2}" ${PYTEST_FILES:-tests/test_on_policy.py tests/test_on_policy_recipe.py tests/test_distributed_recipes.py} \
                     >"$3" 2>&1
             }
             if (($(nvidia-smi -L | wc -l) >= 4)); then

@@ -12,9 +12,11 @@ from llm_recipe.components.training import to_device
 
 
 def _packed_rows(length: int = 256) -> list[dict]:
-    """Two packed rows: several documents of uneven lengths, the second ending in padding (its own document)."""
+    """Two packed rows: several documents of uneven lengths, the second ending in padding (its own document);
+    `length` 96: documents of [40, 3, 53] and [90, 1, 5]."""
     rows = []
-    for lens in ([100, 3, 60, 93], [200, 1, 40, 15]):
+    for lens in ([100, 3, 60, 93], [200, 1, 40, 15]) if length == 256 else ([40, 3, 53], [90, 1, 5]):
+        assert sum(lens) == length
         tokens = list(range(1, length + 1))
         rows.append({"tokens": tokens, "labels": tokens, "seq_lens": lens})
     return rows
@@ -100,3 +102,33 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
     (l0, g0), (l1, g1) = results
     torch.testing.assert_close(l1, l0, atol=1e-3 * l0.abs().max().item(), rtol=1e-3)
     torch.testing.assert_close(g1, g0, atol=1e-3 * g0.abs().max().item(), rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_layers_without_grad_attend_rows_shorter_than_a_flex_block(dtype):
+    """A teacher's forward (no grad) of packed rows shorter than 128 tokens through compiled layers: the same logits
+    as the dense mask in eager. Inductor's flex lowering takes its one-token decoding kernel for such rows unless told
+    otherwise, which failed to compile in fp32 on an H200 (a 2-GPU on-policy test's teacher, rows of 96 tokens)."""
+    from llm_recipe.components.models import ModelArgs, build_model
+
+    device = torch.device("cuda")
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(args, max_seq_len=256).to(dtype).requires_grad_(False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = collate_packed(_packed_rows(96))
+    flex = to_device(batch, device)
+    dense = {k: v.to(device) for k, v in batch.items()}
+    dense["mask"] = document_mask(dense["input_pos"])
+    with torch.no_grad():
+        want = model(dense["tokens"] % 1000, mask=dense["mask"], input_pos=dense["input_pos"]).float()
+        for layer in model.layers:
+            layer.compile()
+        got = model(flex["tokens"] % 1000, mask=flex["mask"], input_pos=flex["input_pos"]).float()
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)

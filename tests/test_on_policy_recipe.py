@@ -509,10 +509,14 @@ def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: 
     wa, wb = rc.weights(one / "model"), rc.weights(two / "model")
     assert wa.keys() == wb.keys()
     # Adam divides each gradient by its own running size, so an element whose gradient is rounding noise moves by
-    # up to lr either way: 1 of 4096 o_proj elements was 3.3e-5 apart on a 2-core VM (lr 1e-3, 3 steps move
-    # elements by up to 3e-3). 1e-4 is a tenth of one step; a rank's gradients left out would move ~lr.
+    # up to lr either way: 1 of 4096 o_proj elements was 3.3e-5 apart on a 2-core VM, 1 of 3,145,728 embedding
+    # elements 2.0e-4 on 2 H200s (lr 1e-3, 3 steps move elements by up to 3e-3). So: every element within 1e-4 (a
+    # tenth of one step) but at most 1 in 100,000 (at least one), and those within two steps; a rank's gradients
+    # left out would move most elements by ~lr.
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=1e-4, rtol=1e-4, msg=k)
+        far = ~torch.isclose(wb[k], wa[k], atol=1e-4, rtol=1e-4)
+        assert int(far.sum()) <= max(1, wa[k].numel() // 100_000), (k, int(far.sum()), wa[k].numel())
+        torch.testing.assert_close(wb[k], wa[k], atol=2e-3, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
     ha, hb = (json.loads((d / "on_policy_eval.json").read_text()) for d in (one, two))
     assert hb["sampled_tokens"] == ha["sampled_tokens"]
     assert hb["reverse_kl_per_token"] == pytest.approx(ha["reverse_kl_per_token"], rel=1e-4)

@@ -110,8 +110,12 @@ def tune_layers() -> SimpleNamespace:
             if self.pos_embeddings is not None:
                 q = self.pos_embeddings(q, input_pos=input_pos)
                 k = self.pos_embeddings(k, input_pos=input_pos)
+            # BACKEND "TRITON": flex's main kernel, which "AUTO" takes too for rows of 128 tokens or more. For
+            # shorter rows without grad (a teacher's forward) "AUTO" takes Inductor's decoding kernel, which
+            # found no valid config in fp32 or bf16 on an H200 (NoValidChoicesError at compile, torch 2.11).
             out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                                 enable_gqa=self.num_heads != self.num_kv_heads)
+                                 enable_gqa=self.num_heads != self.num_kv_heads,
+                                 kernel_options={"BACKEND": "TRITON"})
             return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))
 
         def _cached_attention(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
