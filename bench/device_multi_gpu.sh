@@ -12,6 +12,7 @@
 #   bash bench/device_multi_gpu.sh part                    # carry .carry/c: the embedded GGUF's middle part
 #   bash bench/device_multi_gpu.sh assets                  # carry .carry/b: its last part -> `recipe assets`
 #                                                          # (for `pytest1`; `pytest` needs only .carry/tok)
+#   PROFILE_ROW=shipped_lora_onpolicy PROFILE_ARGS=--microbatches ... start 1,2 profile  # another row under the profiler
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
 #   PYTEST_K=EXPR bash bench/device_multi_gpu.sh start 2 pytest   # only the 2-GPU tests EXPR selects, no model build
 #   PYTEST_FILES="tests/a.py ..."                              # the `pytest` phase's files instead of its three
@@ -122,7 +123,8 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         profile)  # where rank 0's GPU time goes in the scaling row, on 1 GPU and on N (bench/profile_kd.py under torchrun)
             for g in 1 "$n"; do
                 OMP_NUM_THREADS=8 python3 -m torch.distributed.run --standalone --nproc-per-node "$g" \
-                    bench/profile_kd.py --out $B --row shipped_lora --skip 4 --active 2 --gaps --top 25 \
+                    bench/profile_kd.py --out $B --row "${PROFILE_ROW:-shipped_lora}" --skip 4 --active 2 --gaps --top 25 \
+                    ${PROFILE_ARGS:-} \
                     >$M/profile_n$g.txt 2>&1
                 grep -E '^\{"row"|^GPU busy' $M/profile_n$g.txt
             done ;;
