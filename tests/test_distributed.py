@@ -30,6 +30,6 @@ def test_two_process_fsdp_matches_one_process(tmp_path, tiny_model_dir):
     assert one.keys() == two.keys()
     moved = 0
     for k in one:
-        torch.testing.assert_close(two[k], one[k], atol=2e-5, rtol=1e-4, msg=k)
+        torch.testing.assert_close(two[k], one[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
         moved += int(not torch.equal(one[k], base[k]))
     assert moved > len(one) // 2  # training really changed the weights

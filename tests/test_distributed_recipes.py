@@ -90,7 +90,7 @@ def assert_close_weights(a: Path, b: Path, atol: float = 2e-5) -> None:
     wa, wb = rc.weights(a), rc.weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=atol, rtol=1e-4, msg=k)
+        torch.testing.assert_close(wb[k], wa[k], atol=atol, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def assert_close_updates(a: Path, b: Path, base: Path, rel: float = 0.05) -> None:
@@ -158,7 +158,7 @@ def assert_adapter(one: Path, two: Path, base: Path) -> None:
     a2 = load_file(str(two / "adapter" / "adapter_model.safetensors"))
     assert a1.keys() == a2.keys() and a1
     for k in a1:
-        torch.testing.assert_close(a2[k], a1[k], atol=2e-5, rtol=1e-4, msg=k)
+        torch.testing.assert_close(a2[k], a1[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokens = rc.sample_tokens()
     with torch.no_grad():
@@ -511,4 +511,4 @@ def test_a_sharded_qlora_checkpoint_converts_to_the_runs_model(tmp_path, tiny_mo
     assert set(got) == set(want)
     for k, w in want.items():
         assert got[k].dtype == w.dtype, k
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-6, msg=k)
+        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
