@@ -109,7 +109,8 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
 def test_compiled_layers_without_grad_attend_rows_shorter_than_a_flex_block(dtype):
     """A teacher's forward (no grad) of packed rows shorter than 128 tokens through compiled layers: the same logits
     as the dense mask in eager. Inductor's flex lowering takes its one-token decoding kernel for such rows unless told
-    otherwise, which failed to compile in fp32 on an H200 (a 2-GPU on-policy test's teacher, rows of 96 tokens)."""
+    otherwise, which failed to compile in fp32 and bf16 on an H200 (first seen in a 2-GPU on-policy test's teacher,
+    rows of 96 tokens)."""
     from llm_recipe.components.models import ModelArgs, build_model
 
     device = torch.device("cuda")

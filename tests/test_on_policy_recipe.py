@@ -510,9 +510,9 @@ def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: 
     assert wa.keys() == wb.keys()
     # Adam divides each gradient by its own running size, so an element whose gradient is rounding noise moves by
     # up to lr either way: 1 of 4096 o_proj elements was 3.3e-5 apart on a 2-core VM, 1 of 3,145,728 embedding
-    # elements 2.0e-4 on 2 H200s (lr 1e-3, 3 steps move elements by up to 3e-3). So: every element within 1e-4 (a
-    # tenth of one step) but at most 1 in 100,000 (at least one), and those within two steps; a rank's gradients
-    # left out would move most elements by ~lr.
+    # elements 2.0e-4 on 2 H200s (lr 1e-3, 3 steps move elements by up to 3e-3). So: all elements within 1e-4 (a
+    # tenth of one step) except at most 1 in 100,000 (at least one), and those within 2e-3 (two steps); a rank's
+    # gradients left out would move most elements by ~lr.
     for k in wa:
         far = ~torch.isclose(wb[k], wa[k], atol=1e-4, rtol=1e-4)
         assert int(far.sum()) <= max(1, wa[k].numel() // 100_000), (k, int(far.sum()), wa[k].numel())
