@@ -22,6 +22,21 @@ def _packed_rows(length: int = 256) -> list[dict]:
     return rows
 
 
+def _small_llama(hidden: int, device: torch.device) -> torch.nn.Module:
+    """A random 2-layer Llama (4 query heads on 2 KV heads, head dim hidden / 4) on `device`, seeded; fp32 matmuls
+    without TF32."""
+    from llm_recipe.components.models import ModelArgs, build_model
+
+    args = ModelArgs.from_hf_config({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.device(device):
+        return build_model(args, max_seq_len=256)
+
+
 def _reference_mask(seq_lens_per_row: list[list[int]]) -> torch.Tensor:
     """[b, s, s]: causal inside each document of each row, nothing across, written from the documents' lengths."""
     rows = []
@@ -73,18 +88,9 @@ def test_flex_and_dense_masks_give_the_same_outputs_and_gradients(compiled):
     the dense mask (SDPA, eager) and with the BlockMask: eager (torchtune's flex call) and in compiled layers (our
     in-graph flex call with grouped-query heads, components/models/builder.py `Attention`). fp32, because compiled
     and eager bf16 differ by their own rounding (measured on an H200: the same for dense and flex masks)."""
-    from llm_recipe.components.models import ModelArgs, build_model
-
     device = torch.device("cuda")
     assert use_flex_attention(device)
-    args = ModelArgs.from_hf_config({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = build_model(args, max_seq_len=256)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _small_llama(256, device)
     batch = collate_packed(_packed_rows())
     flex = to_device(batch, device)
     assert not isinstance(flex["mask"], torch.Tensor)
@@ -111,17 +117,8 @@ def test_compiled_layers_without_grad_attend_rows_shorter_than_a_flex_block(dtyp
     as the dense mask in eager. Inductor's flex lowering takes its one-token decoding kernel for such rows unless told
     otherwise, which failed to compile in fp32 and bf16 on an H200 (first seen in a 2-GPU on-policy test's teacher,
     rows of 96 tokens)."""
-    from llm_recipe.components.models import ModelArgs, build_model
-
     device = torch.device("cuda")
-    args = ModelArgs.from_hf_config({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = build_model(args, max_seq_len=256).to(dtype).requires_grad_(False)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _small_llama(64, device).to(dtype).requires_grad_(False)
     batch = collate_packed(_packed_rows(96))
     flex = to_device(batch, device)
     dense = {k: v.to(device) for k, v in batch.items()}
