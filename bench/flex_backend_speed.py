@@ -18,6 +18,7 @@ import json
 import random
 
 import torch
+from attention_speed import timed_back_to_back  # bench/ is on the path when run as bench/...py
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 SHAPES = {"student_1b": (32, 8, 64), "teacher_8b": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -41,19 +42,6 @@ def document_mask(rows: int, length: int, device: torch.device):
     return create_block_mask(same_document_causal, rows, None, length, length, device=device)
 
 
-def timed(fn, repeat: int = 100) -> float:
-    """Milliseconds per call (CUDA events), after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
-
-
 def both_ways(attend, q, k, v, grad) -> tuple[float, float]:
     """Milliseconds of forward + backward, and of the forward alone without grad."""
 
@@ -64,7 +52,7 @@ def both_ways(attend, q, k, v, grad) -> tuple[float, float]:
         with torch.no_grad():
             attend(q, k, v)
 
-    return timed(train), timed(infer)
+    return timed_back_to_back(train, 100), timed_back_to_back(infer, 100)
 
 
 def generated_code(backend: str, mask, device: torch.device) -> list[str]:
