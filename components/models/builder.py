@@ -104,12 +104,7 @@ def tune_layers() -> SimpleNamespace:
                     or (self.kv_cache is not None and self.cache_enabled)):
                 return super().forward(x, y, mask=mask, input_pos=input_pos)
             b, s, _ = x.shape
-            q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-            k = self.k_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
-            if self.pos_embeddings is not None:
-                q = self.pos_embeddings(q, input_pos=input_pos)
-                k = self.pos_embeddings(k, input_pos=input_pos)
+            q, k, v = self._projected(x, y, input_pos)
             # BACKEND "TRITON": flex's main kernel, which "AUTO" takes too for rows of 128 tokens or more. For
             # shorter rows without grad (a teacher's forward) "AUTO" takes Inductor's decoding kernel, which
             # found no valid config in fp32 or bf16 on an H200 (NoValidChoicesError at compile, torch 2.11).
@@ -117,6 +112,18 @@ def tune_layers() -> SimpleNamespace:
                                  enable_gqa=self.num_heads != self.num_kv_heads,
                                  kernel_options={"BACKEND": "TRITON"})
             return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+        def _projected(self, x: torch.Tensor, y: torch.Tensor,
+                       input_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """q [b, s, heads, d] from x; k and v [b, s, kv heads, d] from y; rope on q and k."""
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+            k = self.k_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(y).view(b, s, self.num_kv_heads, self.head_dim)
+            if self.pos_embeddings is not None:
+                q = self.pos_embeddings(q, input_pos=input_pos)
+                k = self.pos_embeddings(k, input_pos=input_pos)
+            return q, k, v
 
         def _cached_attention(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
                               input_pos: torch.Tensor | None) -> torch.Tensor:
@@ -128,12 +135,7 @@ def tune_layers() -> SimpleNamespace:
             and token in an eager decode; a position past the cache fails in the index instead)."""
             b, s, _ = x.shape
             n_kv, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-            q = self.q_proj(x).view(b, s, self.num_heads, d)
-            k = self.k_proj(y).view(b, s, n_kv, d)
-            v = self.v_proj(y).view(b, s, n_kv, d)
-            if self.pos_embeddings is not None:
-                q = self.pos_embeddings(q, input_pos=input_pos)
-                k = self.pos_embeddings(k, input_pos=input_pos)
+            q, k, v = self._projected(x, y, input_pos)
             cache = self.kv_cache
             if b > cache.k_cache.shape[0]:
                 raise ValueError(f"a KV cache for {cache.k_cache.shape[0]} rows got {b}")
