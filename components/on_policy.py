@@ -12,9 +12,9 @@ The blocks recipes/kd.py calls from its loop:
   `metrics` (the step's metrics), `held_out_eval` (the end-of-run metric).
 - which micro-batches go on-policy and which prompts they sample (`is_on_policy`, `row_prompts`, `load_prompt_set`
   for `kd.on_policy.prompts` and its stateless dealing): components/on_policy_prompts.py.
-- plain functions, tested on their own: `sample_completions`, `completion_batch` and `packed_completion_batch`
-  (components/on_policy_sampling.py), `decode_path`, `score_samples` / `per_prompt_summary` (the held-out metric
-  per prompt, also what bench/kd_study2_onp.py scores every student of the KD study with:
+- plain functions, tested on their own: `sample_completions`, `completion_batch`, `packed_completion_batch` and
+  `training_batches` (components/on_policy_sampling.py), `decode_path`, `score_samples` / `per_prompt_summary`
+  (the held-out metric per prompt, also what bench/kd_study2_onp.py scores every student of the KD study with:
   components/on_policy_score.py), `sampling_groups`; the sampling twin of several processes:
   components/sampling_twin.py.
 
@@ -35,9 +35,11 @@ batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, whe
 Its samples train one per row, padded to the longest, or packed back into their training rows (the loader's
 shape, `packed_completion_batch`; a prompt set's: first fit into rows of max_seq_len), whichever holds fewer
 tokens: short text prompts pad little, while chat prompts of many lengths padded to the longest held up to 8x a
-data micro-batch's tokens. The on-policy micro-batches of one optimizer step are sampled together
-(`sampling_groups`: while their decode batch spans no more tokens than one micro-batch's batch_size x
-prompts_per_row prompts may at max_seq_len): a decode step costs about as much for 64 prompts as for 16, so
+data micro-batch's tokens. Consecutive ones of one sample per row then train as one pass while they fit a data
+micro-batch's batch_size x max_seq_len positions (`training_batches`: the same gradient in fewer passes). The
+on-policy micro-batches of one optimizer step are sampled together (`sampling_groups`: while their decode batch
+spans no more tokens than one micro-batch's batch_size x prompts_per_row prompts may at max_seq_len): a decode
+step costs about as much for 64 prompts as for 16, so
 sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of its own
 micro-batch and slot.
 
@@ -94,7 +96,7 @@ from .on_policy_prompts import (
     row_prompts,
     sampling_groups,
 )
-from .on_policy_sampling import completion_batch, packed_completion_batch, sample_completions
+from .on_policy_sampling import sample_completions, training_batches
 from .on_policy_score import per_prompt_summary, score_samples
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
@@ -365,43 +367,50 @@ class OnPolicy:
 
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by batches of prompt + the
-        student's sample (host tensors, like the loader's: one sample per row, `completion_batch`, or, where that
-        holds more tokens, packed into rows of max_seq_len, a training row's samples back into that row,
-        `packed_completion_batch`); `step` counts finished optimizer steps. Their prompts are sampled in
+        student's sample (host tensors, like the loader's), laid out and joined by `training_batches` (so the
+        window may come back shorter); `step` counts finished optimizer steps. Their prompts are sampled in
         `sampling_groups`, each with the noise of its own micro-batch and slot."""
         chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
         if not chosen:
             return window
-        start, out, width = time.perf_counter(), list(window), self.rows * self.rt.world_size
+        start, width = time.perf_counter(), self.rows * self.rt.world_size
         if self.twin is not None:
             self.twin.refresh(model)  # the step's starting weights, gathered into the unsharded twin
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])
                  for m in chosen]
+        samples = []  # (prompts, completions, prompts per training row) of each chosen micro-batch
         for group in self._groups([prompts for prompts, *_ in dealt]):
             prompts = [p for g in group for p in dealt[g][0]]
             slots = [i * width + slot for i, g in enumerate(group) for slot in dealt[g][1]]
             completions = self._sample(model, prompts, [_key(self.seed, step, chosen[g]) for g in group], slots, width)
             for g in group:
                 mine, completions = completions[:len(dealt[g][0])], completions[len(dealt[g][0]):]
-                pad = self.tokenizer.pad_id  # the layout with fewer tokens (prompts of many lengths: packed)
-                padded = completion_batch(dealt[g][0], mine, pad)  # one sample per row, padded to the longest
-                packed = packed_completion_batch(dealt[g][0], mine, pad, self.max_seq_len, dealt[g][2])
-                out[chosen[g]] = packed if packed["tokens"].numel() < padded["tokens"].numel() else padded
+                samples.append((dealt[g][0], mine, dealt[g][2]))
                 self._sampled += sum(map(len, mine))
             self._batches += len(group)
             self._prompts += len(prompts)
+        out, joined = list(window), set()  # each batch at its first micro-batch's place; the others it holds go
+        for run, batch in training_batches(samples, self.tokenizer.pad_id, self.max_seq_len,
+                                           self.batch_size * self.max_seq_len, self._agree_max):
+            out[chosen[run[0]]] = batch
+            joined.update(chosen[g] for g in run[1:])
         self._seconds += time.perf_counter() - start
-        return out
+        return [b for m, b in enumerate(out) if m not in joined]
+
+    def _agree_max(self, sizes: Tensor) -> Tensor:
+        """`sizes`, elementwise the largest over the ranks (itself on one process)."""
+        if not self.rt.distributed:
+            return sizes
+        sizes = sizes.to(self.rt.device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        return sizes.cpu()
 
     def _groups(self, prompts: list[list[list[int]]]) -> list[list[int]]:
         """`sampling_groups` of these micro-batches' prompts, the same on every rank (their sizes reduced to the
         largest over ranks: each group is one sampling loop, whose steps run collectives under FSDP)."""
         pad = self.static.width if self.static is not None else (lambda w: w)
         sizes = torch.tensor([[len(p), pad(max(map(len, p), default=1)) + self.s.max_new_tokens] for p in prompts])
-        if self.rt.distributed:
-            sizes = sizes.to(self.rt.device)
-            dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        return sampling_groups(sizes.tolist(), self.rows * self.per_window, self.max_tokens)
+        return sampling_groups(self._agree_max(sizes).tolist(), self.rows * self.per_window, self.max_tokens)
 
     # ------------------------------------------------------------------ metrics
     def _reset(self) -> None:

@@ -17,7 +17,6 @@ from llm_recipe.components.losses import KD_LOSSES, LiveTeacher, build_kd_loss, 
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.on_policy import (
     OnPolicySettings,
-    completion_batch,
     is_on_policy,
     on_policy_kd_loss,
     per_prompt_summary,
@@ -26,6 +25,7 @@ from llm_recipe.components.on_policy import (
     score_samples,
 )
 from llm_recipe.components.on_policy_sampling import (
+    completion_batch,
     packed_completion_batch,
     sample_completions,
     sample_with_uniforms,
@@ -172,6 +172,51 @@ def test_packed_completion_batch_trains_what_one_prompt_per_row_trains():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-9, atol=1e-12)
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-7, atol=1e-10, msg=n)
+
+
+def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_same_gradient():
+    """A step's on-policy micro-batches of one sample per row join while their rows x widest row fit a data
+    micro-batch's positions (capacity): 3 of 3 rows x 7 fit 20 rows x 7 but not 18 x 7 (then 2 + 1), a packed one
+    (the loader's shape) never joins; the joined batch trains every micro-batch's targets with the summed loss and
+    the same weight gradients as the micro-batches one by one. With `agree` (several ranks), the reduced sizes
+    decide: a wider micro-batch on another rank keeps them apart."""
+    from llm_recipe.components.on_policy_sampling import joined_runs, training_batches
+    from llm_recipe.components.training import hidden_states, to_device
+
+    assert joined_runs([[3, 7, 0], [3, 7, 0], [3, 7, 0]], 63) == [[0, 1, 2]]
+    assert joined_runs([[3, 7, 0], [3, 7, 0], [3, 7, 0]], 42) == [[0, 1], [2]]
+    assert joined_runs([[3, 7, 0], [2, 16, 1], [3, 7, 0], [3, 7, 0]], 64) == [[0], [1], [2, 3]]
+    assert joined_runs([[2, 16, 1], [1, 4, 0]], 64) == [[0], [1]]  # a packed run takes no more, however small
+    samples = [(PROMPTS, COMPLETIONS, [2, 1]), ([[1, 4], [1, 9, 9]], [[5, 6], [7]], [2]), (PROMPTS[:1], [[2]], [1])]
+    joined = training_batches(samples, pad_id=0, max_seq_len=16, capacity=8 * 7)
+    assert [run for run, _ in joined] == [[0, 1, 2]]
+    (_, batch), alone = joined[0], training_batches(samples, pad_id=0, max_seq_len=16, capacity=0)
+    assert [run for run, _ in alone] == [[0], [1], [2]] and batch["tokens"].shape == (6, 7)
+    assert batch["prompt_lens"].tolist() == [4, 2, 6, 2, 3, 4]
+    wider = training_batches(samples, 0, 16, 8 * 7, agree=lambda s: s.maximum(torch.tensor([[0, 0, 0], [0, 12, 0],
+                                                                                           [0, 0, 0]])))
+    assert [run for run, _ in wider] == [[0], [1, 2]]  # (3 + 2) x 12 > 56; (2 + 1) x 12 fits
+
+    student, teacher = _model(1), _model(0)
+    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
+
+    def trained(batches):
+        student.zero_grad()
+        total = 0.0
+        for b in batches:
+            b = to_device(b, torch.device("cpu"))
+            with torch.no_grad():
+                target = LiveTeacher(hidden_states(teacher, b), teacher.output)
+            parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0,
+                              num_chunks=2)
+            parts["loss"].backward()
+            total = total + parts["loss"].detach()
+        return total, {n: p.grad.clone() for n, p in student.named_parameters()}
+
+    (loss_joined, grads_joined), (loss_alone, grads_alone) = trained([batch]), trained([b for _, b in alone])
+    torch.testing.assert_close(loss_joined, loss_alone, rtol=1e-9, atol=1e-12)
+    for n, g in grads_alone.items():
+        torch.testing.assert_close(grads_joined[n], g, rtol=1e-7, atol=1e-10, msg=n)
 
 
 # ---------------------------------------------------------------------------------------- sampling

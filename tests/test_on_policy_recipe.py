@@ -147,13 +147,13 @@ def test_on_policy_micro_batches_sample_the_prompt_set_by_the_dealing_rule(tmp_p
     held-out one, and those 3 score the student at the end; the training rows still feed the
     off-policy micro-batches, all 16 of them (the dataset keeps its tail)."""
     from llm_recipe.components import on_policy as onp
-    from llm_recipe.components import on_policy_score
+    from llm_recipe.components import on_policy_sampling, on_policy_score
     from llm_recipe.components.data.dataset import build_dataset
     from llm_recipe.components.models.tokenizer import Tokenizer
 
     sampled, windows = [], []
-    batch = onp.completion_batch
-    for module in (onp, on_policy_score):  # training's on-policy batches, and the held-out score's
+    batch = on_policy_sampling.completion_batch
+    for module in (on_policy_sampling, on_policy_score):  # training's on-policy batches, and the held-out score's
         monkeypatch.setattr(module, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
     window = onp.OnPolicy.sample_window
     monkeypatch.setattr(onp.OnPolicy, "sample_window",
@@ -208,14 +208,13 @@ def test_a_prompt_only_prompt_set_trains_end_to_end(tmp_path, models, monkeypatc
     output), as kd.on_policy.prompts through the CLI's entry: the on-policy micro-batch samples 2 distinct prompts
     of the 3 training rows, each rendered up to where the response would start and cut to its last 48 - 8 tokens,
     and the 3 held-out ones score the student at the end."""
-    from llm_recipe.components import on_policy as onp
-    from llm_recipe.components import on_policy_score
+    from llm_recipe.components import on_policy_sampling, on_policy_score
     from llm_recipe.components.data.formats import ALPACA_PROMPT_NO_INPUT
     from llm_recipe.components.models.tokenizer import Tokenizer
 
     sampled = []
-    batch = onp.completion_batch
-    for module in (onp, on_policy_score):  # training's on-policy batches, and the held-out score's
+    batch = on_policy_sampling.completion_batch
+    for module in (on_policy_sampling, on_policy_score):  # training's on-policy batches, and the held-out score's
         monkeypatch.setattr(module, "completion_batch", lambda p, c, pad: sampled.append(p) or batch(p, c, pad))
     chat = _shipped_chat(range(1043, 1049))
     path = _jsonl(tmp_path / "prompts.jsonl", [{"messages": m[:-1]} if fmt == "chat" else
@@ -323,7 +322,8 @@ def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would
     """A step's on-policy micro-batches (4 of 4 here) are sampled in one batch, each prompt with its own
     micro-batch's noise: the same completions as sampling each micro-batch alone, so the same run. Each micro-batch's
     samples train in the layout with fewer tokens: one per row (6 x 16 here, against the loader's 2 x 96) for prompts
-    of one length, packed back into their rows (the loader's shape) for most micro-batches of many lengths."""
+    of one length, two of them joined into one pass (12 x 16, a data micro-batch's 192 positions), packed back into
+    their rows (the loader's shape) for most micro-batches of many lengths."""
     from llm_recipe.components import on_policy as onp
 
     calls: dict[str, list] = {"together": [], "alone": []}
@@ -358,6 +358,8 @@ def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would
     for shape, prompts, packed in on:  # packed: the loader's rows; else one per row, fewer tokens than packed
         assert shape == loader if packed else shape[0] == prompts and math.prod(shape) <= math.prod(loader)
     assert any(packed for *_, packed in on) == (layout == "packed")  # 40-token prompts: 6-38 tokens (short docs)
+    if layout == "padded":  # each step's 4 on-policy micro-batches train in 2 passes (training_batches), both runs
+        assert [len(step) - 4 for step in shapes] == [2, 2, 2, 2]
     assert len(calls["alone"]) == 8 and all(len(seed) == 1 for seed, _, _ in calls["alone"])
     flat = {how: [(p, c) for _, prompts, got in calls[how] for p, c in zip(prompts, got, strict=True)] for how in calls}
     assert flat["together"] == flat["alone"] and len(flat["alone"]) > 8
@@ -397,7 +399,7 @@ def test_a_kv_budget_of_a_whole_step_samples_it_in_one_loop_and_changes_no_numbe
 
 
 @pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
-@pytest.mark.parametrize("prompts", ["rows", "prompt_set"])
+@pytest.mark.parametrize("prompts", ["rows", "prompt_set", "joined"])
 def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs, prompts):
     """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
     process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row, or
@@ -407,8 +409,13 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
     a boundary of the CDF (seen with 5 rows, each dealt 2-3 times a micro-batch: 2 of 14 seeds)."""
     prompt_set = CHAT_PROMPTS.replace("limit: 8", "limit: 20")
     # rows: 5 held-out rows give 13-15 prompts, 3 chunks of a rank's 6: rank 1 scores a chunk again and drops it
-    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs,
-                 *([prompt_set] if prompts == "prompt_set" else ["kd.on_policy.held_out=5"])), "max_steps=3",
+    # joined: both micro-batches of a step on-policy, each rank's two (6 x 16) trained in one pass as the one
+    # process's (12 x 16; training_batches), the sizes agreed over the ranks; one step (the 15 training rows end an
+    # epoch in the second, which 1 and 2 processes deal differently)
+    case = {"rows": ["kd.on_policy.held_out=5", "max_steps=3"], "prompt_set": [prompt_set, "max_steps=3"],
+            "joined": ["kd.on_policy.held_out=5", "kd.on_policy.fraction=1.0", "gradient_accumulation_steps=2",
+                       "max_steps=1"]}[prompts]
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs, *case),
             "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
