@@ -16,6 +16,10 @@
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
 #   PYTEST_K=EXPR bash bench/device_multi_gpu.sh start 2 pytest   # only the 2-GPU tests EXPR selects, no model build
 #   PYTEST_FILES="tests/a.py ..."                              # the `pytest` phase's files instead of its three
+#   git archive -o .carry/before/tree.tar COMMIT cli components recipes configs pyproject.toml README.md
+#        (carry .carry/before too): `start` installs that commit's package into /tmp/site_before, and the phase
+#        `onpolicy_before` runs `onpolicy`'s rows with it (first on PYTHONPATH) into $M/before: before and after a
+#        change in one call
 #
 # Everything lives under /tmp, which survives between calls while the machine stays warm.
 set -uo pipefail
@@ -42,10 +46,12 @@ link_site_hf() {  # PEFT and the GPU tests use the machine's transformers, which
 running() { pgrep -f "^bash bench/device_multi_gp[u].sh runner" >/dev/null; }
 
 report() {  # the tables so far; the raw rows and log tails into $OUT
-    (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M) 2>&1
+    (cd /tmp/repo && python3 bench/multi_gpu.py table --out $M && [[ ! -d $M/before ]] || { echo "before:" &&
+        python3 bench/multi_gpu.py table --out $M/before; }) 2>&1
     tail -5 /tmp/runner.log
     for f in $M/pytest.log $M/pytest_b.log; do [[ -f $f ]] && grep -E "PASSED|FAILED|ERROR|passed|failed" $f | tail -12; done
     if [[ -n ${OUT:-} ]]; then
+        [[ ! -d $M/before ]] || { mkdir -p "$OUT/before" && cp $M/before/*.jsonl "$OUT/before/" 2>/dev/null; }
         cp $M/*.jsonl $M/final.log $M/profile_n*.txt $M/smi_*.csv $M/pytest*.log /tmp/runner.log "$OUT/" 2>/dev/null
         (cd $M && tar czf "$OUT/logs.tgz" --ignore-failed-read $(ls -d ./*/*.log ./*/*/metrics.jsonl fault/*.log \
             pytest*.log 2>/dev/null)) 2>/dev/null
@@ -74,6 +80,11 @@ start)
         --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/pytest/*.whl
     [[ ! -d .carry/a ]] || cp .carry/a/gguf.* /tmp/  # the GGUF's first part (for `assets`; scaling and pytest need none)
     rm -rf /tmp/tok && cp -r .carry/tok /tmp/tok  # SmolLM2's tokenizer: the `pytest` phase's tiny model (tests/conftest.py)
+    if [[ -f .carry/before/tree.tar ]]; then  # an earlier commit's package, for `onpolicy_before`
+        rm -rf /tmp/before && mkdir -p /tmp/before && tar xf .carry/before/tree.tar -C /tmp/before
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site_before /tmp/before || { echo "installing the before tree failed" >&2; exit 1; }
+    fi
     rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r cli components recipes configs bench tests docs pyproject.toml README.md /tmp/repo/
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site /tmp/repo || { echo "installing /tmp/repo failed" >&2; exit 1; }
@@ -107,6 +118,10 @@ runner)  # the phases one after another (the GPUs are never shared between two m
         onpolicy)  # on-policy KD on 1 GPU (CUDA-graphed decode) and N (eager decode under FSDP2), recompiles logged
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
                 --rows kd_on_policy ;;
+        onpolicy_before)  # the same rows with the earlier commit's package (`start` installed it)
+            PYTHONPATH=/tmp/site_before:/tmp/site TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling \
+                --models $B --out $M/before --nprocs "$nprocs" --rows kd_on_policy
+            python3 bench/multi_gpu.py table --out $M/before ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;
         final)  # model/ at a run's end on N processes: streamed as gathered vs gathered to rank 0's host first

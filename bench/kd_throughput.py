@@ -74,6 +74,9 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "shipped_lora_bf16_teacher": ("shipped", "lora", ["teacher.quantize=null"]),
     # on-policy KD as bench/on_policy_speed.py runs it (for bench/profile_kd.py: where its step's time goes)
     "shipped_lora_onpolicy": ("shipped", "lora", ["kd.on_policy.fraction=0.5", "kd.on_policy.max_new_tokens=128"]),
+    # ... and as bench/multi_gpu.py's kd_on_policy scaling row runs it (the shipped max_new_tokens): profiled on 1
+    # and on N GPUs, where a rank's on-policy step loses its time (bench/device_multi_gpu.sh's PROFILE_ROW)
+    "shipped_lora_onpolicy_half": ("shipped", "lora", ["kd.on_policy.fraction=0.5"]),
     # the frozen student base in fp8 under the LoRA section (lora.quantize_base=fp8): beside shipped_lora
     "shipped_lora_fp8_base": ("shipped", "lora", ["lora.quantize_base=fp8"]),
     "shipped_full": ("shipped", "full", []),

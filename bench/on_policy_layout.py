@@ -1,19 +1,23 @@
 """`python -m llm_recipe.cli.main ARGS` with on-policy KD's training micro-batches changed, for diagnosis rows of
 bench/on_policy_speed.py. Why: on one H200 (session 56) an on-policy micro-batch of the shipped text row (~15
 samples of 160 tokens, one per row: ~2,400 tokens) trained in about the time of a 4,096-token data micro-batch.
-Every mode counts each micro-batch of a step as a data one (the loader's rows x max_seq_len), so tokens/s compares
-step times across layouts:
+Every mode counts each micro-batch the loader dealt a step as a data one (the loader's rows x max_seq_len; on-policy
+ones joined into one pass count as those they hold), so tokens/s compares step times across layouts:
 
-- `steptime`: nothing else (the shipped layout: one sample per row, padded, or packed where that holds fewer tokens);
+- `steptime`: nothing else (the shipped layout: one sample per row, padded, or packed where that holds fewer tokens;
+  consecutive ones of one sample per row joined while they fit a data micro-batch's positions);
 - `packed`: every on-policy micro-batch packed back into its training rows (the loader's shape, whose compiled
   graphs the data micro-batches already use), however many tokens that holds;
+- `padded`: every on-policy micro-batch one sample per row, padded to the longest, as before session 52 (chat
+  prompts: `onpolicy_compiled_chat_padded`), joined as shipped;
+- `apart`: the shipped layout without joining (each on-policy micro-batch its own pass, as before session 59);
 - `static`: the shipped layout, with Dynamo's automatic dynamic shapes off (and room for more recompiles): each
   on-policy shape gets a static graph, as the loader's shape has, instead of one graph with dynamic sizes;
 - `microbatch`: the shipped layout, and a line per step with each micro-batch's time between CUDA events recorded
   as the loop moves it to the device (`microbatch_ms: [[on_policy, shape, ms], ...]`; the last one's time runs to
   the optimizer step, so it holds the gradient clipping and the step's reductions too).
 
-    python bench/on_policy_layout.py steptime|packed|static|microbatch run kd --config ...
+    python bench/on_policy_layout.py steptime|packed|padded|apart|static|microbatch run kd --config ...
 """
 
 from __future__ import annotations
@@ -21,28 +25,40 @@ from __future__ import annotations
 import json
 import sys
 
+MODES = ("steptime", "packed", "padded", "apart", "static", "microbatch")
+
 
 def main() -> int:
     import torch._dynamo
 
     from llm_recipe.cli.main import main as recipe
-    from llm_recipe.components import on_policy
+    from llm_recipe.components import on_policy, on_policy_sampling
     from llm_recipe.components.training import Throughput
 
     how, args = sys.argv[1], sys.argv[2:]
-    if how not in ("steptime", "packed", "static", "microbatch"):
-        raise SystemExit(f"on_policy_layout.py: steptime, packed, static or microbatch, not {how!r}")
-    rate = Throughput.rate  # each micro-batch counted as the window's first data one (none: its first)
-    Throughput.rate = lambda self, window, rt: rate(self, [next(
-        (b for b in window if "prompt_lens" not in b), window[0])] * len(window), rt)
+    if how not in MODES:
+        raise SystemExit(f"on_policy_layout.py: one of {', '.join(MODES)}, not {how!r}")
+    sample_window, rate, dealt = on_policy.OnPolicy.sample_window, Throughput.rate, []
+
+    def remembered(self, model, window, step):  # the loader's window, before its on-policy micro-batches change
+        dealt[:] = window
+        return sample_window(self, model, window, step)
+
+    on_policy.OnPolicy.sample_window = remembered
+    Throughput.rate = lambda self, window, rt: rate(self, [dealt[0] if dealt else window[0]] * len(dealt or window), rt)
     if how == "packed":  # the padded layout's comparison loses: its `tokens` count as more than any packed batch
-        padded = on_policy.completion_batch
+        padded = on_policy_sampling.completion_batch
 
         class _More:
             def numel(self) -> int:
                 return 1 << 62
 
-        on_policy.completion_batch = lambda *a, **k: {**padded(*a, **k), "tokens": _More()}
+        on_policy_sampling.completion_batch = lambda *a, **k: {**padded(*a, **k), "tokens": _More()}
+    if how == "padded":
+        on_policy_sampling.packed_completion_batch = (
+            lambda prompts, completions, pad_id, *_: on_policy_sampling.completion_batch(prompts, completions, pad_id))
+    if how == "apart":
+        on_policy_sampling.joined_runs = lambda sizes, capacity: [[i] for i in range(len(sizes))]
     if how == "static":
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.recompile_limit = 64

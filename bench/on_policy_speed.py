@@ -17,13 +17,14 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
   so several width buckets (one compiled decode graph each);
 - `onpolicy_compiled_chat_alone`: the same, each micro-batch sampled alone (longer prompts: smaller groups);
 - `onpolicy_compiled_chat_padded`: the same, each sample trained in a row of its own padded to the longest, as
-  before session 52 (bench/padded_samples.py; now a training row's samples are packed back into it);
+  before session 52 (bench/on_policy_layout.py padded; now a training row's samples are packed back into it);
 - `onpolicy_compiled_chat_kvmicro` / `_kvsets`: the same with a sampling group's KV caches spanning at most one
   micro-batch's prompts, and also a set of them per decode shape, as before session 53 (bench/kv_budget.py);
 - `onpolicy_compiled_fkl`: forward KL as the on-policy loss (a closed-form gradient, where reverse KL's is autograd);
-- `onpolicy_compiled_steptime` / `_packed` / `_static`: tokens/s counting every micro-batch as a data one (so it
-  compares step times), with the shipped layout, with on-policy micro-batches packed into the loader's shape, and
-  with the shipped layout compiled with static shapes (bench/on_policy_layout.py);
+- `onpolicy_compiled_steptime` / `_packed` / `_apart` / `_static`: tokens/s counting every micro-batch as a data
+  one (so it compares step times), with the shipped layout, with on-policy micro-batches packed into the loader's
+  shape, with each on-policy micro-batch a pass of its own (not joined: before session 59), and with the shipped
+  layout compiled with static shapes (bench/on_policy_layout.py);
 - `onpolicy_compiled_microbatch` / `offpolicy_microbatch`: each micro-batch's time, printed per step in the log.
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
@@ -77,13 +78,14 @@ ROWS["onpolicy_compiled_chat_padded"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_kvmicro"] = ROWS["onpolicy_compiled_chat"]
 ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
 # step times, every micro-batch counted as a data one: the shipped layout, on-policy micro-batches packed into the
-# loader's shape, and the shipped layout compiled with static shapes (bench/on_policy_layout.py)
-for _how in ("steptime", "packed", "static", "microbatch"):
+# loader's shape, each trained in a pass of its own (not joined), and the shipped layout compiled with static shapes
+# (bench/on_policy_layout.py)
+for _how in ("steptime", "packed", "apart", "static", "microbatch"):
     ROWS[f"onpolicy_compiled_{_how}"] = ON
 ROWS["offpolicy_microbatch"] = ROWS["offpolicy"]  # each micro-batch's time, on-policy or not (on_policy_layout.py)
-SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["padded_samples.py"],  # a diagnosis row's script and its
+SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["on_policy_layout.py", "padded"],  # a diagnosis row's script and its
            "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"],  # arguments, by suffix
-           **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "static", "microbatch")}}
+           **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "apart", "static", "microbatch")}}
 
 
 def _median(values: list[float]) -> float | None:
