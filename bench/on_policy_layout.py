@@ -8,8 +8,8 @@ ones joined into one pass count as those they hold), so tokens/s compares step t
   consecutive ones of one sample per row joined while they fit a data micro-batch's positions);
 - `packed`: every on-policy micro-batch packed back into its training rows (the loader's shape, whose compiled
   graphs the data micro-batches already use), however many tokens that holds;
-- `padded`: every on-policy micro-batch one sample per row, padded to the longest, as before session 52 (chat
-  prompts: `onpolicy_compiled_chat_padded`), joined as shipped;
+- `padded`: every on-policy micro-batch one sample per row, padded to the longest, each its own pass, as before
+  session 52 (chat prompts: `onpolicy_compiled_chat_padded`);
 - `apart`: the shipped layout without joining (each on-policy micro-batch its own pass, as before session 59);
 - `static`: the shipped layout, with Dynamo's automatic dynamic shapes off (and room for more recompiles): each
   on-policy shape gets a static graph, as the loader's shape has, instead of one graph with dynamic sizes;
@@ -57,7 +57,7 @@ def main() -> int:
     if how == "padded":
         on_policy_sampling.packed_completion_batch = (
             lambda prompts, completions, pad_id, *_: on_policy_sampling.completion_batch(prompts, completions, pad_id))
-    if how == "apart":
+    if how in ("apart", "padded"):
         on_policy_sampling.joined_runs = lambda sizes, capacity: [[i] for i in range(len(sizes))]
     if how == "static":
         torch._dynamo.config.automatic_dynamic_shapes = False

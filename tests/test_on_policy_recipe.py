@@ -367,6 +367,38 @@ def test_a_steps_on_policy_micro_batches_sample_at_once_and_draw_what_each_would
     assert strip(rc.read_metrics(tmp_path / "together")) == strip(rc.read_metrics(tmp_path / "alone"))
 
 
+def test_on_policy_micro_batches_between_off_policy_ones_join_and_train_as_apart(tmp_path, models, short_docs,
+                                                                                  monkeypatch):
+    """Half of a step's 4 micro-batches on-policy (never adjacent: fraction 0.5 spreads them), 6 samples x 16 each:
+    the two train in one pass of 12 x 16 at the first one's place, the off-policy ones stay as the loader gave
+    them, in order; and the run's losses, on-policy metrics and gradient norms are those of training every
+    micro-batch in its own pass."""
+    from llm_recipe.components import on_policy as onp
+    from llm_recipe.components import on_policy_sampling
+
+    window, seen = onp.OnPolicy.sample_window, []
+    monkeypatch.setattr(onp.OnPolicy, "sample_window",
+                        lambda self, model, w, step: seen.append((list(w), window(self, model, w, step))) or seen[-1][1])
+    args = [*_kd(models, *short_docs), "kd.on_policy.prompt_tokens=8", "kd.on_policy.held_out=0",
+            "gradient_accumulation_steps=4", "max_steps=2"]
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / 'joined'}"]) == 0
+    for loaded, out in seen:
+        chosen = [i for i, b in enumerate(loaded) if not any(b is o for o in out)]
+        assert len(chosen) == 2 and chosen[1] - chosen[0] == 2 and len(out) == 3
+        joined = out[chosen[0]]
+        assert "prompt_lens" in joined and joined["tokens"].shape == (12, 16)
+        assert all(o is b for o, b in zip(out, [b for i, b in enumerate(loaded) if i != chosen[1]], strict=True)
+                   if o is not joined)
+    monkeypatch.setattr(onp.OnPolicy, "sample_window", window)
+    monkeypatch.setattr(on_policy_sampling, "joined_runs", lambda sizes, capacity: [[i] for i in range(len(sizes))])
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / 'apart'}"]) == 0
+    joined_rows, apart_rows = rc.read_metrics(tmp_path / "joined"), rc.read_metrics(tmp_path / "apart")
+    assert [r["on_policy_batches"] for r in joined_rows] == [r["on_policy_batches"] for r in apart_rows] == [2, 2]
+    for a, b in zip(joined_rows, apart_rows, strict=True):
+        for k in ("loss", "ce_loss", "kd_loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a, b)
+
+
 def test_a_kv_budget_of_a_whole_step_samples_it_in_one_loop_and_changes_no_number(tmp_path, models, short_docs,
                                                                                   monkeypatch, capsys):
     """Where memory allows a step's prompts in one decode loop (`sampling_kv_positions` chooses `step` on a GPU with
