@@ -456,6 +456,29 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
         assert 12 < json.loads((one / "on_policy_eval.json").read_text())["held_out_rows"] <= 18
 
 
+@pytest.mark.slow  # ~30 s: a torchrun launch of 2 processes and the 1-process reference
+def test_two_processes_whose_samples_differ_in_width_join_alike(tmp_path, models):
+    """A text prompt set dealt so that rank 0 samples 32-token prompts and rank 1 a few tokens (2 prompts a rank,
+    both micro-batches of the step on-policy): alone, rank 1's two would train in one pass (4 x ~10 of a data
+    micro-batch's 96 positions) and rank 0's could not (4 x ~40); the sizes agreed over the ranks keep both at two
+    passes, so the sharded teacher's collectives stay in step, and the run matches 1 process with twice the
+    batch."""
+    from llm_recipe.components.on_policy_prompts import deal_prompts
+
+    seed, train = 3, 8
+    long = {i for m in (0, 1) for i in deal_prompts(seed, train, m, 0, 2, 2)}  # the step's rows of rank 0
+    assert len(long) == 4
+    text = {True: "the old stone bridge over the river led north to the market town " * 4, False: "Hi there."}
+    path = _jsonl(tmp_path / "prompts.jsonl", [{"text": text[i in long]} for i in range(train + 2)])
+    args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard",
+                 f'kd.on_policy.prompts={{source: "{path}", format: text}}', "kd.on_policy.held_out=2",
+                 "kd.on_policy.prompt_tokens=32", "kd.on_policy.prompts_per_row=1", "kd.on_policy.fraction=1.0"),
+            "gradient_accumulation_steps=2", "max_steps=1", f"seed={seed}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
+    _assert_two_processes_match_one(args, one, two, tmp_path)
+
+
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor compiles the decode step in the 1-process run and each rank
 @pytest.mark.parametrize("student", ["full", "lora", "qlora", "dora", "qat"])
 def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, request, short_docs, student):
