@@ -72,7 +72,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checkpoint.atomic import atomic_write_bytes
@@ -391,26 +390,18 @@ class OnPolicy:
             self._prompts += len(prompts)
         out, joined = list(window), set()  # each batch at its first micro-batch's place; the others it holds go
         for run, batch in training_batches(samples, self.tokenizer.pad_id, self.max_seq_len,
-                                           self.batch_size * self.max_seq_len, self._agree_max):
+                                           self.batch_size * self.max_seq_len, self.rt.all_reduce_max):
             out[chosen[run[0]]] = batch
             joined.update(chosen[g] for g in run[1:])
         self._seconds += time.perf_counter() - start
         return [b for m, b in enumerate(out) if m not in joined]
-
-    def _agree_max(self, sizes: Tensor) -> Tensor:
-        """`sizes`, elementwise the largest over the ranks (itself on one process)."""
-        if not self.rt.distributed:
-            return sizes
-        sizes = sizes.to(self.rt.device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        return sizes.cpu()
 
     def _groups(self, prompts: list[list[list[int]]]) -> list[list[int]]:
         """`sampling_groups` of these micro-batches' prompts, the same on every rank (their sizes reduced to the
         largest over ranks: each group is one sampling loop, whose steps run collectives under FSDP)."""
         pad = self.static.width if self.static is not None else (lambda w: w)
         sizes = torch.tensor([[len(p), pad(max(map(len, p), default=1)) + self.s.max_new_tokens] for p in prompts])
-        return sampling_groups(self._agree_max(sizes).tolist(), self.rows * self.per_window, self.max_tokens)
+        return sampling_groups(self.rt.all_reduce_max(sizes).tolist(), self.rows * self.per_window, self.max_tokens)
 
     # ------------------------------------------------------------------ metrics
     def _reset(self) -> None:

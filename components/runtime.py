@@ -228,21 +228,25 @@ class Runtime:
 
     def all_reduce_mean(self, x: torch.Tensor | float) -> torch.Tensor | float:
         """Mean of `x` over ranks; returns the same kind (tensor or float) it was given."""
-        return self._all_reduce(x, mean=True)
+        return self._all_reduce(x, "mean")
 
     def all_reduce_sum(self, x: torch.Tensor | float) -> torch.Tensor | float:
         """Sum of `x` over ranks (e.g. token counts for a token-weighted mean)."""
-        return self._all_reduce(x, mean=False)
+        return self._all_reduce(x, "sum")
 
-    def _all_reduce(self, x: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
+    def all_reduce_max(self, x: torch.Tensor | float) -> torch.Tensor | float:
+        """Elementwise largest of `x` over ranks (e.g. batch shapes every rank must agree on)."""
+        return self._all_reduce(x, "max")
+
+    def _all_reduce(self, x: torch.Tensor | float, how: str) -> torch.Tensor | float:
         if not self.distributed:
             return x
         is_tensor = isinstance(x, torch.Tensor)
         t = x.detach().clone() if is_tensor else torch.tensor(float(x), dtype=torch.float64)
         orig_device = t.device
         t = t.to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        if mean:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+        if how == "mean":
             t = t / self.world_size
         return t.to(orig_device) if is_tensor else float(t.item())
 

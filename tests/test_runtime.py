@@ -159,6 +159,7 @@ def test_state_dicts_memory_and_collectives_single_process():
     opt = torch.optim.AdamW(model.parameters())
     assert rt.optimizer_state_dict(model, opt) == opt.state_dict()
     assert rt.all_reduce_mean(3.0) == 3.0 and rt.all_reduce_sum(torch.tensor(2.0)) == 2.0
+    assert rt.all_reduce_max(torch.tensor([4, 1])).tolist() == [4, 1]
     assert rt.broadcast_object({"a": 1}) == {"a": 1}
     rt.barrier()
     big = torch.ones(64, 2**20, dtype=torch.uint8)  # 64 MiB touched: the RSS peak is at least that
@@ -188,6 +189,8 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         out["rand"] = torch.rand(2).tolist()  # same seed on every rank
         out["mean"] = rt.all_reduce_mean(float(rank))
         out["sum"] = rt.all_reduce_sum(torch.tensor([1.0, rank])).tolist()
+        most = rt.all_reduce_max(torch.tensor([[rank, 5 - rank, 0]]))  # on-policy batch sizes: int64, on the host
+        out["max"] = (most.tolist(), str(most.dtype), most.device.type)
         out["bcast"] = rt.broadcast_object(f"from {rank}")
 
         model = rt.prepare_model(_tiny(0), activation_checkpointing=True)  # fsdp: auto because world_size > 1
@@ -239,6 +242,7 @@ def test_two_process_gloo_fsdp2():
     assert r0["rand"] == r1["rand"]
     assert r0["mean"] == r1["mean"] == 0.5
     assert r0["sum"] == r1["sum"] == [2.0, 1.0]
+    assert r0["max"] == r1["max"] == ([[1, 5, 0]], "torch.int64", "cpu")
     assert r0["bcast"] == r1["bcast"] == "from 0"
     assert r0["sharded"] and r1["sharded"]
     # Rank 0 holds the gathered full state dict (plain tensors, full shapes), rank 1 an empty one.
