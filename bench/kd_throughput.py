@@ -125,6 +125,14 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     # the local chat set (reading-comprehension contexts with short answers: 96% of tokens are prompt, no label)
     # through the shipped chat template and train_on_input: false
     "shipped_lora_chat": ("shipped", "lora", CHAT),
+    # Fine-tuning without a teacher: the shipped lora/llama3_2_3b (on the 1B folder: a path) and full/llama3_2_1b
+    # configs as users run them, beside torchtune's lora / full single-device step (compiled as its recipes compile,
+    # with the shipped LoRA settings: rank 8, alpha 16, every projection)
+    "tt_sft_lora_compile": ("torchtune", "lora", ["--compile", "--sft", "--lora-rank", "8", "--lora-alpha", "16",
+                                                  "--lora-attn", "q_proj,k_proj,v_proj,output_proj"]),
+    "tt_sft_full_compile": ("torchtune", "full", ["--compile", "--sft"]),
+    "shipped_sft_lora": ("shipped_sft", "lora", []),
+    "shipped_sft_full": ("shipped_sft", "full", []),
 }
 
 
@@ -216,6 +224,16 @@ def _shipped_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
             *paths, *lora, f"max_steps={a.steps + a.warmup}", *extra]
 
 
+def _shipped_sft_cmd(a, student: str, extra: list[str], out_dir: Path) -> list[str]:
+    """The shipped lora/llama3_2_3b (student "lora") or full/llama3_2_1b config as a user runs it on the 1B folder:
+    paths and a run length (`--steps + --warmup` optimizer steps of the shipped batch), nothing else."""
+    recipe, config = ("lora", "lora/llama3_2_3b") if student == "lora" else ("full", "full/llama3_2_1b")
+    paths = [f"model.checkpoint_dir={a.out / 'student_1b'}", "dataset.source=transfer:passages", "dataset.format=text",
+             "dataset.use_chat_template=false", f"output_dir={out_dir}"]
+    return [sys.executable, "-m", "llm_recipe.cli.main", "run", recipe, "--config", config, *paths,
+            f"max_steps={a.steps + a.warmup}", *extra]
+
+
 def _tt_cmd(a, student: str, extra: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "bench" / "torchtune_kd_step.py"), "--shapes", a.shapes, "--student", student,
             "--device", a.device, "--dtype", a.dtype, "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
@@ -244,7 +262,7 @@ def run_row(a, name: str) -> dict:
             extra = [e for e in extra if e != "CACHE"] + [f"teacher.logits_dir={cache}"]
         dense = "DENSE_MASK" in extra  # the same command through bench/dense_mask_run.py
         extra = [e for e in extra if e != "DENSE_MASK"]
-        cmd = (_shipped_cmd if side == "shipped" else _ours_cmd)(a, student, extra, out_dir)
+        cmd = {"shipped": _shipped_cmd, "shipped_sft": _shipped_sft_cmd}.get(side, _ours_cmd)(a, student, extra, out_dir)
         if dense:
             i = cmd.index("llm_recipe.cli.main")
             cmd[i - 1:i + 1] = [str(ROOT / "bench" / "dense_mask_run.py")]
@@ -288,10 +306,12 @@ def table(out: Path) -> str:
                         "peak_gib": max(r.get("peak_gib") or 0 for r in ok), "repeats": len(ok)}
     ref = {k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile", "tt_lora_eager", "tt_full_eager")
            if k in latest and latest[k].get("rc") == 0}
-    ref.update({k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile_teacher", "tt_full_compile_teacher")
+    ref.update({k: latest[k]["tokens_per_s"] for k in ("tt_lora_compile_teacher", "tt_full_compile_teacher",
+                                                       "tt_sft_lora_compile", "tt_sft_full_compile")
                 if k in latest and latest[k].get("rc") == 0})
     lines = ["| row | tokens/s | peak GiB | vs tt LoRA compiled | vs tt eager (same student) | vs tt teacher compiled "
-             "(same student) | first step s | wall s |", "|---|---|---|---|---|---|---|---|"]
+             "(same student; SFT rows: vs tt's fine-tune step compiled) | first step s | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in latest.values():
         if r.get("rc") != 0:
             lines.append(f"| {r['name']} | failed (rc {r['rc']}) | | | | | | |")
@@ -300,7 +320,10 @@ def table(out: Path) -> str:
         same = ref.get(f"tt_{r['student']}_eager")
         vs_c = f"{tps / ref['tt_lora_compile']:.2f}x" if "tt_lora_compile" in ref else "-"
         vs_e = f"{tps / same:.2f}x" if same else "-"
-        strong = ref.get(f"tt_{r['student']}_compile_teacher")
+        sft = r["side"] == "shipped_sft" or r["name"].startswith("tt_sft_")  # against torchtune's fine-tune step
+        strong = ref.get(f"tt_sft_{r['student']}_compile" if sft else f"tt_{r['student']}_compile_teacher")
+        if sft:
+            vs_c = vs_e = "-"
         vs_t = f"{tps / strong:.2f}x" if strong else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         first = f"{r['first_step_s']:.0f}" if r.get("first_step_s") else "-"

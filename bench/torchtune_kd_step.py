@@ -7,6 +7,10 @@ torchao 0.18 we pin). The step is the one in torchtune's `recipes/knowledge_dist
 `--compile` applies `training.compile_model` to the student and `training.compile_loss` to both losses, as that
 recipe does. Inputs are full rows of random token ids with plain causal attention (no packing mask), torchtune's
 fastest case. Prints one JSON line: tokens/s (median over the timed steps) and peak memory.
+
+`--sft`: no teacher, CE alone: the step of torchtune's `lora_finetune_single_device.py` / `full_finetune_single_device.py`
+(the reference for our shipped lora and full configs); `--lora-rank`, `--lora-alpha`, `--lora-attn` set the adapters
+(`output_proj` is torchtune's name for o_proj; the MLP always has them).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ SHAPES = {
 }
 
 
-def build(shapes: str, student: str, device: torch.device, dtype: torch.dtype):
+def build(shapes: str, student: str, device: torch.device, dtype: torch.dtype, lora_attn: list[str], rank: int,
+          alpha: float, teacher_too: bool = True):
     from torchtune import training
     from torchtune.models.llama3 import _component_builders as llama3
     from torchtune.models.llama3_1 import llama3_1_8b
@@ -36,20 +41,22 @@ def build(shapes: str, student: str, device: torch.device, dtype: torch.dtype):
 
     with training.set_default_dtype(dtype), device:
         if shapes == "llama":
-            teacher = llama3_1_8b()
+            teacher = llama3_1_8b() if teacher_too else None
             if student == "lora":
-                model = lora_llama3_2_1b(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
-                                         apply_lora_to_output=False, lora_rank=64, lora_alpha=128, lora_dropout=0.0)
+                model = lora_llama3_2_1b(lora_attn_modules=lora_attn, apply_lora_to_mlp=True,
+                                         apply_lora_to_output=False, lora_rank=rank, lora_alpha=alpha, lora_dropout=0.0)
             else:
                 model = llama3_2_1b()
         else:
             kw = SHAPES["smollm2"]
-            teacher = llama3.llama3(num_layers=30, **kw)
+            teacher = llama3.llama3(num_layers=30, **kw) if teacher_too else None
             model = llama3.llama3(num_layers=10, **kw)
             for m in (teacher, model):  # SmolLM2 ties its output projection to the embedding
-                del m.output
-                m.output = TiedLinear(m.tok_embeddings)
-    teacher.eval().requires_grad_(False)
+                if m is not None:
+                    del m.output
+                    m.output = TiedLinear(m.tok_embeddings)
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
     if student == "lora":
         from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
@@ -72,6 +79,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--kd-ratio", type=float, default=0.5)
+    p.add_argument("--sft", action="store_true", help="no teacher: CE alone (torchtune's lora/full fine-tune step)")
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-alpha", type=float, default=128.0)
+    p.add_argument("--lora-attn", default="q_proj,v_proj,output_proj", help="attention projections with adapters")
     a = p.parse_args()
 
     from torchtune import training
@@ -80,7 +91,8 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    model, teacher = build(a.shapes, a.student, device, dtype)
+    model, teacher = build(a.shapes, a.student, device, dtype, a.lora_attn.split(","), a.lora_rank, a.lora_alpha,
+                           teacher_too=not a.sft)
     ce_fn, kd_fn = CEWithChunkedOutputLoss(a.chunks), ForwardKLWithChunkedOutputLoss(a.chunks)
     if a.compile:
         training.compile_model(model)
@@ -88,7 +100,8 @@ def main() -> None:
     if a.compile_teacher:
         training.compile_model(teacher)
     model.set_num_output_chunks(a.chunks)
-    teacher.set_num_output_chunks(a.chunks)
+    if teacher is not None:
+        teacher.set_num_output_chunks(a.chunks)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01, fused=device.type == "cuda")
     vocab = 49152  # the SmolLM2 tokenizer's ids, as in our run
@@ -99,13 +112,17 @@ def main() -> None:
         labels = tokens.clone()
         num_tokens = (labels != ce_fn.ignore_index).sum()
         logits = model(tokens)
-        with torch.no_grad():
-            teacher_logits = teacher(tokens)
         labels = torch.hstack((labels[..., 1:], ignore))
-        kd_loss = kd_fn(logits, teacher_logits, labels)
-        class_loss = ce_fn(logits, labels)
-        del logits, teacher_logits
-        loss = (1 - a.kd_ratio) * class_loss + a.kd_ratio * kd_loss
+        if teacher is None:  # the fine-tune recipes' _loss_step
+            loss = ce_fn(logits, labels)
+            del logits
+        else:
+            with torch.no_grad():
+                teacher_logits = teacher(tokens)
+            kd_loss = kd_fn(logits, teacher_logits, labels)
+            class_loss = ce_fn(logits, labels)
+            del logits, teacher_logits
+            loss = (1 - a.kd_ratio) * class_loss + a.kd_ratio * kd_loss
         loss.backward()
         training.scale_grads(model, 1 / num_tokens)  # as the recipe does (its losses are already means)
         opt.step()
@@ -129,7 +146,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     tokens = a.batch_size * a.seq_len
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    print(json.dumps({"side": "torchtune", "student": a.student, "compile": a.compile,
+    print(json.dumps({"side": "torchtune", "student": a.student, "sft": a.sft, "compile": a.compile,
                       "compile_teacher": a.compile_teacher, "tokens_per_s": tokens / statistics.median(times),
                       "peak_gib": peak, "steps": len(times), "first_step_s": first_step_s}))
 
