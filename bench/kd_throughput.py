@@ -317,13 +317,11 @@ def table(out: Path) -> str:
             lines.append(f"| {r['name']} | failed (rc {r['rc']}) | | | | | | |")
             continue
         tps = r["tokens_per_s"]
-        same = ref.get(f"tt_{r['student']}_eager")
-        vs_c = f"{tps / ref['tt_lora_compile']:.2f}x" if "tt_lora_compile" in ref else "-"
-        vs_e = f"{tps / same:.2f}x" if same else "-"
         sft = r["side"] == "shipped_sft" or r["name"].startswith("tt_sft_")  # against torchtune's fine-tune step
+        same = None if sft else ref.get(f"tt_{r['student']}_eager")
+        vs_c = f"{tps / ref['tt_lora_compile']:.2f}x" if "tt_lora_compile" in ref and not sft else "-"
+        vs_e = f"{tps / same:.2f}x" if same else "-"
         strong = ref.get(f"tt_sft_{r['student']}_compile" if sft else f"tt_{r['student']}_compile_teacher")
-        if sft:
-            vs_c = vs_e = "-"
         vs_t = f"{tps / strong:.2f}x" if strong else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         first = f"{r['first_step_s']:.0f}" if r.get("first_step_s") else "-"
