@@ -8,12 +8,15 @@ Rows: `ours_eager`, `ours_default`, `ours_reduce-overhead` (generate_batch's `co
 `onpolicy_compiled`: what `recipe run kd` with `kd.on_policy` samples with on one GPU with `compile: true`
 (`sample_completions` with a `StaticDecode`: the layers compiled for training as rt.prepare_model does, the model
 in train mode, its decode step compiled over the whole model as a CUDA graph, inverse-CDF sampling from seeded
-uniforms); `onpolicy_compiled_expanded` / `_fullcdf`: the same as before session 57, with torchtune's attention
+uniforms); `onpolicy_compiled_lora`: the same with the shipped 8B -> 1B KD config's LoRA section (rank 64, alpha
+128, q, v, o, gate, up, down; B made nonzero as after training); `onpolicy_compiled_expanded` / `_fullcdf`: the same as before session 57, with torchtune's attention
 (the KV cache copied out to every query head each step) / one fp64 cumsum over the vocabulary per token; `hf_static`: transformers' `generate(cache_implementation="static")`, which on CUDA compiles its own
 forward (mode "reduce-overhead", fullgraph) in recent transformers: "a static cache + torch.compile" as
 transformers ships it; `hf_static_compiled`: `model.forward` wrapped in torch.compile on top of that (the old
 recipe; it failed on the H200 with "accessing tensor output of CUDAGraphs that has been overwritten");
 `hf_static_nocompile`: the static cache with `disable_compile=True`. `dynamo_graphs` counts the graphs Dynamo compiled for a row (0: it ran eagerly).
+`--profile` (on-policy rows): a third run under torch.profiler, then the row's CUDA kernels by total time, per
+decode step (which kernels a decode step of this shape is made of, and what each costs).
 
 Random weights (speed does not depend on them); every row samples exactly `--new` tokens (no stop ids, HF with
 min_new_tokens), prompts of `--prompt` tokens. Each row is timed on its second run, so compile time is reported
@@ -53,7 +56,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def onpolicy(shape: str, batch: int, prompt: int, new: int, row: str = "onpolicy_compiled") -> dict:
+def onpolicy(shape: str, batch: int, prompt: int, new: int, row: str = "onpolicy_compiled",
+             profile: bool = False) -> dict:
     """The on-policy sampler's row; `_expanded` / `_fullcdf` put back what session 57 replaced, for this row only."""
     from llm_recipe.components import on_policy_sampling
     from llm_recipe.components.models.builder import tune_layers
@@ -72,19 +76,26 @@ def onpolicy(shape: str, batch: int, prompt: int, new: int, row: str = "onpolicy
 
         on_policy_sampling.sample_with_uniforms = full_cdf
     try:
-        return {**_onpolicy(shape, batch, prompt, new), "row": row}
+        return {**_onpolicy(shape, batch, prompt, new, "_lora" in row, profile), "row": row}
     finally:
         tune_layers().Attention._cached_attention, on_policy_sampling.sample_with_uniforms = attention, sampler
 
 
-def _onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
+def _onpolicy(shape: str, batch: int, prompt: int, new: int, lora: bool = False, profile: bool = False) -> dict:
     from llm_recipe.components.models import ModelArgs, build_model
+    from llm_recipe.components.models.builder import LoRASettings
     from llm_recipe.components.models.generation import StaticDecode
     from llm_recipe.components.on_policy_sampling import sample_completions
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = build_model(ModelArgs.from_hf_config(hf_config(shape))).to(torch.bfloat16).train()
+        settings = LoRASettings(rank=64, alpha=128.0, targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                                "down_proj")) if lora else None
+        model = build_model(ModelArgs.from_hf_config(hf_config(shape)), settings).to(torch.bfloat16).train()
+    with torch.no_grad():  # a trained adapter: B nonzero (it starts at zero)
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b.weight"):
+                param.normal_(0, 1e-3)
     for layer in model.layers:  # as rt.prepare_model compiles a training model's layers
         layer.compile()
     prompts = torch.randint(3, 1000, (batch, prompt)).tolist()
@@ -96,7 +107,23 @@ def _onpolicy(shape: str, batch: int, prompt: int, new: int) -> dict:
 
     first = timed(run)
     second = timed(run)
+    if profile:
+        kernel_table(run, new)
     return {"first_s": round(first, 2), "s": round(second, 3), "tokens_per_s": round(batch * new / second)}
+
+
+def kernel_table(run, steps: int, top: int = 30) -> None:
+    """One more `run` under torch.profiler: its CUDA kernels by total time, with calls and microseconds per decode
+    step (`steps` tokens), and the kernels' total per step against the run's wall time per step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        wall = timed(run)
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in kernels)
+    calls = sum(e.count for e in kernels)
+    print(f"kernels {total / steps:.0f} us per decode step ({calls / steps:.0f} of them); wall {wall * 1e6 / steps:.0f} "
+          f"us per decode step")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        print(f"{e.device_time_total / steps:8.1f} us {e.count / steps:6.1f} calls  {e.key[:110]}")
 
 
 def ours(shape: str, batch: int, prompt: int, new: int, mode: str | None) -> dict:
@@ -151,6 +178,7 @@ def main() -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--rows", default="ours_eager,ours_reduce-overhead,onpolicy_compiled,hf_static,hf_static_nocompile")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="on-policy rows: their kernels per decode step")
     a = p.parse_args()
     from torch._dynamo.utils import counters
 
@@ -161,7 +189,7 @@ def main() -> int:
                 mode = row.removeprefix("ours_")
                 r = ours(a.shape, a.batch, a.prompt, a.new, None if mode == "eager" else mode)
             elif row.startswith("onpolicy_compiled"):
-                r = onpolicy(a.shape, a.batch, a.prompt, a.new, row)
+                r = onpolicy(a.shape, a.batch, a.prompt, a.new, row, a.profile)
             elif row in ("hf_static", "hf_static_nocompile", "hf_static_compiled"):
                 r = hf(a.shape, a.batch, a.prompt, a.new, row)
             else:
