@@ -27,7 +27,9 @@ and `kd.on_policy.max_new_tokens=128` (today's eager GPU smoke, bench/results/20
   one (so it compares step times), with the shipped layout, with on-policy micro-batches packed into the loader's
   shape, with each on-policy micro-batch a pass of its own (not joined: before session 59), and with the shipped
   layout compiled with static shapes (bench/on_policy_layout.py);
-- `onpolicy_compiled_microbatch` / `offpolicy_microbatch`: each micro-batch's time, printed per step in the log.
+- `onpolicy_compiled_microbatch` / `offpolicy_microbatch`: each micro-batch's time, printed per step in the log;
+- `onpolicy_compiled_unmerged` / `onpolicy_compiled_default_unmerged`: the LoRA adapters left in the decode step,
+  as before session 61 (now they are merged into a sampling copy where it fits; bench/sample_unmerged.py).
 Each reports, over the steps after `--warmup`: tokens/s, the on-policy steps' sampled tokens/s and sampling share
 (medians), prompts per on-policy micro-batch, peak memory, seconds to the first step, how often Dynamo
 recompiled and how often a CUDA graph was recorded, re-recorded or skipped (TORCH_LOGS=recompiles,cudagraphs: a
@@ -88,7 +90,10 @@ ROWS["onpolicy_compiled_chat_kvsets"] = ROWS["onpolicy_compiled_chat"]
 for _how in ("steptime", "packed", "apart", "static", "microbatch"):
     ROWS[f"onpolicy_compiled_{_how}"] = ON
 ROWS["offpolicy_microbatch"] = ROWS["offpolicy"]  # each micro-batch's time, on-policy or not (on_policy_layout.py)
-SCRIPTS = {"_alone": ["sample_alone.py"], "_padded": ["on_policy_layout.py", "padded"],  # a diagnosis row's script and its
+# the LoRA adapters left in the decode step, as before session 61 (bench/sample_unmerged.py)
+ROWS["onpolicy_compiled_unmerged"] = ON
+ROWS["onpolicy_compiled_default_unmerged"] = ROWS["onpolicy_compiled_default"]
+SCRIPTS = {"_alone": ["sample_alone.py"], "_unmerged": ["sample_unmerged.py"], "_padded": ["on_policy_layout.py", "padded"],  # a diagnosis row's script and its
            "_kvmicro": ["kv_budget.py", "kvmicro"], "_kvsets": ["kv_budget.py", "kvsets"],  # arguments, by suffix
            **{f"_{h}": ["on_policy_layout.py", h] for h in ("steptime", "packed", "apart", "static", "microbatch")}}
 

@@ -46,8 +46,9 @@ micro-batch and slot.
 Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
 compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt width padded to a 64 x 2^k
 bucket, the batch to as many rows as that width allows, KV caches kept between steps), so the graph is recorded
-once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training
-layers never see a KV cache. On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
+once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training layers never
+see a KV cache; a LoRA student samples through a copy with its adapters merged, where it fits
+(components/merged_sampler.py). On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
 student (components/sampling_twin.py: its trained weights gathered into it before each sampling), where memory
 allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is eager, under `no_grad` (not
 inference mode: FSDP2's gathered weights must stay normal tensors).
@@ -79,6 +80,7 @@ from .data.dataset import DatasetConfig, TokenizedDataset
 from .errors import RecipeError
 from .losses import KD_LOSSES, KDLoss, LiveTeacher, build_kd_loss, kd_and_ce
 from .memory import sampling_kv_positions
+from .merged_sampler import make_merged
 from .models.generation import StaticDecode
 from .on_policy_prompts import (
     PROMPT_SET_KEYS,
@@ -271,8 +273,10 @@ class OnPolicy:
                 self.twin, twin_why = make_twin(twin, student, self.max_tokens, train_tokens, rt,
                                                 required=s.decode == "compiled")
             self.path = "compiled" if self.twin is not None else "eager"
+        elif self.path == "compiled" and student is not None:  # one GPU: the adapters merged for sampling, where it fits
+            self.twin, twin_why = make_merged(student, self.max_tokens, train_tokens, rt.device)
         if student is not None and (rt.world_size == 1 or self.twin is not None):
-            gathered = step_gathered_bytes(twin, student) if self.twin is not None else 0
+            gathered = step_gathered_bytes(twin, student) if rt.world_size > 1 and self.twin is not None else 0
             self.max_tokens, kv_why = sampling_kv_positions(student, self.max_tokens, self.max_tokens * self.per_window,
                                                             train_tokens, rt.device, gathered, rt.world_size)
             self.max_tokens = rt.broadcast_object(self.max_tokens)  # rank 0's free memory decides for every rank
@@ -285,7 +289,8 @@ class OnPolicy:
         self._same_rows = s.prompts is not None and reads_training_rows(s.prompts, cfg.dataset)
         if rt.is_main:
             if twin_why is not None:
-                print(f"on-policy sampling on {rt.world_size} processes: {twin_why}", flush=True)
+                where = f" on {rt.world_size} processes" if rt.world_size > 1 else ""
+                print(f"on-policy sampling{where}: {twin_why}", flush=True)
             if kv_why is not None:
                 print(f"on-policy decode KV caches: {kv_why}", flush=True)
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
@@ -375,8 +380,8 @@ class OnPolicy:
         if not chosen:
             return window
         start, width = time.perf_counter(), self.rows * self.rt.world_size
-        if self.twin is not None:
-            self.twin.refresh(model)  # the step's starting weights, gathered into the unsharded twin
+        if self.twin is not None:  # the step's starting weights, gathered into the twin or merged into the copy
+            self.twin.refresh(model, _key(self.seed, step, "merge"))
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])
                  for m in chosen]
         samples = []  # (prompts, completions, prompts per training row) of each chosen micro-batch
@@ -473,7 +478,7 @@ class OnPolicy:
             return None
         seed = _key(self.seed, "held_out")
         if self.twin is not None:
-            self.twin.refresh(student)
+            self.twin.refresh(student, _key(self.seed, "held_out", "merge"))
         scores = score_samples(student, teacher, prompts, lambda chunk, rows: self._sample(
             student, chunk, seed, rows, len(prompts)), self.rows, self.tokenizer.pad_id, self.num_chunks, self.vocab,
             rank=self.rt.rank, world=self.rt.world_size, gather=self.rt.all_gather_object)

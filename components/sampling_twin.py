@@ -90,9 +90,10 @@ class SamplingTwin:
                 dict(sharded.named_buffers(remove_duplicate=False)))
 
     @torch.no_grad()
-    def refresh(self, sharded: nn.Module) -> nn.Module:
+    def refresh(self, sharded: nn.Module, seed: int = 0) -> nn.Module:
         """The twin with the trained weights of `sharded` as they are now (gathered into its tensors in place: the
-        addresses a recorded CUDA graph reads stay the same); frozen ones never change."""
+        addresses a recorded CUDA graph reads stay the same); frozen ones never change. `seed` is unused: the twin
+        copies exactly (it is the merged copy's rounding noise, components/merged_sampler.py)."""
         params, _ = self._sources(sharded)
         for name, p in self._trained:
             p.copy_(_full(params[name], copy=False))

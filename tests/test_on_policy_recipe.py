@@ -546,6 +546,33 @@ def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, c
         decode == "auto"), out
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the merged copy serves the CUDA-graph decode")
+def test_one_gpu_samples_a_lora_student_through_its_merged_copy(tmp_path, models, short_docs):
+    """On one GPU with compile: true, a LoRA student samples through a copy with its adapters merged (the log says
+    so), and in fp32 (no rounding of the merge) the run trains what sampling through the adapters trains
+    (bench/sample_unmerged.py: the same run with the copy turned off): the same prompts, losses and metrics."""
+    lora = "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
+    args = [*(a.replace("device=cpu", "device=cuda") for a in _kd(models, *short_docs)), "max_steps=3",
+            "compile=true", lora, "kd.on_policy.decode=auto"]
+    outs = {}
+    for name, entry in (("merged", ["-m", "llm_recipe.cli.main"]),
+                        ("unmerged", [str(rc.REPO / "bench" / "sample_unmerged.py")])):
+        proc = subprocess.run([sys.executable, *entry, "run", "kd", "--config", "kd/smollm2_demo", *args,
+                               f"output_dir={tmp_path / name}"], cwd=tmp_path, env=rc.cli_env(),
+                              capture_output=True, text=True, timeout=900)
+        rc.assert_ok(proc)
+        outs[name] = proc.stdout
+    said = "on-policy sampling: the LoRA adapters merged into a copy of the weights they adapt"
+    assert said in outs["merged"] and said not in outs["unmerged"], outs["merged"]
+    a, b = rc.read_metrics(tmp_path / "merged"), rc.read_metrics(tmp_path / "unmerged")
+    assert sum(r["on_policy_batches"] for r in a) >= 1
+    assert [r["on_policy_prompts"] for r in a] == [r["on_policy_prompts"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
+            assert (ra[k] is None and rb[k] is None) or ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (k, ra, rb)
+
+
 def _two_processes(args: list[str], cwd: Path) -> str:
     """`recipe run --nproc-per-node 2 --standalone kd --config kd/smollm2_demo ARGS`, which must exit 0; what it
     printed."""

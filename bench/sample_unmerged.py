@@ -1,0 +1,22 @@
+"""`python -m llm_recipe.cli.main ARGS` with on-policy KD's LoRA adapters left in the decode step, as the kd recipe
+sampled before session 61: a diagnosis row of bench/on_policy_speed.py (`..._unmerged`), the same run without the
+merged sampling copy (components/merged_sampler.py), so one call measures what merging buys.
+
+    python bench/sample_unmerged.py run kd --config ...
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from llm_recipe.cli.main import main as recipe
+    from llm_recipe.components import on_policy
+
+    on_policy.make_merged = lambda *args, **kwargs: (None, None)
+    return recipe(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""On-policy KD's sampling copy of a LoRA student on one GPU: its adapted linears as plain linears holding
+W + (alpha / r) B A, refreshed before each sampling, so the compiled decode step runs no adapter.
+
+Why: a decode step is bound by its number of kernels (one H200, Llama-3.2-1B with 16 prompts: 570 kernels in its
+CUDA graph, ~1.6 us apart), and the shipped KD LoRA section's adapters are 210 of them (two small matmuls per
+adapted projection); without them the same sampler drew 8,203 tokens/s against ~5,300 (docs/benchmarks.md,
+session 61). The cost is one copy of the adapted weights in the run dtype (1.9 GB for rank 64 on q, v, o and the
+MLP of a 1B student), which `make_merged` weighs against free memory; everything else (embeddings, norms,
+unadapted projections, the head) is the student's own tensor, and an fp8 base is merged from its dequantized values.
+
+Rounding: the merge is computed in fp32 and, for a bf16 copy, rounded stochastically with noise seeded per
+refresh. Each merged weight's expected value is then W + (alpha / r) B A exactly: the first steps' updates (B
+starts at zero, its first updates below half a bf16 step of most base weights) move the sampler as they move the
+student, where round-to-nearest would drop them into the base model. The same seed merges alike, so a resumed run
+samples what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
+from .models.tune import import_torchtune
+from .sampling_twin import twin_fits
+
+
+def mergeable(model: nn.Module) -> dict[str, nn.Module]:
+    """The LoRA linears of `model` by module name when every one can be merged (torchtune's LoRALinear over a
+    plain or fp8 base), else {}: DoRA's magnitude, an NF4 base (QLoRA: a merged copy would be the bf16 weights
+    QLoRA exists not to hold) and QAT's fake quantizers on the merged weight (the copy would sample unquantized)
+    keep their adapters in the decode step."""
+    import_torchtune()
+    from torchtune.modules.peft import DoRALinear, LoRALinear
+
+    adapters = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
+    if any(isinstance(m, DoRALinear) or getattr(m, "_quantize_base", False)
+           or getattr(m, "weight_fake_quantizer", None) is not None for m in adapters.values()):
+        return {}
+    return adapters
+
+
+class MergedSampler:
+    """`model`: a module tree like `student`'s sharing every tensor with it, with each LoRA linear replaced by an
+    `nn.Linear` whose weight is this object's own (`refresh` fills it); no compiled entry of the student's layers
+    (the decode step compiles its own graph). Build it after the student is on its device and quantized."""
+
+    def __init__(self, student: nn.Module) -> None:
+        adapters = mergeable(student)
+        if not adapters:
+            raise ValueError("MergedSampler: the student has no LoRA linears that can be merged")
+        self.model = _tree(student, adapters)
+        self._pairs = [(lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
+        self.model.eval()
+
+    @property
+    def bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for _, w in self._pairs)
+
+    @torch.no_grad()
+    def refresh(self, student: nn.Module, seed: int = 0) -> nn.Module:
+        """The copy with the student's adapters as they are now, merged into its weights in place (the addresses
+        a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise."""
+        generator = None
+        for lora, merged in self._pairs:
+            wide = torch.promote_types(merged.dtype, torch.float32)  # fp32 (fp64 for an fp64 model)
+            exact = _dense(lora.weight, wide)
+            if not lora.disabled:
+                exact.addmm_(lora.lora_b.weight.to(wide), lora.lora_a.weight.to(wide), alpha=lora.alpha / lora.rank)
+            if merged.dtype == torch.bfloat16:
+                if generator is None:
+                    generator = torch.Generator(device=merged.device).manual_seed(seed)
+                exact = round_to_bf16_stochastically(exact, generator)
+            merged.copy_(exact)
+        return self.model
+
+
+def round_to_bf16_stochastically(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 `x` (overwritten) rounded to bf16 up or down with probability by distance, so its expected value is
+    `x`: uniform noise below bf16's last bit is added to the fp32 bit pattern, then those 16 bits are cut."""
+    bits = x.view(torch.int32)
+    bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator))
+    bits.bitwise_and_(-65536)  # the low 16 bits cleared: exactly a bf16 value
+    return x.to(torch.bfloat16)
+
+
+def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A base weight's values in `dtype`, a new tensor: a torchao Float8Tensor (lora.quantize_base=fp8)
+    dequantized, a plain one converted."""
+    if type(weight) in (torch.Tensor, nn.Parameter):
+        return weight.detach().to(dtype, copy=True)
+    return weight.dequantize(dtype)
+
+
+def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -> nn.Module:
+    """A copy of `module`'s tree that shares its tensors: each module a shallow copy with dicts of its own (so KV
+    caches set on the copy's attention layers stay off the student's), LoRA linears replaced by plain ones with new
+    weights, and no `nn.Module.compile` entry."""
+    if prefix in adapters:
+        lora = module
+        out_features, in_features = lora.weight.shape
+        plain = nn.Linear(in_features, out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=lora.lora_a.weight.dtype,
+                                                device=lora.lora_a.weight.device), requires_grad=False)
+        if getattr(lora, "bias", None) is not None:
+            plain.bias = lora.bias
+        return plain
+    new = copy.copy(module)
+    new.__dict__ = dict(module.__dict__)
+    for attr in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
+        new.__dict__[attr] = dict(module.__dict__[attr])
+    new.__dict__["_compiled_call_impl"] = None
+    new.__dict__["_modules"] = {name: None if child is None else _tree(child, adapters, f"{prefix}.{name}".lstrip("."))
+                                for name, child in module._modules.items()}
+    return new
+
+
+def make_merged(student: nn.Module, kv_positions: int, train_tokens: int,
+                device: torch.device) -> tuple[MergedSampler | None, str | None]:
+    """A `MergedSampler` of `student` when it has adapters to merge and the copy fits beside a sampling loop's
+    `kv_positions` of KV caches and what a training step holds (activations of `train_tokens`, the training
+    state), else None; and what was chosen, in words (None: no adapters to merge)."""
+    adapters = mergeable(student)
+    if not adapters or device.type != "cuda":
+        return None, None
+    dtype = next(iter(adapters.values())).lora_a.weight.dtype
+    need = sum(m.weight.shape.numel() for m in adapters.values()) * torch.empty((), dtype=dtype).element_size()
+    rest = activation_bytes(student, train_tokens, student.tok_embeddings.weight.dtype) + training_state_bytes(student)
+    fits, sizes = twin_fits(need, kv_positions * kv_bytes_per_position(student), rest, device)
+    if not fits:
+        return None, f"the LoRA adapters run in the decode step: a merged copy of their weights would not fit ({sizes})"
+    return MergedSampler(student), f"the LoRA adapters merged into a copy of the weights they adapt ({sizes})"
