@@ -6,7 +6,7 @@ CUDA graph, ~1.6 us apart), and the shipped KD LoRA section's adapters are 210 o
 adapted projection); without them the same sampler drew 8,203 tokens/s against ~5,300 (docs/benchmarks.md,
 session 61). The cost is one copy of the adapted weights in the run dtype (1.9 GB for rank 64 on q, v, o and the
 MLP of a 1B student), which `make_merged` weighs against free memory; everything else (embeddings, norms,
-unadapted projections, the head) is the student's own tensor, and an fp8 base is merged from its dequantized values.
+unadapted projections, the head) is the student's own tensor.
 
 Rounding: the merge is computed in fp32 and, for a bf16 copy, rounded stochastically with noise seeded per
 refresh. Each merged weight's expected value is then W + (alpha / r) B A exactly: the first steps' updates (B
@@ -26,17 +26,21 @@ from .memory import activation_bytes, kv_bytes_per_position, training_state_byte
 from .models.tune import import_torchtune
 from .sampling_twin import twin_fits
 
+BLOCK_ELEMENTS = 2**24  # a refresh merges this many weights at a time (64 MiB of fp32 temporaries each)
+
 
 def mergeable(model: nn.Module) -> dict[str, nn.Module]:
-    """The LoRA linears of `model` by module name when every one can be merged (torchtune's LoRALinear over a
-    plain or fp8 base), else {}: DoRA's magnitude, an NF4 base (QLoRA: a merged copy would be the bf16 weights
-    QLoRA exists not to hold) and QAT's fake quantizers on the merged weight (the copy would sample unquantized)
-    keep their adapters in the decode step."""
+    """The LoRA linears of `model` by module name when every one can be merged (torchtune's LoRALinear over a plain
+    base weight), else {}. These keep their adapters in the decode step: DoRA (its magnitude), a quantized base
+    (NF4: a merged copy would be the bf16 weights QLoRA exists not to hold; fp8: the student's forward also
+    quantizes its input, which a merged bf16 matmul would not, so the copy would sample another function), and
+    QAT's fake quantizers on the merged weight (the copy would sample unquantized)."""
     import_torchtune()
     from torchtune.modules.peft import DoRALinear, LoRALinear
 
     adapters = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
-    if any(isinstance(m, DoRALinear) or getattr(m, "_quantize_base", False)
+    if any(isinstance(m, DoRALinear) or getattr(m, "_quantize_base", False) or getattr(m, "fp8_base_pending", False)
+           or getattr(m, "fp8_base", False) or type(m.weight) not in (torch.Tensor, nn.Parameter)
            or getattr(m, "weight_fake_quantizer", None) is not None for m in adapters.values()):
         return {}
     return adapters
@@ -62,42 +66,48 @@ class MergedSampler:
     @torch.no_grad()
     def refresh(self, student: nn.Module, seed: int = 0) -> nn.Module:
         """The copy with the student's adapters as they are now, merged into its weights in place (the addresses
-        a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise."""
+        a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise. Row blocks of at most
+        BLOCK_ELEMENTS at a time: a 128,256 x 2,048 head would otherwise want 2.5 GB of temporaries."""
         generator = None
         for lora, merged in self._pairs:
             wide = torch.promote_types(merged.dtype, torch.float32)  # fp32 (fp64 for an fp64 model)
-            exact = _dense(lora.weight, wide)
-            if not lora.disabled:
-                exact.addmm_(lora.lora_b.weight.to(wide), lora.lora_a.weight.to(wide), alpha=lora.alpha / lora.rank)
-            if merged.dtype == torch.bfloat16:
-                if generator is None:
-                    generator = torch.Generator(device=merged.device).manual_seed(seed)
-                exact = round_to_bf16_stochastically(exact, generator)
-            merged.copy_(exact)
+            a, b = lora.lora_a.weight.to(wide), lora.lora_b.weight
+            rows = max(1, BLOCK_ELEMENTS // merged.shape[1])
+            for start in range(0, merged.shape[0], rows):
+                block = slice(start, start + rows)
+                exact = lora.weight[block].detach().to(wide, copy=True)
+                if not lora.disabled:
+                    exact.addmm_(b[block].to(wide), a, alpha=lora.alpha / lora.rank)
+                if merged.dtype == torch.bfloat16:
+                    if generator is None:
+                        generator = torch.Generator(device=merged.device).manual_seed(seed)
+                    exact = bf16_rounding_noise_(exact, generator)
+                merged[block].copy_(exact)
         return self.model
 
 
-def round_to_bf16_stochastically(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 `x` (overwritten) rounded to bf16 up or down with probability by distance, so its expected value is
-    `x`: uniform noise below bf16's last bit is added to the fp32 bit pattern, then those 16 bits are cut."""
+def bf16_rounding_noise_(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 `x`, in place, rounded to a bf16 value (still fp32) up or down with probability by distance, so its
+    expected value is `x`: uniform noise below bf16's last bit is added to the fp32 bit pattern (sign and magnitude:
+    the same for negative values), then those 16 bits are cleared. Returns `x`, exactly convertible to bf16."""
     bits = x.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator))
-    bits.bitwise_and_(-65536)  # the low 16 bits cleared: exactly a bf16 value
-    return x.to(torch.bfloat16)
+    bits.bitwise_and_(-65536)
+    return x
 
 
-def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A base weight's values in `dtype`, a new tensor: a torchao Float8Tensor (lora.quantize_base=fp8)
-    dequantized, a plain one converted."""
-    if type(weight) in (torch.Tensor, nn.Parameter):
-        return weight.detach().to(dtype, copy=True)
-    return weight.dequantize(dtype)
+def round_to_bf16_stochastically(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 `x` (overwritten) rounded to bf16 stochastically (`bf16_rounding_noise_`)."""
+    return bf16_rounding_noise_(x, generator).to(torch.bfloat16)
 
 
 def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -> nn.Module:
     """A copy of `module`'s tree that shares its tensors: each module a shallow copy with dicts of its own (so KV
     caches set on the copy's attention layers stay off the student's), LoRA linears replaced by plain ones with new
-    weights, and no `nn.Module.compile` entry."""
+    weights, no `nn.Module.compile` entry and no `forward` set on the instance (Runtime's activation checkpointing
+    wraps a layer's forward there, a closure over the student's layer: the copy, which runs without grad, takes its
+    class's forward). Other dicts (state-dict hooks, non-persistent buffer names) stay shared: the copy is never
+    saved, loaded or trained."""
     if prefix in adapters:
         lora = module
         out_features, in_features = lora.weight.shape
@@ -112,6 +122,8 @@ def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -
     for attr in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
         new.__dict__[attr] = dict(module.__dict__[attr])
     new.__dict__["_compiled_call_impl"] = None
+    new.__dict__.pop("forward", None)
+    new.__dict__.pop("_recipe_checkpointed", None)
     new.__dict__["_modules"] = {name: None if child is None else _tree(child, adapters, f"{prefix}.{name}".lstrip("."))
                                 for name, child in module._modules.items()}
     return new

@@ -273,7 +273,7 @@ class OnPolicy:
                 self.twin, twin_why = make_twin(twin, student, self.max_tokens, train_tokens, rt,
                                                 required=s.decode == "compiled")
             self.path = "compiled" if self.twin is not None else "eager"
-        elif self.path == "compiled" and student is not None:  # one GPU: the adapters merged for sampling, where it fits
+        elif self.path == "compiled" and student is not None and s.fraction > 0:  # one GPU: adapters merged, if room
             self.twin, twin_why = make_merged(student, self.max_tokens, train_tokens, rt.device)
         if student is not None and (rt.world_size == 1 or self.twin is not None):
             gathered = step_gathered_bytes(twin, student) if rt.world_size > 1 and self.twin is not None else 0

@@ -23,9 +23,10 @@ LORA = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj", "g
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6]]
 
 
-def _student(seed: int = 0, lora: LoRASettings = LORA, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+def _student(seed: int = 0, lora: LoRASettings = LORA, dtype: torch.dtype = torch.float64,
+             args: ModelArgs = ARGS) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = build_model(ARGS, lora=lora).to(dtype)
+    model = build_model(args, lora=lora).to(dtype)
     with torch.no_grad():
         model.output.weight.mul_(4.0)  # peaked next-token distributions
         for name, p in model.named_parameters():
@@ -58,6 +59,69 @@ def test_the_copy_computes_the_students_logits_and_shares_its_other_tensors():
     # the student is untouched: still LoRA modules, no compiled entries or caches borrowed from the copy
     assert len(mergeable(student)) == 12
     assert type(student.layers[0].attn.q_proj).__name__ == "LoRALinear"
+
+
+def test_biases_and_row_blocks_merge_alike(monkeypatch):
+    """A student with q/k/v biases (Qwen2's layout): the copy keeps them (shared); and a merge in row blocks (as a
+    large head is merged) gives the same weights as one block."""
+    from dataclasses import replace
+
+    import llm_recipe.components.merged_sampler as ms
+
+    student = _student(args=replace(ARGS, qkv_bias=True))
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    tokens = torch.tensor([[1, 5, 9, 4, 7, 2]])
+    whole = MergedSampler(student)
+    copy = whole.refresh(student)
+    torch.testing.assert_close(_logits(copy, tokens), _logits(student, tokens), rtol=1e-10, atol=1e-10)
+    monkeypatch.setattr(ms, "BLOCK_ELEMENTS", 40)  # blocks of one row of 32 (and 64) inputs
+    blocks = MergedSampler(student)
+    blocks.refresh(student)
+    for (_, a), (_, b) in zip(whole._pairs, blocks._pairs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_copy_decodes_with_its_own_layers_under_activation_checkpointing():
+    """Runtime's activation checkpointing wraps each layer's forward on the instance (a closure over the student's
+    layer): the copy still runs its own merged linears and KV caches. Sampled through StaticDecode (the on-policy
+    path, Dynamo's guards without Inductor) across a training step and a refresh: the student's samples, and the
+    student's attention never holds the copy's caches."""
+    from llm_recipe.components.models.generation import StaticDecode
+    from llm_recipe.components.runtime import _checkpoint_forward
+
+    student, twin = _student(5), _student(5)
+    for layer in student.layers:
+        _checkpoint_forward(layer)
+    merged = MergedSampler(student)
+    static = StaticDecode(4, mode="default", backend="eager")
+    seen = []
+    attn = student.layers[0].attn
+    original = static.caches
+
+    def caches(model, total, rows=None):  # look at the student while the copy holds its caches
+        cm = original(model, total, rows)
+        seen.append(attn.kv_cache)
+        return cm
+
+    static.caches = caches
+    kw = dict(max_new_tokens=10, temperature=1.0, pad_id=0, stop_ids=[], seed=11, rows=range(3), width=3)
+    opts = [torch.optim.SGD([p for n, p in m.named_parameters() if "lora" in n], lr=0.5) for m in (student, twin)]
+    for step in range(2):
+        copy = merged.refresh(student, step)
+        assert sample_completions(copy, PROMPTS, static=static, **kw) == sample_completions(twin, PROMPTS, **kw)
+        for m, opt in zip((student, twin), opts, strict=True):
+            m.train()
+            m(torch.tensor([[1, 2, 3, 4, 5]])).logsumexp(-1).sum().backward()
+            opt.step()
+            m.eval()
+    assert seen and all(c is None for c in seen)
+    with torch.no_grad():  # the copy's merged weights zeroed: what it samples changes (it runs its own linears)
+        for _, w in merged._pairs:
+            w.zero_()
+    assert sample_completions(merged.model, PROMPTS, static=static, **kw) != sample_completions(twin, PROMPTS, **kw)
 
 
 def test_refresh_follows_the_students_updates_in_place():
@@ -127,6 +191,8 @@ def test_a_bf16_copy_keeps_small_updates_on_average():
 def test_which_adapters_merge_and_where_a_copy_is_made():
     assert mergeable(_student(lora=LoRASettings(rank=4, alpha=8.0, targets=("q_proj",), use_dora=True))) == {}
     assert mergeable(build_model(ARGS)) == {}
+    fp8 = LoRASettings(rank=4, alpha=8.0, targets=("q_proj",), quantize_base="fp8")  # its forward quantizes x too
+    assert mergeable(build_model(ARGS, lora=fp8)) == {}
     from llm_recipe.components.quantization.qat import prepare_qat
 
     qat = _student(dtype=torch.float32)
