@@ -59,10 +59,6 @@ class MergedSampler:
         self._pairs = [(lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
         self.model.eval()
 
-    @property
-    def bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for _, w in self._pairs)
-
     @torch.no_grad()
     def refresh(self, student: nn.Module, seed: int = 0) -> nn.Module:
         """The copy with the student's adapters as they are now, merged into its weights in place (the addresses
@@ -101,6 +97,11 @@ def round_to_bf16_stochastically(x: torch.Tensor, generator: torch.Generator) ->
     return bf16_rounding_noise_(x, generator).to(torch.bfloat16)
 
 
+def merged_bytes(adapters: dict[str, nn.Module]) -> int:
+    """What a `MergedSampler` of these LoRA linears allocates: one weight each, in its adapters' dtype."""
+    return sum(m.weight.shape.numel() * m.lora_a.weight.element_size() for m in adapters.values())
+
+
 def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -> nn.Module:
     """A copy of `module`'s tree that shares its tensors: each module a shallow copy with dicts of its own (so KV
     caches set on the copy's attention layers stay off the student's), LoRA linears replaced by plain ones with new
@@ -117,8 +118,7 @@ def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -
         if getattr(lora, "bias", None) is not None:
             plain.bias = lora.bias
         return plain
-    new = copy.copy(module)
-    new.__dict__ = dict(module.__dict__)
+    new = copy.copy(module)  # a new instance dict (nn.Module.__setstate__), its values the student's
     for attr in ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks"):
         new.__dict__[attr] = dict(module.__dict__[attr])
     new.__dict__["_compiled_call_impl"] = None
@@ -137,10 +137,8 @@ def make_merged(student: nn.Module, kv_positions: int, train_tokens: int,
     adapters = mergeable(student)
     if not adapters or device.type != "cuda":
         return None, None
-    dtype = next(iter(adapters.values())).lora_a.weight.dtype
-    need = sum(m.weight.shape.numel() for m in adapters.values()) * torch.empty((), dtype=dtype).element_size()
     rest = activation_bytes(student, train_tokens, student.tok_embeddings.weight.dtype) + training_state_bytes(student)
-    fits, sizes = twin_fits(need, kv_positions * kv_bytes_per_position(student), rest, device)
+    fits, sizes = twin_fits(merged_bytes(adapters), kv_positions * kv_bytes_per_position(student), rest, device)
     if not fits:
         return None, f"the LoRA adapters run in the decode step: a merged copy of their weights would not fit ({sizes})"
     return MergedSampler(student), f"the LoRA adapters merged into a copy of the weights they adapt ({sizes})"

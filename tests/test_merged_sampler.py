@@ -11,6 +11,7 @@ from llm_recipe.components.merged_sampler import (
     MergedSampler,
     make_merged,
     mergeable,
+    merged_bytes,
     round_to_bf16_stochastically,
 )
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
@@ -48,8 +49,9 @@ def test_the_copy_computes_the_students_logits_and_shares_its_other_tensors():
     torch.testing.assert_close(_logits(copy, tokens), _logits(student, tokens), rtol=1e-10, atol=1e-10)
     # the adapters are gone from the copy: 2 layers x 6 projections became plain linears with weights of their own
     assert not any("lora" in name for name, _ in copy.named_parameters())
-    assert len(mergeable(student)) == 12 and merged.bytes == sum(
-        m.weight.numel() * 8 for m in mergeable(student).values())
+    assert len(mergeable(student)) == 12 and merged_bytes(mergeable(student)) == sum(
+        w.numel() * w.element_size() for _, w in merged._pairs) == sum(
+        m.weight.numel() * 8 for m in mergeable(student).values())  # what make_merged weighs is what it allocates
     own = {p.data_ptr() for p in student.parameters()}
     names = dict(copy.named_parameters())
     merged_names = {f"{n}.weight" for n in mergeable(student)}
