@@ -165,3 +165,14 @@ def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_t
         return step, f"{step} positions, a step's prompts per decode loop: {sizes} <= {free / gib:.1f} GiB usable free"
     return micro, (f"{micro} positions, a micro-batch's prompts per decode loop: {step} would need {sizes} "
                    f"> {free / gib:.1f} GiB usable free")
+
+
+def twin_fits(twin_bytes: int, kv_bytes: int, rest_bytes: int, device: torch.device) -> tuple[bool, str]:
+    """Whether a sampling copy's weights (on-policy KD's sampling twin or merged copy), a sampling loop's KV caches and `rest_bytes` (what training holds at once beside
+    them) fit in the usable free memory of `device` with the reserve, and the sizes in words."""
+    gib = 2**30
+    free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
+    need = twin_bytes + kv_bytes + rest_bytes + RESERVE_BYTES
+    return need <= free, (f"{twin_bytes / gib:.1f} GiB of weights + {kv_bytes / gib:.1f} GiB of KV caches + "
+                          f"{(rest_bytes + RESERVE_BYTES) / gib:.1f} GiB for the rest "
+                          f"{'<=' if need <= free else '>'} {free / gib:.1f} GiB usable free")

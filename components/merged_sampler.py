@@ -22,9 +22,8 @@ import copy
 import torch
 from torch import nn
 
-from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
+from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes, twin_fits
 from .models.tune import import_torchtune
-from .sampling_twin import twin_fits
 
 BLOCK_ELEMENTS = 2**24  # a refresh merges this many weights at a time (64 MiB of fp32 temporaries each)
 
@@ -40,10 +39,19 @@ def mergeable(model: nn.Module) -> dict[str, nn.Module]:
 
     adapters = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))}
     if any(isinstance(m, DoRALinear) or getattr(m, "_quantize_base", False) or getattr(m, "fp8_base_pending", False)
-           or getattr(m, "fp8_base", False) or type(m.weight) not in (torch.Tensor, nn.Parameter)
+           or getattr(m, "fp8_base", False) or not _plain(m.weight)
            or getattr(m, "weight_fake_quantizer", None) is not None for m in adapters.values()):
         return {}
     return adapters
+
+
+def _plain(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a plain tensor, or FSDP2's shard of one (a DTensor over a plain local tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        weight = weight.to_local()
+    return type(weight) in (torch.Tensor, nn.Parameter)
 
 
 class MergedSampler:
@@ -62,24 +70,38 @@ class MergedSampler:
     @torch.no_grad()
     def refresh(self, student: nn.Module, seed: int = 0) -> nn.Module:
         """The copy with the student's adapters as they are now, merged into its weights in place (the addresses
-        a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise. Row blocks of at most
-        BLOCK_ELEMENTS at a time: a 128,256 x 2,048 head would otherwise want 2.5 GB of temporaries."""
-        generator = None
+        a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise."""
+        generator = rounding_generator(seed, self._pairs[0][1])
         for lora, merged in self._pairs:
-            wide = torch.promote_types(merged.dtype, torch.float32)  # fp32 (fp64 for an fp64 model)
-            a, b = lora.lora_a.weight.to(wide), lora.lora_b.weight
-            rows = max(1, BLOCK_ELEMENTS // merged.shape[1])
-            for start in range(0, merged.shape[0], rows):
-                block = slice(start, start + rows)
-                exact = lora.weight[block].detach().to(wide, copy=True)
-                if not lora.disabled:
-                    exact.addmm_(b[block].to(wide), a, alpha=lora.alpha / lora.rank)
-                if merged.dtype == torch.bfloat16:
-                    if generator is None:
-                        generator = torch.Generator(device=merged.device).manual_seed(seed)
-                    exact = bf16_rounding_noise_(exact, generator)
-                merged[block].copy_(exact)
+            merge_lora_(merged, lora.weight, lora.lora_a.weight, None if lora.disabled else lora.lora_b.weight,
+                        lora.alpha / lora.rank, generator)
         return self.model
+
+
+def rounding_generator(seed: int, merged: torch.Tensor) -> torch.Generator | None:
+    """The noise of one refresh's stochastic rounding, seeded with `seed`, where the merged weights are bf16."""
+    if merged.dtype != torch.bfloat16:
+        return None
+    return torch.Generator(device=merged.device).manual_seed(seed)
+
+
+@torch.no_grad()
+def merge_lora_(merged: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, scale: float,
+                generator: torch.Generator | None) -> None:
+    """`merged` (in place) = `base` + `scale` b a (b None: a disabled adapter, the base alone), computed in fp32
+    (fp64 for an fp64 model) and rounded to bf16 with `generator`'s noise where `merged` is bf16. Row blocks of at
+    most BLOCK_ELEMENTS at a time: a 128,256 x 2,048 head would otherwise want 2.5 GB of temporaries."""
+    wide = torch.promote_types(merged.dtype, torch.float32)
+    a = a.to(wide)
+    rows = max(1, BLOCK_ELEMENTS // merged.shape[1])
+    for start in range(0, merged.shape[0], rows):
+        block = slice(start, start + rows)
+        exact = base[block].detach().to(wide, copy=True)
+        if b is not None:
+            exact.addmm_(b[block].to(wide), a, alpha=scale)
+        if generator is not None:
+            exact = bf16_rounding_noise_(exact, generator)
+        merged[block].copy_(exact)
 
 
 def bf16_rounding_noise_(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -49,8 +49,8 @@ bucket, the batch to as many rows as that width allows, KV caches kept between s
 once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training layers never
 see a KV cache; a LoRA student samples through a copy with its adapters merged, where it fits
 (components/merged_sampler.py). On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
-student (components/sampling_twin.py: its trained weights gathered into it before each sampling), where memory
-allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is eager, under `no_grad` (not
+student (components/sampling_twin.py: its trained weights gathered into it before each sampling, a LoRA student's
+adapters merged), where memory allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is eager, under `no_grad` (not
 inference mode: FSDP2's gathered weights must stay normal tensors).
 
 Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch

@@ -10,6 +10,11 @@ student's full weights on each GPU at addresses that never change: its structure
 each sampling only the trained ones are gathered again, into the same tensors (`SamplingTwin.refresh`). Each rank
 then samples its own prompts with no collective inside the decode loop. The cost is one full copy of the student's
 weights per GPU (an NF4 base at its 4-bit size), which `twin_fits` weighs against free memory.
+
+A LoRA student's twin holds its adapted linears merged, W + (alpha / r) B A, as one process's merged copy does
+(components/merged_sampler.py: the adapters' small matmuls were 210 of a decode step's 570 kernels): each refresh
+gathers W, A and B and merges them into the twin's weight, with the same rounding noise on every rank and as on one
+process, so N processes sample what one does. It costs no memory beyond the twin (W's copy becomes the merged one).
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .memory import RESERVE_BYTES, USABLE_FRACTION, gathered_bytes, weight_bytes
+from .memory import gathered_bytes, twin_fits, weight_bytes
+from .merged_sampler import merge_lora_, mergeable, rounding_generator
+
+MERGED_WORDS = ", its LoRA adapters merged into the weights they adapt"
 
 
 class TwinPlan(NamedTuple):
@@ -42,25 +50,19 @@ def twin_structure(model: nn.Module) -> TwinPlan:
     return TwinPlan(copy.deepcopy(model, memo), weight_bytes(model), gathered_bytes(model))
 
 
-def twin_fits(twin_bytes: int, kv_bytes: int, rest_bytes: int, device: torch.device) -> tuple[bool, str]:
-    """Whether the twin's weights, a sampling loop's KV caches and `rest_bytes` (what training holds at once beside
-    them) fit in the usable free memory of `device` with the reserve, and the sizes in words."""
-    gib = 2**30
-    free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
-    need = twin_bytes + kv_bytes + rest_bytes + RESERVE_BYTES
-    return need <= free, (f"{twin_bytes / gib:.1f} GiB of weights + {kv_bytes / gib:.1f} GiB of KV caches + "
-                          f"{(rest_bytes + RESERVE_BYTES) / gib:.1f} GiB for the rest "
-                          f"{'<=' if need <= free else '>'} {free / gib:.1f} GiB usable free")
-
-
 class SamplingTwin:
     """`structure` (from `twin_structure`) filled with the full weights of `sharded` (the same model after
     `Runtime.prepare_model` sharded it) on its device. Every rank must build it and call `refresh` at the same
-    points, in the same order (each gathers the sharded weights with collectives)."""
+    points, in the same order (each gathers the sharded weights with collectives). `merge`: LoRA linears that
+    can be merged (`mergeable`) become plain linears holding W + (alpha / r) B A (`merged` says whether any did)."""
 
     @torch.no_grad()
-    def __init__(self, structure: nn.Module, sharded: nn.Module) -> None:
+    def __init__(self, structure: nn.Module, sharded: nn.Module, merge: bool = True) -> None:
         params, buffers = self._sources(sharded)
+        adapters = mergeable(sharded) if merge else {}
+        for name, lora in adapters.items():  # filled below with W's copy, merged in each refresh
+            parent, _, child = name.rpartition(".")
+            structure.get_submodule(parent).register_module(child, _plain_linear(lora))
         made: dict[int, nn.Parameter] = {}  # id of the sharded parameter -> the twin's (tied weights stay one)
         self._trained: list[tuple[str, nn.Parameter]] = []  # refreshed before each sampling
         for prefix, module in structure.named_modules(remove_duplicate=False):
@@ -78,6 +80,8 @@ class SamplingTwin:
                 if b is not None:  # read-only (the rope cache): the student's own tensor, on its device
                     module._buffers[attr] = buffers[f"{prefix}.{attr}" if prefix else attr]
         self.model = structure.eval()
+        self._merged = [(name, lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
+        self.merged = bool(adapters)
 
     @staticmethod
     def _sources(sharded: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -92,12 +96,25 @@ class SamplingTwin:
     @torch.no_grad()
     def refresh(self, sharded: nn.Module, seed: int = 0) -> nn.Module:
         """The twin with the trained weights of `sharded` as they are now (gathered into its tensors in place: the
-        addresses a recorded CUDA graph reads stay the same); frozen ones never change. `seed` is unused: the twin
-        copies exactly (it is the merged copy's rounding noise, components/merged_sampler.py)."""
+        addresses a recorded CUDA graph reads stay the same); frozen ones never change; merged LoRA linears merged
+        again from W, A and B, with `seed`'s rounding noise (components/merged_sampler.py)."""
         params, _ = self._sources(sharded)
         for name, p in self._trained:
             p.copy_(_full(params[name], copy=False))
+        generator = rounding_generator(seed, self._merged[0][2]) if self._merged else None
+        for name, lora, merged in self._merged:  # the order of one process's merged copy: the same noise
+            b = None if lora.disabled else _full(params[f"{name}.lora_b.weight"], copy=False)
+            merge_lora_(merged, _full(params[f"{name}.weight"], copy=False),
+                        _full(params[f"{name}.lora_a.weight"], copy=False), b, lora.alpha / lora.rank, generator)
         return self.model
+
+
+def _plain_linear(lora: nn.Module) -> nn.Linear:
+    """A bias-alike `nn.Linear` on the meta device in place of the LoRA linear `lora` (the twin fills it)."""
+    out_features, in_features = lora.weight.shape
+    plain = nn.Linear(in_features, out_features, bias=getattr(lora, "bias", None) is not None, device="meta",
+                      dtype=lora.lora_a.weight.dtype)
+    return plain.requires_grad_(False)
 
 
 def _full(value: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -140,7 +157,8 @@ def make_twin(plan: TwinPlan, sharded: nn.Module, kv_positions: int, train_token
     from .memory import activation_bytes, kv_bytes_per_position, training_state_bytes
 
     if rt.device.type != "cuda":
-        return SamplingTwin(plan.structure, sharded), "an unsharded copy of the student per process"
+        twin = SamplingTwin(plan.structure, sharded)
+        return twin, f"an unsharded copy of the student per process{MERGED_WORDS if twin.merged else ''}"
     rest = (activation_bytes(sharded, train_tokens, sharded.tok_embeddings.weight.dtype)
             + step_gathered_bytes(plan, sharded) + training_state_bytes(sharded) // rt.world_size)
     fits, sizes = twin_fits(plan.weight_bytes, kv_positions * kv_bytes_per_position(sharded), rest, rt.device)
@@ -148,7 +166,8 @@ def make_twin(plan: TwinPlan, sharded: nn.Module, kv_positions: int, train_token
     if short and (fits or short > 1):  # this GPU's sizes, and how many lack the room
         sizes += f" here; it would not fit on {short} of {rt.world_size} GPUs"
     if not short:
-        return SamplingTwin(plan.structure, sharded), f"an unsharded copy of the student per GPU: {sizes}"
+        twin = SamplingTwin(plan.structure, sharded)
+        return twin, f"an unsharded copy of the student per GPU{MERGED_WORDS if twin.merged else ''}: {sizes}"
     if required:
         raise RecipeError("kd.on_policy.decode=compiled on several GPUs samples with an unsharded copy of the "
                           f"student on each, which does not fit: {sizes}; use decode: auto (eager sampling "

@@ -484,9 +484,9 @@ def test_two_processes_whose_samples_differ_in_width_join_alike(tmp_path, models
 def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_path, request, short_docs, student):
     """`kd.on_policy.decode=compiled` on 2 processes (gloo): each rank samples with the compiled step on an
     unsharded twin of the sharded student (components/sampling_twin.py), its trained weights gathered into it before
-    each sampling, so the steps, prompts, losses, weights and held-out score are those of 1 process sampling with
-    the compiled step on its own student with twice the batch. A twin left with the step's first weights, or a rank
-    sampling another's prompts, would move the later steps' losses. KD-QAT against 2 processes sampling eagerly
+    each sampling (a LoRA student's merged into its weights), so the steps, prompts, losses, weights and held-out
+    score are those of 1 process sampling with the compiled step on its own student with twice the batch. A twin
+    left with the step's first weights, or a rank sampling another's prompts, would move the later steps' losses. KD-QAT against 2 processes sampling eagerly
     through the sharded student instead: after one step the weights of 1 and 2 processes are ~1e-6 apart (rounding),
     which fake quantization's int4 rounding turns into different samples at step 2, on either path."""
     lora = "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, down_proj]"  # only the adapters are refreshed
@@ -504,6 +504,8 @@ def test_two_processes_sample_with_the_compiled_step_on_an_unsharded_twin(tmp_pa
         assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
     out = _assert_two_processes_match_one(args, one, two, tmp_path)
     assert "on-policy sampling on 2 processes: an unsharded copy of the student per process" in out, out
+    # a LoRA twin samples with its adapters merged (in fp32 the same samples as the adapters); NF4, DoRA keep them
+    assert (", its LoRA adapters merged into the weights they adapt" in out) == (student == "lora"), out
 
 
 @pytest.mark.slow  # ~1.5 min on 2 cores: three 2-process runs
@@ -528,14 +530,18 @@ def test_two_processes_resume_with_the_twin_as_if_never_stopped(tmp_path, models
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize(("compile", "decode"), [(False, "eager"), (True, "eager"), (True, "auto")])
-def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, compile, decode):
+@pytest.mark.parametrize(("compile", "decode", "student"), [(False, "eager", "full"), (True, "eager", "full"),
+                                                          (True, "auto", "full"), (True, "auto", "lora")])
+def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, compile, decode, student):
     """The tests above on 2 GPUs (NCCL), as 1 GPU with twice the batch: the same steps, prompts, losses, weights
     and held-out score. Eager: every rank's sampling loop runs the same decode steps through the sharded student
     (FSDP2's collectives in each), between eager or compiled training layers. auto with compile: 1 GPU samples with
-    the CUDA-graphed step on its student, 2 GPUs with the same step on each rank's unsharded twin."""
+    the CUDA-graphed step on its student, 2 GPUs with the same step on each rank's unsharded twin; a LoRA student
+    through its adapters merged on both (1 GPU: the merged copy; 2: the twin), with the same bf16 rounding noise."""
+    kind = {"full": "student.keep_layers=[0,3]",
+            "lora": "lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"}
     args = [*(a.replace("device=cpu", "device=cuda") for a in _kd(
-        models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs)), "max_steps=3",
+        models, kind[student], "teacher.placement=shard", *short_docs)), "max_steps=3",
         "max_grad_norm=1.0", f"compile={str(compile).lower()}", f"kd.on_policy.decode={decode}"]
     one, two = tmp_path / "one", tmp_path / "two"
     rc.assert_ok(subprocess.run([sys.executable, "-m", "llm_recipe.cli.main", "run", "kd", "--config",
@@ -544,6 +550,8 @@ def test_two_gpus_match_one_with_twice_the_batch(tmp_path, models, short_docs, c
     out = _assert_two_processes_match_one(args, one, two, tmp_path)
     assert ("on-policy sampling on 2 processes: an unsharded copy of the student per GPU" in out) == (
         decode == "auto"), out
+    assert ("an unsharded copy of the student per GPU, its LoRA adapters merged into" in out) == (
+        student == "lora"), out
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """The sampling twin (components/sampling_twin.py) on one process: a copy of the student's structure made before
 preparation, filled with its weights, computes the student's logits; `refresh` brings the trained weights' updates
 into the same tensors (a recorded CUDA graph reads them there) and leaves frozen ones alone; tied weights stay
-tied; an NF4 base (QLoRA) comes through as NF4. Two processes (the sharded case) are in test_on_policy_recipe.py."""
+tied; an NF4 base (QLoRA) comes through as NF4; a LoRA student's twin holds its adapters merged, the same weights,
+bit for bit, as one process's merged copy. Two processes (the sharded case) are in test_on_policy_recipe.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from llm_recipe.components.memory import weight_bytes
+from llm_recipe.components.merged_sampler import MergedSampler
 from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
 from llm_recipe.components.runtime import setup_runtime
 from llm_recipe.components.sampling_twin import SamplingTwin, twin_structure
@@ -41,7 +43,8 @@ def test_twin_computes_the_students_logits_and_refresh_updates_in_place(quantize
     assert gathered == nbytes + 4 * sum(p.numel() for p in student.parameters() if p.requires_grad)  # + fp32 grads
     rt = setup_runtime("cpu", "fp32", 0)
     rt.prepare_model(student, activation_checkpointing=True)  # what the copy must not carry
-    twin = SamplingTwin(structure, student)
+    twin = SamplingTwin(structure, student, merge=False)  # the adapters kept: the student's numbers exactly
+    assert not twin.merged
     assert twin.model.output.tied_module is twin.model.tok_embeddings  # a tied head: the twin's own table
     assert not any(p.requires_grad for p in twin.model.parameters())
     student.eval()
@@ -61,6 +64,47 @@ def test_twin_computes_the_students_logits_and_refresh_updates_in_place(quantize
         torch.testing.assert_close(twin.model(TOKENS), student(TOKENS), rtol=0, atol=0)
     assert {n: p.data_ptr() for n, p in twin.model.named_parameters()} == where  # the same tensors
     assert dict(twin.model.named_parameters())["layers.0.attn.k_proj.weight"] is frozen
+
+
+def test_a_lora_twin_samples_through_its_adapters_merged_as_one_process_does():
+    """The default twin of a LoRA student holds W + (alpha / r) B A in plain linears (no adapter runs in the decode
+    step): in fp32 the student's logits to rounding, before and after an update (merged again in place); in bf16
+    the weights one process's merged copy holds for the same seed, bit for bit (so N processes sample what one
+    does), and other noise for another seed. An NF4 base (QLoRA) keeps its adapters."""
+    student = _student(False)
+    plan = twin_structure(student)
+    rt = setup_runtime("cpu", "fp32", 0)
+    rt.prepare_model(student, activation_checkpointing=True)
+    twin = SamplingTwin(plan.structure, student)
+    assert twin.merged and type(twin.model.layers[0].attn.q_proj) is torch.nn.Linear
+    assert not any("lora" in n for n, _ in twin.model.named_parameters())
+    assert type(twin.model.layers[0].attn.k_proj) is torch.nn.Linear  # not adapted: as it was
+    student.eval()
+    where = {n: p.data_ptr() for n, p in twin.model.named_parameters()}
+    for _ in range(2):
+        with torch.no_grad():
+            twin.refresh(student)
+            torch.testing.assert_close(twin.model(TOKENS), student(TOKENS), rtol=1e-5, atol=1e-5)
+            for p in student.parameters():  # an optimizer step's in-place update of the adapters
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+    assert {n: p.data_ptr() for n, p in twin.model.named_parameters()} == where
+
+    bf16 = _student(False).to(torch.bfloat16)
+    plan = twin_structure(bf16)
+    twin, one = SamplingTwin(plan.structure, bf16), MergedSampler(bf16)
+    twin.refresh(bf16, 7)
+    copy = one.refresh(bf16, 7)
+    merged = {n: w for n, w in twin.model.named_parameters() if n.endswith(("q_proj.weight", "v_proj.weight",
+                                                                             "w2.weight"))}
+    assert len(merged) == 6 and all(w.dtype == torch.bfloat16 for w in merged.values())
+    for n, w in merged.items():
+        assert torch.equal(w, copy.get_parameter(n)), n
+    twin.refresh(bf16, 8)
+    assert any(not torch.equal(w, copy.get_parameter(n)) for n, w in merged.items())
+
+    qlora = _student("nf4")
+    assert not SamplingTwin(twin_structure(qlora).structure, qlora).merged
 
 
 def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(monkeypatch):
