@@ -115,12 +115,12 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
-        onpolicy)  # on-policy KD on 1 GPU (CUDA-graphed decode) and N (eager decode under FSDP2), recompiles logged
+        onpolicy)  # on-policy KD (the default share and 0.5) on 1 GPU and N (the twin on each), recompiles logged
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
-                --rows kd_on_policy ;;
+                --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} ;;
         onpolicy_before)  # the same rows with the earlier commit's package (`start` installed it)
             PYTHONPATH=/tmp/site_before:/tmp/site TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling \
-                --models $B --out $M/before --nprocs "$nprocs" --rows kd_on_policy
+                --models $B --out $M/before --nprocs "$nprocs" --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half}
             python3 bench/multi_gpu.py table --out $M/before ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;

@@ -49,9 +49,10 @@ def scaling_rows(m: Path) -> dict[str, tuple[str, str, list[str]]]:
         "kd_lora": ("kd", KD, [*kd_paths(m), LORA]),
         "kd_lora_shard": ("kd", KD, [*kd_paths(m), LORA, "teacher.placement=shard"]),
         "kd_full": ("kd", KD, kd_paths(m)),
-        # on-policy KD (half the micro-batches sampled): 1 GPU samples with the CUDA-graphed decode step, N with
-        # the eager one (FSDP2 gathers the sharded student's layers in it)
-        "kd_on_policy": ("kd", KD, [*kd_paths(m), LORA, "kd.on_policy.fraction=0.5"]),
+        # on-policy KD as the README turns it on (the default share, 0.1), and at 0.5 (sessions 55-59's row): 1 GPU
+        # samples with the CUDA-graphed decode step through its merged copy, N through each rank's merged twin
+        "kd_on_policy": ("kd", KD, [*kd_paths(m), LORA, "kd.on_policy.fraction=0.1"]),
+        "kd_on_policy_half": ("kd", KD, [*kd_paths(m), LORA, "kd.on_policy.fraction=0.5"]),
     }
 
 
