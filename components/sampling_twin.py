@@ -14,7 +14,11 @@ weights per GPU (an NF4 base at its 4-bit size), which `twin_fits` weighs agains
 A LoRA student's twin holds its adapted linears merged, W + (alpha / r) B A, as one process's merged copy does
 (components/merged_sampler.py: the adapters' small matmuls were 210 of a decode step's 570 kernels): each refresh
 gathers W, A and B and merges them into the twin's weight, with the same rounding noise on every rank and as on one
-process, so N processes sample what one does. It costs no memory beyond the twin (W's copy becomes the merged one).
+process, so N processes sample what one does where both merge (one process merges only on a GPU with the room; N
+processes wherever the twin is made, CPU included: the two then differ by the merge's rounding). It costs no memory
+beyond the twin (W's copy becomes the merged one) but gathers every adapted W again per refresh (1.8 GiB for the
+rank-64 section of a 1B student: milliseconds over NVLink, more over PCIe), where the unmerged twin gathered only
+the adapters.
 """
 
 from __future__ import annotations
@@ -110,10 +114,10 @@ class SamplingTwin:
 
 
 def _plain_linear(lora: nn.Module) -> nn.Linear:
-    """A bias-alike `nn.Linear` on the meta device in place of the LoRA linear `lora` (the twin fills it)."""
+    """A bias-alike `nn.Linear` on the meta device in place of the LoRA linear `lora`: the twin fills its weight
+    with a copy of W (so the merged weights take W's dtype, which is the adapters' in a run: one dtype per model)."""
     out_features, in_features = lora.weight.shape
-    plain = nn.Linear(in_features, out_features, bias=getattr(lora, "bias", None) is not None, device="meta",
-                      dtype=lora.lora_a.weight.dtype)
+    plain = nn.Linear(in_features, out_features, bias=getattr(lora, "bias", None) is not None, device="meta")
     return plain.requires_grad_(False)
 
 

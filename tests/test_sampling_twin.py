@@ -6,6 +6,11 @@ bit for bit, as one process's merged copy. Two processes (the sharded case) are 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -134,3 +139,61 @@ def test_a_twin_that_does_not_fit_falls_back_to_eager_or_is_a_one_line_error(mon
     twin, why = sampling_twin.make_twin(plan, student, 4096, 2048, rt, required=False)
     assert twin is None and why.endswith("would not fit (1.0 GiB <= 9.0 GiB usable free here; it would not fit on "
                                          "1 of 2 GPUs)"), why
+
+
+SHARDED_MERGE_CHECK = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from llm_recipe.components import fsdp
+    from llm_recipe.components.merged_sampler import MergedSampler, mergeable
+    from llm_recipe.components.models import LoRASettings, ModelArgs, build_model
+    from llm_recipe.components.sampling_twin import SamplingTwin, twin_structure
+    from llm_recipe.components.training import freeze_all_but_adapters
+    dist.init_process_group("gloo")
+    args = ModelArgs(family="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True, o_bias=False)
+    def student():  # the same bf16 model on both ranks: adapters that count (B nonzero), biases, an adapted head
+        torch.manual_seed(0)
+        lora = LoRASettings(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj", "lm_head"))
+        m = build_model(args, lora=lora, max_seq_len=64).to(torch.bfloat16)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_b" in n:
+                    p.normal_(0, 0.02)
+                if n.endswith("bias"):
+                    p.normal_(0, 0.5)
+        freeze_all_but_adapters(m)
+        return m
+    whole = student()
+    one = MergedSampler(whole)  # one process's merged copy
+    sharded = student()
+    plan = twin_structure(sharded)
+    fsdp.shard(sharded, sharded.layers, "cpu", 2, per_step=False)
+    assert len(mergeable(sharded)) == 7, mergeable(sharded)  # FSDP2's shards of plain weights merge
+    twin = SamplingTwin(plan.structure, sharded)
+    assert twin.merged
+    tokens = torch.tensor([[1, 40, 100, 31, 7, 90, 12, 5]])
+    for seed in (3, 4):
+        twin.refresh(sharded, seed)
+        copy = one.refresh(whole, seed)
+        differ = [n for n, w in twin.model.named_parameters() if not torch.equal(w, copy.get_parameter(n))]
+        assert not differ, (seed, differ)
+        with torch.no_grad():
+            assert torch.equal(twin.model(tokens), copy(tokens))
+    if dist.get_rank() == 0:
+        print("sharded merge ok")
+    dist.destroy_process_group()
+""")
+
+
+def test_a_sharded_lora_twin_merges_bit_for_bit_as_one_process_merged_copy(tmp_path):
+    """2 CPU processes (gloo) with the student sharded by FSDP2: each rank's twin gathers W, A and B and merges them
+    into the same bf16 weights, bit for bit, as one process's merged copy of the unsharded student for the same
+    seed (biases and an adapted output head included), so N processes sample what one does."""
+    script = tmp_path / "sharded_merge.py"
+    script.write_text(SHARDED_MERGE_CHECK)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sharded merge ok" in proc.stdout
