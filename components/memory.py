@@ -168,8 +168,9 @@ def sampling_kv_positions(model: nn.Module, micro: int, step: int, micro_batch_t
 
 
 def twin_fits(twin_bytes: int, kv_bytes: int, rest_bytes: int, device: torch.device) -> tuple[bool, str]:
-    """Whether a sampling copy's weights (on-policy KD's sampling twin or merged copy), a sampling loop's KV caches and `rest_bytes` (what training holds at once beside
-    them) fit in the usable free memory of `device` with the reserve, and the sizes in words."""
+    """Whether a sampling copy's weights (on-policy KD's sampling twin or merged copy), a sampling loop's KV caches
+    and `rest_bytes` (what training holds at once beside them) fit in the usable free memory of `device` with the
+    reserve, and the sizes in words."""
     gib = 2**30
     free = torch.cuda.mem_get_info(device)[0] * USABLE_FRACTION
     need = twin_bytes + kv_bytes + rest_bytes + RESERVE_BYTES

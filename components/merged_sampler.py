@@ -124,6 +124,14 @@ def merged_bytes(adapters: dict[str, nn.Module]) -> int:
     return sum(m.weight.shape.numel() * m.lora_a.weight.element_size() for m in adapters.values())
 
 
+def plain_linear(lora: nn.Module) -> nn.Linear:
+    """A frozen `nn.Linear` of the LoRA linear `lora`'s shape, with a bias where it has one, on the meta device: the
+    merged copy and the sampling twin give it a weight (and the bias) of their own."""
+    out_features, in_features = lora.weight.shape
+    plain = nn.Linear(in_features, out_features, bias=getattr(lora, "bias", None) is not None, device="meta")
+    return plain.requires_grad_(False)
+
+
 def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -> nn.Module:
     """A copy of `module`'s tree that shares its tensors: each module a shallow copy with dicts of its own (so KV
     caches set on the copy's attention layers stay off the student's), LoRA linears replaced by plain ones with new
@@ -132,12 +140,10 @@ def _tree(module: nn.Module, adapters: dict[str, nn.Module], prefix: str = "") -
     class's forward). Other dicts (state-dict hooks, non-persistent buffer names) stay shared: the copy is never
     saved, loaded or trained."""
     if prefix in adapters:
-        lora = module
-        out_features, in_features = lora.weight.shape
-        plain = nn.Linear(in_features, out_features, bias=False, device="meta")
-        plain.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=lora.lora_a.weight.dtype,
+        lora, plain = module, plain_linear(module)
+        plain.weight = nn.Parameter(torch.empty(lora.weight.shape, dtype=lora.lora_a.weight.dtype,
                                                 device=lora.lora_a.weight.device), requires_grad=False)
-        if getattr(lora, "bias", None) is not None:
+        if plain.bias is not None:
             plain.bias = lora.bias
         return plain
     new = copy.copy(module)  # a new instance dict (nn.Module.__setstate__), its values the student's

@@ -50,8 +50,8 @@ once per width bucket, not per micro-batch; its prompt forward runs eagerly and 
 see a KV cache; a LoRA student samples through a copy with its adapters merged, where it fits
 (components/merged_sampler.py). On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
 student (components/sampling_twin.py: its trained weights gathered into it before each sampling, a LoRA student's
-adapters merged), where memory allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is eager, under `no_grad` (not
-inference mode: FSDP2's gathered weights must stay normal tensors).
+adapters merged), where memory allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is
+eager, under `no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
 
 Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch
 index), and so is its sampling noise (a torch.Generator seeded from them), so a resumed run samples exactly what

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .memory import gathered_bytes, twin_fits, weight_bytes
-from .merged_sampler import merge_lora_, mergeable, rounding_generator
+from .merged_sampler import merge_lora_, mergeable, plain_linear, rounding_generator
 
 MERGED_WORDS = ", its LoRA adapters merged into the weights they adapt"
 
@@ -64,9 +64,9 @@ class SamplingTwin:
     def __init__(self, structure: nn.Module, sharded: nn.Module, merge: bool = True) -> None:
         params, buffers = self._sources(sharded)
         adapters = mergeable(sharded) if merge else {}
-        for name, lora in adapters.items():  # filled below with W's copy, merged in each refresh
-            parent, _, child = name.rpartition(".")
-            structure.get_submodule(parent).register_module(child, _plain_linear(lora))
+        for name, lora in adapters.items():  # filled below with W's copy (W's dtype: the adapters'), merged in each
+            parent, _, child = name.rpartition(".")  # refresh
+            structure.get_submodule(parent).register_module(child, plain_linear(lora))
         made: dict[int, nn.Parameter] = {}  # id of the sharded parameter -> the twin's (tied weights stay one)
         self._trained: list[tuple[str, nn.Parameter]] = []  # refreshed before each sampling
         for prefix, module in structure.named_modules(remove_duplicate=False):
@@ -85,7 +85,11 @@ class SamplingTwin:
                     module._buffers[attr] = buffers[f"{prefix}.{attr}" if prefix else attr]
         self.model = structure.eval()
         self._merged = [(name, lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
-        self.merged = bool(adapters)
+
+    @property
+    def merged(self) -> bool:
+        """Whether the twin holds LoRA linears merged."""
+        return bool(self._merged)
 
     @staticmethod
     def _sources(sharded: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -111,14 +115,6 @@ class SamplingTwin:
             merge_lora_(merged, _full(params[f"{name}.weight"], copy=False),
                         _full(params[f"{name}.lora_a.weight"], copy=False), b, lora.alpha / lora.rank, generator)
         return self.model
-
-
-def _plain_linear(lora: nn.Module) -> nn.Linear:
-    """A bias-alike `nn.Linear` on the meta device in place of the LoRA linear `lora`: the twin fills its weight
-    with a copy of W (so the merged weights take W's dtype, which is the adapters' in a run: one dtype per model)."""
-    out_features, in_features = lora.weight.shape
-    plain = nn.Linear(in_features, out_features, bias=getattr(lora, "bias", None) is not None, device="meta")
-    return plain.requires_grad_(False)
 
 
 def _full(value: torch.Tensor, copy: bool) -> torch.Tensor:
