@@ -137,10 +137,12 @@ embedded_model() {  # the embedded SmolLM2 from its three carried GGUF parts, th
     ours python3 -m llm_recipe.cli.main assets
 }
 
-gpu_tests() {  # pytest ARGS in /tmp/repo (pytest from .carry/pytest: the image has none); the summary, file to $OUT
+gpu_tests() {  # pytest ARGS in /tmp/repo (pytest from .carry/pytest: the image has none); the summary, file to $OUT.
+              # ARGS split at spaces: a -k expression with spaces goes in PYTEST_K ("merged or twin")
     ours python3 -c "import pytest" 2>/dev/null || [[ ! -d "$OLDPWD"/.carry/pytest ]] || python3 -m pip install -q \
         --no-index --no-deps --no-compile --target /tmp/site "$OLDPWD"/.carry/pytest/*.whl
-    PYTHONPATH=${TEST_PYTHONPATH:-/tmp/site} python3 -m pytest -q -p no:cacheprovider -rs $1 >/tmp/pytest.txt 2>&1
+    PYTHONPATH=${TEST_PYTHONPATH:-/tmp/site} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_K:+-k "$PYTEST_K"} \
+        $1 >/tmp/pytest.txt 2>&1
     [[ -n ${OUT:-} ]] && cp /tmp/pytest.txt "$OUT/"
     grep -E "passed|failed|^E |real drift|^FAILED|SKIPPED" /tmp/pytest.txt | tail -25
 }
