@@ -18,6 +18,7 @@ samples what the uninterrupted one did.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,11 +72,19 @@ class MergedSampler:
     def refresh(self, student: nn.Module, seed: int = 0) -> nn.Module:
         """The copy with the student's adapters as they are now, merged into its weights in place (the addresses
         a recorded CUDA graph reads stay the same); `seed`: the stochastic rounding's noise."""
-        generator = rounding_generator(seed, self._pairs[0][1])
-        for lora, merged in self._pairs:
-            merge_lora_(merged, lora.weight, lora.lora_a.weight, None if lora.disabled else lora.lora_b.weight,
-                        lora.alpha / lora.rank, generator)
+        merge_adapters_(self._pairs, seed)
         return self.model
+
+
+def merge_adapters_(pairs: list[tuple[nn.Module, torch.Tensor]], seed: int,
+                    fetch: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    """Each (LoRA linear, merged weight) of `pairs`, in order, merged in place from the linear's W, A and B as
+    `fetch` gives them (the sampling twin: gathered from FSDP2's shards), with one refresh's rounding noise from
+    `seed`: the same order and noise give one process's copy and every rank's twin the same weights."""
+    generator = rounding_generator(seed, pairs[0][1]) if pairs else None
+    for lora, merged in pairs:
+        b = None if lora.disabled else fetch(lora.lora_b.weight)
+        merge_lora_(merged, fetch(lora.weight), fetch(lora.lora_a.weight), b, lora.alpha / lora.rank, generator)
 
 
 def rounding_generator(seed: int, merged: torch.Tensor) -> torch.Generator | None:

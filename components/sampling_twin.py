@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .memory import gathered_bytes, twin_fits, weight_bytes
-from .merged_sampler import merge_lora_, mergeable, plain_linear, rounding_generator
+from .merged_sampler import merge_adapters_, mergeable, plain_linear
 
 MERGED_WORDS = ", its LoRA adapters merged into the weights they adapt"
 
@@ -84,7 +84,7 @@ class SamplingTwin:
                 if b is not None:  # read-only (the rope cache): the student's own tensor, on its device
                     module._buffers[attr] = buffers[f"{prefix}.{attr}" if prefix else attr]
         self.model = structure.eval()
-        self._merged = [(name, lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
+        self._merged = [(lora, self.model.get_submodule(name).weight) for name, lora in adapters.items()]
 
     @property
     def merged(self) -> bool:
@@ -106,14 +106,10 @@ class SamplingTwin:
         """The twin with the trained weights of `sharded` as they are now (gathered into its tensors in place: the
         addresses a recorded CUDA graph reads stay the same); frozen ones never change; merged LoRA linears merged
         again from W, A and B, with `seed`'s rounding noise (components/merged_sampler.py)."""
-        params, _ = self._sources(sharded)
+        params, _ = self._sources(sharded)  # every layer sharded again: the linears hold their shards
         for name, p in self._trained:
             p.copy_(_full(params[name], copy=False))
-        generator = rounding_generator(seed, self._merged[0][2]) if self._merged else None
-        for name, lora, merged in self._merged:  # the order of one process's merged copy: the same noise
-            b = None if lora.disabled else _full(params[f"{name}.lora_b.weight"], copy=False)
-            merge_lora_(merged, _full(params[f"{name}.weight"], copy=False),
-                        _full(params[f"{name}.lora_a.weight"], copy=False), b, lora.alpha / lora.rank, generator)
+        merge_adapters_(self._merged, seed, lambda t: _full(t, copy=False))  # one process's order and noise
         return self.model
 
 
