@@ -32,26 +32,21 @@ micro-batch repeats a prompt (given N >= W x rows).
 Prompts per micro-batch: a packed row holds many documents, and each of them (up to `prompts_per_row`, while
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
 batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not).
-Its samples train one per row, padded to the longest, or packed back into their training rows (the loader's
-shape, `packed_completion_batch`; a prompt set's: first fit into rows of max_seq_len), whichever holds fewer
-tokens: short text prompts pad little, while chat prompts of many lengths padded to the longest held up to 8x a
-data micro-batch's tokens. Consecutive ones of one sample per row then train as one pass while they fit a data
-micro-batch's batch_size x max_seq_len positions (`training_batches`: the same gradient in fewer passes). The
+Where every data micro-batch has one shape (packed data, compiled layers), a step's samples train first fit into
+passes of that shape (`loader_shaped_batches`: another shape would recompile the layers for dynamic sizes, which
+data micro-batches then run too). Elsewhere they train one per row, padded to the longest, or packed back into
+their rows (`packed_completion_batch`), whichever holds fewer tokens, and consecutive ones of one sample per row
+join while they fit a data micro-batch's positions (`training_batches`: the same gradient in fewer passes). The
 on-policy micro-batches of one optimizer step are sampled together (`sampling_groups`: while their decode batch
-spans no more tokens than one micro-batch's batch_size x prompts_per_row prompts may at max_seq_len): a decode
-step costs about as much for 64 prompts as for 16, so
-sampling 4 micro-batches at once takes about a quarter of the steps' time. Each prompt keeps the noise of its own
-micro-batch and slot.
+spans no more tokens than one micro-batch's prompts may at max_seq_len): a decode step costs about as much for 64
+prompts as for 16. Each prompt keeps the noise of its own micro-batch and slot.
 
-Sampling speed (`decode_path`): on one CUDA process with `compile: true` the student's one-token decode step is
-compiled over the whole model and replayed as a CUDA graph (`StaticDecode`: the prompt width padded to a 64 x 2^k
-bucket, the batch to as many rows as that width allows, KV caches kept between steps), so the graph is recorded
-once per width bucket, not per micro-batch; its prompt forward runs eagerly and the compiled training layers never
-see a KV cache; a LoRA student samples through a copy with its adapters merged, where it fits
-(components/merged_sampler.py). On N processes the same step runs on each rank's unsharded twin of the FSDP2-sharded
-student (components/sampling_twin.py: its trained weights gathered into it before each sampling, a LoRA student's
-adapters merged), where memory allows. Elsewhere (CPU, a twin that does not fit, `decode: eager`) sampling is
-eager, under `no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
+Sampling speed (`decode_path`): on one CUDA process with `compile: true` the one-token decode step is compiled over
+the whole model and replayed as a CUDA graph per prompt-width bucket (`StaticDecode`, KV caches kept between steps;
+the prompt forward runs eagerly, so the compiled training layers never see a KV cache), a LoRA student's through a
+copy with its adapters merged (components/merged_sampler.py); on N processes on each rank's unsharded twin of the
+student (components/sampling_twin.py). Elsewhere (CPU, no room for a twin, `decode: eager`) sampling is eager,
+under `no_grad` (not inference mode: FSDP2's gathered weights must stay normal tensors).
 
 Determinism without saved state: whether a micro-batch goes on-policy is a function of (seed, step, micro-batch
 index), and so is its sampling noise (a torch.Generator seeded from them), so a resumed run samples exactly what
@@ -97,7 +92,7 @@ from .on_policy_prompts import (
     row_prompts,
     sampling_groups,
 )
-from .on_policy_sampling import sample_completions, training_batches
+from .on_policy_sampling import in_window, loader_shaped_batches, sample_completions, training_batches
 from .on_policy_score import per_prompt_summary, score_samples
 from .runs import ON_POLICY_EVAL_FILE
 from .runtime import Runtime
@@ -236,16 +231,17 @@ class OnPolicy:
     `static`: the compiled decode step's fixed shapes and KV caches when sampling is compiled (`decode_path`).
     `prompt_set`: `kd.on_policy.prompts` already loaded (`load_prompt_set`; loaded here when None and it is set).
     `held`: the dataset's held-out rows, already split off (`HeldOut`; else `hold_out` splits them).
-    `student` (prepared on the run's device) and `train_tokens` (its largest training micro-batch): on one GPU, a
-    sampling group's KV caches may span a whole step's on-policy prompts when memory allows
-    (`sampling_kv_positions`); without them one micro-batch's. `twin`: on several processes, the student's structure
-    for the compiled step's unsharded copy (`twin_structure_for`; none: eager sampling through FSDP2)."""
+    `student` (prepared) and `train_tokens` (its largest micro-batch): a sampling group's KV caches may span a step's
+    prompts where memory allows (`sampling_kv_positions`). `twin`: on several processes, the student's structure
+    for the sampling twin (`twin_structure_for`; none: eager sampling). `loader_shape`: every data micro-batch is
+    batch_size x max_seq_len (packed and compiled), so the samples train in that shape (`loader_shaped_batches`)."""
 
     def __init__(self, s: OnPolicySettings, cfg: Any, rt: Runtime, tokenizer: Any,
                  vocab_size: int | None, num_chunks: int, prompt_set: PromptSet | None = None,
                  held: HeldOut | None = None, student: nn.Module | None = None, train_tokens: int = 0,
-                 twin: TwinPlan | None = None) -> None:
+                 twin: TwinPlan | None = None, loader_shape: bool = False) -> None:
         self.s, self.rt, self.tokenizer = s, rt, tokenizer  # cfg: the run's typed config (recipes/kd.py: KDConfig)
+        self.loader_shape = loader_shape
         self.kd_loss = on_policy_kd_loss(s, cfg.kd)
         self.metric = build_kd_loss("reverse_kl", 1.0)
         self.seed, self.accum = cfg.seed, cfg.gradient_accumulation_steps
@@ -295,17 +291,18 @@ class OnPolicy:
                 print(f"on-policy decode KV caches: {kv_why}", flush=True)
             how = ("one compiled decode step (CUDA graphs)" if self.static is not None and rt.device.type == "cuda"
                    else "one compiled decode step" if self.static is not None else "eager decode steps")
+            trains = "trained in passes of a data micro-batch's shape, " if loader_shape else ""
             if prompt_set is None:
                 print(f"on-policy sampling: up to {self.rows} prompts per micro-batch ({self.per_row} per row), a "
-                      f"step's on-policy micro-batches together (up to {self.rows * self.per_window}), {how}",
+                      f"step's on-policy micro-batches together (up to {self.rows * self.per_window}), {trains}{how}",
                       flush=True)
             else:
                 tokens = prompt_set.micro_batch_tokens(self.rows, s.max_new_tokens)
-                data = self.batch_size * cfg.dataset.max_seq_len
+                trains = trains or (f"one per row or packed where that holds fewer tokens: up to {tokens} tokens "
+                                    f"({tokens / (self.batch_size * self.max_seq_len):.1f}x a data micro-batch; "
+                                    "prompts_per_row=1 keeps it at most 1x), ")
                 print(f"on-policy sampling: {self.rows} prompts of {PROMPTS_KEY} per micro-batch (batch_size x "
-                      f"prompts_per_row), one per row or packed where that holds fewer tokens: up to {tokens} tokens "
-                      f"({tokens / data:.1f}x a data micro-batch; prompts_per_row=1 keeps it at most 1x), {how}",
-                      flush=True)
+                      f"prompts_per_row), {trains}{how}", flush=True)
                 print(f"on-policy prompts: {len(prompt_set.train)} rows of {PROMPTS_KEY} ({prompt_set.origin}), "
                       f"{len(prompt_set.held)} more held out; {prompt_set.cut} longer than {self.budget} tokens "
                       "(max_seq_len - max_new_tokens) are cut", flush=True)
@@ -395,13 +392,18 @@ class OnPolicy:
                 self._sampled += sum(map(len, mine))
             self._batches += len(group)
             self._prompts += len(prompts)
-        out, joined = list(window), set()  # each batch at its first micro-batch's place; the others it holds go
-        for run, batch in training_batches(samples, self.tokenizer.pad_id, self.max_seq_len,
-                                           self.batch_size * self.max_seq_len, self.rt.all_reduce_max):
-            out[chosen[run[0]]] = batch
-            joined.update(chosen[g] for g in run[1:])
+        if self.loader_shape:  # every pass in the data micro-batches' one shape (loader_shaped_batches says why)
+            out = in_window(window, chosen, loader_shaped_batches(samples, self.tokenizer.pad_id, self.max_seq_len,
+                                                                  self.batch_size, self.rt.all_reduce_max))
+        else:  # each batch at its first micro-batch's place; the others it holds go
+            out, joined = list(window), set()
+            for run, batch in training_batches(samples, self.tokenizer.pad_id, self.max_seq_len,
+                                               self.batch_size * self.max_seq_len, self.rt.all_reduce_max):
+                out[chosen[run[0]]] = batch
+                joined.update(chosen[g] for g in run[1:])
+            out = [b for m, b in enumerate(out) if m not in joined]
         self._seconds += time.perf_counter() - start
-        return [b for m, b in enumerate(out) if m not in joined]
+        return out
 
     def _groups(self, prompts: list[list[list[int]]]) -> list[list[int]]:
         """`sampling_groups` of these micro-batches' prompts, the same on every rank (their sizes reduced to the

@@ -158,3 +158,52 @@ def joined_runs(sizes: Sequence[Sequence[int]], capacity: int) -> list[list[int]
             runs.append([i])
             rows, wide = (0, 0) if packed else (n, w)  # rows 0: a packed run takes no more
     return runs
+
+
+def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], object]],
+                          pad_id: int, max_seq_len: int, batch_size: int,
+                          agree: Callable[[Tensor], Tensor] | None = None) -> list[dict[str, Tensor]]:
+    """A step's on-policy samples (each micro-batch's (prompts, completions, _)) in passes of exactly the loader's
+    shape, batch_size rows of max_seq_len with `input_pos` restarting at each sequence: what `training_batches`
+    makes instead when every data micro-batch has that one shape (packed data, compiled layers). Why: any other
+    shape makes the compiled layers recompile, and from a second shape on Dynamo compiles them for dynamic sizes, a
+    graph it then also picks for every later data micro-batch (the most recently used entry is tried first): on one
+    H200 the SmolLM2 study's off-policy steps ran ~25% slower after the first on-policy step. Sequences go first
+    fit into rows, in order; the rows are cut into as many passes as the most any rank needs (`agree`: the counts
+    reduced to the largest over ranks, since each pass runs FSDP's collectives), rows of several split where a
+    rank has fewer rows than passes (a pass without samples only where it has fewer samples), the rest of a pass
+    empty rows."""
+    seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c), "prompt": len(p)}  # collate shifts
+            for prompts, completions, _ in samples for p, c in zip(prompts, completions, strict=True)]
+    rows: list[list[dict]] = []  # first fit: each sequence into the first row with room
+    for s in seqs:
+        fit = next((r for r in rows if sum(len(x["tokens"]) for x in r) + len(s["tokens"]) <= max_seq_len), None)
+        if fit is None:
+            rows.append([s])
+        else:
+            fit.append(s)
+    passes = -(-len(rows) // batch_size)
+    if agree is not None:
+        passes = int(agree(torch.tensor([[passes]]))[0, 0])
+    while len(rows) < passes and max(map(len, rows)) > 1:  # samples in every pass: split a row of several
+        fullest = max(rows, key=len)
+        rows.insert(rows.index(fullest) + 1, [fullest.pop()])
+    empty = {"tokens": [pad_id] * max_seq_len, "labels": [IGNORE_INDEX] * max_seq_len, "seq_lens": [max_seq_len]}
+    out, start = [], 0
+    for i in range(passes):
+        chunk = rows[start : start + len(rows) // passes + (i < len(rows) % passes)]
+        start += len(chunk)
+        packed = [PackedDataset(r, max_seq_len, pad_id, open_rows=1).rows[0] for r in chunk]
+        out.append({**collate_packed(packed + [empty] * (batch_size - len(chunk))),
+                    "prompt_lens": torch.tensor([s["prompt"] for r in chunk for s in r])})
+    return out
+
+
+def in_window(window: list[dict], chosen: Sequence[int], passes: list[dict]) -> list[dict]:
+    """`window` with the micro-batches at `chosen` replaced by `passes` in order: the i-th pass at the i-th chosen
+    place, passes beyond them after the last one, chosen places beyond them dropped."""
+    out, last = [], chosen[-1]
+    for m, b in enumerate(window):
+        k = chosen.index(m) if m in chosen else -1
+        out += [b] if k < 0 else passes[k : k + 1] + (passes[len(chosen):] if m == last else [])
+    return out

@@ -219,6 +219,57 @@ def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_sa
         torch.testing.assert_close(grads_joined[n], g, rtol=1e-7, atol=1e-10, msg=n)
 
 
+def test_loader_shaped_batches_train_every_sample_in_the_loaders_shape_with_the_same_gradient():
+    """Where every data micro-batch is batch_size x max_seq_len, a step's samples (3 micro-batches here, 6
+    sequences of 7, 7, 7, 4, 4 and 5 tokens) train first fit in passes of exactly that shape (2 x 16: rows of
+    7 + 7, 7 + 4 + 4 and 5 tokens, two passes), each sequence attending only to itself; the summed loss and the weight gradients equal
+    those of each micro-batch one sample per row. With `agree` asking for more passes (another rank's), rows of
+    several sequences split so that every pass holds samples; beyond that a pass holds only empty rows."""
+    from llm_recipe.components.on_policy_sampling import in_window, loader_shaped_batches
+    from llm_recipe.components.training import hidden_states, to_device
+
+    samples = [(PROMPTS, COMPLETIONS, [2, 1]), ([[1, 4], [1, 9, 9]], [[5, 6], [7]], [2]), (PROMPTS[:1], [[2]], [1])]
+    passes = loader_shaped_batches(samples, pad_id=0, max_seq_len=16, batch_size=2)
+    assert [tuple(b["tokens"].shape) for b in passes] == [(2, 16), (2, 16)]
+    assert all(set(b) == {"tokens", "labels", "input_pos", "prompt_lens"} for b in passes)
+    assert [b["prompt_lens"].tolist() for b in passes] == [[4, 2, 6, 2, 3], [4]]
+    assert passes[0]["tokens"][0, :14].tolist() == [*PROMPTS[0], *COMPLETIONS[0], *PROMPTS[1], *COMPLETIONS[1]]
+    assert passes[1]["tokens"][1].tolist() == [0] * 16  # the second pass's empty row
+    alone = [completion_batch(p, c, pad_id=0) for p, c, _ in samples]
+    targets = lambda bs: [int(y) for b in bs for y in b["labels"].flatten() if y != IGNORE]  # noqa: E731
+    assert targets(passes) == targets(alone)
+    more = loader_shaped_batches(samples, 0, 16, 2, agree=lambda n: n.maximum(torch.tensor([[5]])))
+    assert len(more) == 5 and all(b["tokens"].shape == (2, 16) for b in more)
+    assert all((b["labels"] != IGNORE).any() for b in more) and targets(more) == targets(alone)
+    most = loader_shaped_batches(samples, 0, 16, 2, agree=lambda n: n.maximum(torch.tensor([[7]])))
+    assert [int((b["labels"] != IGNORE).sum() > 0) for b in most] == [1] * 6 + [0]  # 6 sequences, 7 passes
+    assert targets(most) == targets(alone)
+    window = ["d0", "m1", "d2", "m3", "m4"]
+    assert in_window(window, [1, 3, 4], ["a", "b"]) == ["d0", "a", "d2", "b"]
+    assert in_window(window, [1, 3], ["a", "b", "c"]) == ["d0", "a", "d2", "b", "c", "m4"]
+
+    student, teacher = _model(1), _model(0)
+    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
+
+    def trained(batches):
+        student.zero_grad()
+        total = 0.0
+        for b in batches:
+            b = to_device(b, torch.device("cpu"))  # packed rows get their attention mask from input_pos here
+            with torch.no_grad():
+                target = LiveTeacher(hidden_states(teacher, b), teacher.output)
+            parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0,
+                              num_chunks=2)
+            parts["loss"].backward()
+            total = total + parts["loss"].detach()
+        return total, {n: p.grad.clone() for n, p in student.named_parameters()}
+
+    (loss, grads), (loss_alone, grads_alone) = trained(most), trained(alone)
+    torch.testing.assert_close(loss, loss_alone, rtol=1e-9, atol=1e-12)
+    for n, g in grads_alone.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-7, atol=1e-10, msg=n)
+
+
 # ---------------------------------------------------------------------------------------- sampling
 
 

@@ -399,6 +399,62 @@ def test_on_policy_micro_batches_between_off_policy_ones_join_and_train_as_apart
             assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a, b)
 
 
+def test_where_data_micro_batches_have_one_shape_on_policy_passes_take_it_and_train_the_same(tmp_path, models,
+                                                                                           short_docs, monkeypatch):
+    """Packed and compiled, every data micro-batch is batch_size x max_seq_len (the loader drops a short last
+    batch); there the on-policy samples train in passes of exactly that shape, so the compiled layers never see
+    another (chosen here by hand: CPU runs do not compile): every pass of the run has the loader's shape, fewer
+    passes than micro-batches, and the losses, on-policy metrics and gradient norms are those of the default
+    layouts (one sample per row, joined)."""
+    from llm_recipe.components import on_policy as onp
+
+    window, init, seen = onp.OnPolicy.sample_window, onp.OnPolicy.__init__, []
+    monkeypatch.setattr(onp.OnPolicy, "sample_window",
+                        lambda self, model, w, step: seen.append((list(w), window(self, model, w, step))) or seen[-1][1])
+    args = [*_kd(models, *short_docs), "kd.on_policy.prompt_tokens=8", "kd.on_policy.held_out=0",
+            "gradient_accumulation_steps=4", "kd.on_policy.fraction=0.75", "max_steps=2"]
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / 'default'}"]) == 0
+    assert any(b["tokens"].shape != loaded[0]["tokens"].shape for loaded, out in seen for b in out)
+    seen.clear()
+    monkeypatch.setattr(onp.OnPolicy, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "loader_shape": True}))
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, f"output_dir={tmp_path / 'shaped'}"]) == 0
+    for loaded, out in seen:
+        assert {b["tokens"].shape for b in out} == {loaded[0]["tokens"].shape} and len(out) < len(loaded)
+    shaped, default = rc.read_metrics(tmp_path / "shaped"), rc.read_metrics(tmp_path / "default")
+    assert [r["on_policy_batches"] for r in shaped] == [r["on_policy_batches"] for r in default] == [3, 3]
+    for a, b in zip(shaped, default, strict=True):
+        for k in ("loss", "ce_loss", "kd_loss", "on_policy_loss", "on_policy_rkl", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a, b)
+
+
+@pytest.mark.slow  # ~1 min: three short compiled runs on CPU
+def test_a_compiled_on_policy_run_compiles_its_training_layers_no_more_than_an_off_policy_one(tmp_path, models,
+                                                                                             short_docs, monkeypatch):
+    """With `compile: true` the layers' compiled code holds the same entries after an on-policy run as after an
+    off-policy one: the samples train in the loader's shape and sampling runs eagerly or in its own compiled step,
+    so no pass of another shape makes Dynamo compile the layers for dynamic sizes, a graph it would then also run
+    every data micro-batch through (~25% slower off-policy steps on an H200, docs/kd_study.md). With the samples'
+    own layouts (one per row, as wide as the longest) the layers compile more."""
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    from llm_recipe.components import on_policy as onp
+
+    args = [*_kd(models, *short_docs), "kd.on_policy.prompt_tokens=8", "kd.on_policy.held_out=2", "compile=true",
+            "gradient_accumulation_steps=2", "max_steps=3"]
+
+    def entries(out: str, *extra: str) -> int:  # the compiled variants of the layers' forward after a run
+        torch._dynamo.reset()
+        assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, *extra, f"output_dir={tmp_path / out}"]) == 0
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(TransformerSelfAttentionLayer.forward.__code__))
+
+    off = entries("off", "kd.on_policy.fraction=0")
+    assert off >= 2 and entries("on") == off  # teacher and student (grad mode) at least
+    init = onp.OnPolicy.__init__
+    monkeypatch.setattr(onp.OnPolicy, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "loader_shape": False}))
+    assert entries("own_layouts") > off
+    torch._dynamo.reset()
+
+
 def test_a_kv_budget_of_a_whole_step_samples_it_in_one_loop_and_changes_no_number(tmp_path, models, short_docs,
                                                                                   monkeypatch, capsys):
     """Where memory allows a step's prompts in one decode loop (`sampling_kv_positions` chooses `step` on a GPU with

@@ -119,7 +119,7 @@ def generate_batch(
     positions and a mask that hides its padding. Returns each row's new tokens, cut before its first stop id
     (`keep_stop`: just after it, the stop id included).
     `compile_mode` ("default", "reduce-overhead", ...): torch.compile the one-token decode step (static shapes:
-    the batch, one token, the full mask width); None runs it eagerly.
+    the batch, one token, the full mask width); None (and no `static`) runs everything eagerly, compiled layers too.
     `pick(logits [b, v]) -> [b]` replaces the sampling rule (temperature, top_k, top_p, generator are then unused);
     `all_done(done [b]) -> bool` replaces "every row has stopped" (several processes running one sharded model
     must agree on it, or their forward passes, and so their collectives, would differ in number).
@@ -159,6 +159,10 @@ def generate_batch(
               _compiled_decode(static.mode if static is not None else compile_mode,
                                static.backend if static is not None else "inductor", layers_fit_a_region(model)))
     with contextlib.ExitStack() as stack:
+        if static is None and compile_mode is None:  # eager means eager: layers compiled for training (on-policy
+            # KD) would otherwise compile KV-cache variants, and the sizes they vary in would make Dynamo compile the
+            # next training graph of that code for dynamic sizes
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         if static is not None:
             stack.enter_context(static.caches(model, total, b))
         else:
