@@ -14,6 +14,8 @@
 #                                                          # (for `pytest1`; `pytest` needs only .carry/tok)
 #   PROFILE_ROW=shipped_lora_onpolicy PROFILE_ARGS=--microbatches ... start 1,2 profile  # another row under the profiler
 #   bash bench/device_multi_gpu.sh wait [SECS]             # poll, print the tables so far, return them in $OUT
+#   ONPOLICY_ROWS=kd_on_policy ONPOLICY_STEPS=37 ... start 1 "onpolicy_before onpolicy"   # the `onpolicy` phases' rows
+#        and timed steps (also on one GPU: nvidia-h200)
 #   PYTEST_K=EXPR bash bench/device_multi_gpu.sh start 2 pytest   # only the 2-GPU tests EXPR selects, no model build
 #   PYTEST_FILES="tests/a.py ..."                              # the `pytest` phase's files instead of its three
 #   git archive -o .carry/before/tree.tar COMMIT cli components recipes configs pyproject.toml README.md
@@ -115,12 +117,14 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
-        onpolicy)  # on-policy KD (the default share and 0.5) on 1 GPU and N (the twin on each), recompiles logged
+        onpolicy)  # on-policy KD (the default share and 0.5) on 1 GPU and N (the twin on each), recompiles logged;
+                   # ONPOLICY_STEPS: timed steps (default 8: at 0.1 a median of 8 noisy steps; 37 settle it)
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
-                --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} ;;
+                --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} --steps ${ONPOLICY_STEPS:-8} ;;
         onpolicy_before)  # the same rows with the earlier commit's package (`start` installed it)
             PYTHONPATH=/tmp/site_before:/tmp/site TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling \
-                --models $B --out $M/before --nprocs "$nprocs" --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half}
+                --models $B --out $M/before --nprocs "$nprocs" --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} \
+                --steps ${ONPOLICY_STEPS:-8}
             python3 bench/multi_gpu.py table --out $M/before ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;

@@ -11,8 +11,9 @@ comparison needs both). Every row is named, never a `--variant`: the prompts ove
 variant's `key=value,key=value` list would split.
 
 Equal GPU time: on-policy steps cost more (the student samples), so before the trainings each row's step time is
-probed alone on the GPU (`probe`: its training for `onp_probe_steps` steps, each step timed as its metrics line
-appears, the first quarter skipped as warm-up, the median over 2-step spans) and the on-policy rows train
+probed alone on the GPU (`probe`: its training for `onp_probe_steps` steps, or enough for 5 on-policy steps, each
+step timed as its metrics line appears, the first quarter skipped as warm-up; the median off-policy and on-policy
+step, weighted by the run's share of on-policy steps, so one-off compiles count in neither) and the on-policy rows train
 steps = kd_r1's steps x kd_r1's step time / their step time (out/onp_steps.json, in results.json). Equal steps:
 `--variant NAME=kd_r1:kd.on_policy.fraction=0.5,kd.on_policy.held_out=0` (a variant trains its base's steps; it
 is scored like these rows).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import shlex
 import shutil
 import statistics
@@ -124,8 +126,11 @@ def probe_jobs(s, out: Path, ref: Job, variants: list[tuple[str, str, list[str]]
     rows = [r for r in selected(s, variants) if r in ONP_ROWS]
     if not rows:
         return []
+    def steps(row: str) -> int:  # the first quarter warms up; after it, 3 on-policy steps beside the first's compile
+        return s.onp_probe_steps if row == REFERENCE else max(s.onp_probe_steps, math.ceil(5 / ONP_ROWS[row]))
+
     return [Job(f"probe:{row}", "train", [sys.executable, SCRIPT, "probe", "--name", row, "--out", str(out), "--",
-                                          *_argv(ref, out / "probe" / row, s.onp_probe_steps,
+                                          *_argv(ref, out / "probe" / row, steps(row),
                                                  [] if row == REFERENCE else _onp(s, row))], ref.deps, "probe")
             for row in [REFERENCE, *rows]]
 
@@ -197,17 +202,30 @@ def probe(name: str, out: Path, argv: list[str]) -> int:
         vals = [r[key] for r in steady if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    # the median over 2-step spans (fraction 0.5 alternates on- and off-policy steps): a one-off stall, such as a
-    # late recompile, does not move it; the plain mean over the timed steps is kept beside it
-    spans = [(times[k + 2] - times[k]) / 2 for k in range(first, last - 1) if k in times and k + 2 in times]
-    result = {"row": name, "steps": last, "timed_steps": f"{first + 1}-{last}",
-              "step_s": max(statistics.median(spans), 1e-9),
+    result = {"row": name, "steps": last, "timed_steps": f"{first + 1}-{last}", "step_s": step_seconds(rows, times, first),
               "step_s_mean": (times[last] - times[first]) / (last - first), "tokens_per_s": mean("tokens_per_s"),
               "sampling_share": mean("sampling_share"), "sampled_tokens_per_s": mean("sampled_tokens_per_s"),
               "cmd": shlex.join(["recipe", *argv[3:]])}
     (out / "probe" / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(run_dir)  # only the timing is kept
     return 0
+
+
+def step_seconds(rows: list[dict], times: dict[int, float], first: int) -> float:
+    """A row's steady step time from its probe: the median off-policy step and the median on-policy step after the
+    first one (which compiles the decode step), weighted by the share of the run's steps that go on-policy. Medians,
+    so a one-off stall (a compile, a new decode width's CUDA graph) moves neither; the weights, so a share of 0.05
+    counts its on-policy steps (a median over all steps would see only off-policy ones). Fewer than 3 on-policy
+    steps to time (or none in the run): the median over 2-step spans, the rule before (fraction 0.5 alternates)."""
+    on = {r["step"] for r in rows if r.get("on_policy_batches")}
+    span = {k: times[k] - times[k - 1] for k in range(first + 1, max(times) + 1) if k in times and k - 1 in times}
+    timed_on = [d for k, d in span.items() if k in on and k != min(on)]
+    if len(timed_on) < 3:
+        spans = [(times[k + 2] - times[k]) / 2 for k in range(first, max(times) - 1) if k in times and k + 2 in times]
+        return max(statistics.median(spans), 1e-9)
+    share = len(on) / len(rows)
+    off = statistics.median([d for k, d in span.items() if k not in on])
+    return share * statistics.median(timed_on) + (1 - share) * off
 
 
 def chat_prompts(tokenizer, n: int) -> list[tuple[int, list[int]]]:

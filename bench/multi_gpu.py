@@ -137,8 +137,11 @@ def cmd_scaling(a) -> None:
             rc, wall = launch(cmd, out_dir.with_suffix(".log"), a.timeout)
             steps = metrics(out_dir)
             timed = [s["tokens_per_s"] for s in steps if s["step"] > a.warmup]
+            # on-policy rows mix steps that sample and steps that do not: the median is one kind's rate; the
+            # harmonic mean of the steps' rates is the run's (tokens over time, where steps carry alike many)
             row = {"row": name, "nproc": n, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[3:]),
                    "tokens_per_s": statistics.median(timed) if timed else None,
+                   "tokens_per_s_window": len(timed) / sum(1 / t for t in timed) if timed else None,
                    "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup]),
                    "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
                    **log_facts(out_dir.with_suffix(".log"))}
@@ -260,8 +263,9 @@ def cmd_table(a) -> None:
     for r in scaling:
         tps = r.get("tokens_per_s")
         base = one.get(r["row"].removesuffix("_shard")) if r["nproc"] > 1 else None
-        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f})" if r.get("sampled_tokens_per_s")
-                                     else "") if tps else f"failed rc {r['rc']}"
+        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f}; harmonic mean "
+                                    f"{r['tokens_per_s_window']:,.0f})" if r.get("sampled_tokens_per_s")
+                                    and r.get("tokens_per_s_window") else "") if tps else f"failed rc {r['rc']}"
         print(f"| {r['row']} | {r['nproc']} | {tps_cell} | "
               f"{f'{tps / base:.2f}x' if tps and base else '-'} | {r.get('peak_gib') or '-'} | "
               f"{r.get('first_step_s') or '-'} | {r.get('placement') or '-'} |")

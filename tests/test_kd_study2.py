@@ -166,6 +166,28 @@ def test_on_policy_rows_get_equal_gpu_time_steps_and_bring_their_reference(tmp_p
     assert f"max_steps={s.onp_probe_steps}" in probes[1].argv and "kd.on_policy.fraction=0.5" in probes[1].argv
 
 
+def test_a_probes_step_time_weighs_the_on_policy_steps_by_their_share_and_skips_one_off_stalls():
+    """A share of 0.05 (on-policy every 20th step): the probe's step time is 5% of the median on-policy step and
+    95% of the median off-policy one, whatever the first on-policy step spent compiling and a stall cost; the
+    median over 2-step spans (the rule before, still kd_r1's) would see off-policy steps only. The probe of a 0.05
+    row runs 100 steps (5 on-policy ones), of 0.5 the preset's 40."""
+    _, onp = _study()
+    rows = [{"step": k, **({"on_policy_batches": 1} if k % 20 == 0 else {})} for k in range(1, 101)]
+    spent = {k: 12.0 if k == 20 else 0.5 if k % 20 == 0 else 5.0 if k == 50 else 0.07 for k in range(1, 101)}
+    times, t = {}, 0.0
+    for k in range(1, 101):
+        t += spent[k]
+        times[k] = t
+    assert onp.step_seconds(rows, times, first=25) == pytest.approx(0.05 * 0.5 + 0.95 * 0.07)
+    off_policy = [{"step": r["step"]} for r in rows]
+    assert onp.step_seconds(off_policy, times, first=25) == pytest.approx(0.07)  # 2-step spans: stalls skipped
+    study = _study()[0]
+    s = study.Scale(teacher="t", rows=["onp5c", "onp50c"])
+    ref = next(j for j in study.training_jobs(s, Path("o"), [0, 1]) if j.name == "kd_r1")
+    steps = {j.name: next(a for a in j.argv if a.startswith("max_steps=")) for j in onp.probe_jobs(s, Path("o"), ref, [])}
+    assert steps == {"probe:kd_r1": "max_steps=40", "probe:onp5c": "max_steps=100", "probe:onp50c": "max_steps=40"}
+
+
 def test_collect_pairs_the_on_policy_metric_by_prompt(tmp_path):
     """collect: each row's on-policy metric joins its per-item values, so onp - kd_r1 is paired by prompt (lower
     is better: z > 0 means on-policy wins) beside LAMBADA, and the goal is read off the z values."""
