@@ -223,9 +223,8 @@ def step_seconds(rows: list[dict], times: dict[int, float], first: int) -> float
     if len(timed_on) < 3:
         spans = [(times[k + 2] - times[k]) / 2 for k in range(first, max(times) - 1) if k in times and k + 2 in times]
         return max(statistics.median(spans), 1e-9)
-    share = len(on) / len(rows)
-    off = statistics.median([d for k, d in span.items() if k not in on])
-    return share * statistics.median(timed_on) + (1 - share) * off
+    share, off = len(on) / len(rows), [d for k, d in span.items() if k not in on]
+    return share * statistics.median(timed_on) + (1 - share) * (statistics.median(off) if off else 0.0)
 
 
 def chat_prompts(tokenizer, n: int) -> list[tuple[int, list[int]]]:

@@ -88,16 +88,28 @@ def command(nproc: int, recipe: str, config: str, overrides: list[str], out_dir:
             *EXTRA, f"output_dir={out_dir}"]
 
 
-def launch(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+def launch(cmd: list[str], log: Path, timeout: float, steps_at: dict[int, float] | None = None) -> tuple[int, float]:
+    """Run `cmd` with its output in `log`: (exit code, wall seconds). `steps_at`: filled with the time each step's
+    line appeared in the run's metrics.jsonl (polled every 5 ms), so a step's seconds can be told whatever its
+    tokens (an on-policy pass's shape changes the tokens a step counts, not its time)."""
     t0 = time.time()
     log.parent.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(next((c.split("=", 1)[1] for c in cmd if c.startswith("output_dir=")), "."))
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                start_new_session=True).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return rc, round(time.time() - t0, 1)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        seen = 0
+        while proc.poll() is None and time.time() - t0 < timeout:
+            if steps_at is not None and (run_dir / "metrics.jsonl").is_file():
+                lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]  # whole lines only
+                for line in lines[seen:]:
+                    steps_at.setdefault(json.loads(line)["step"], time.perf_counter())
+                seen = len(lines)
+            time.sleep(0.005 if steps_at is not None else 0.05)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 124, round(time.time() - t0, 1)
+    return proc.returncode, round(time.time() - t0, 1)
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -134,14 +146,17 @@ def cmd_scaling(a) -> None:
             subprocess.run(["rm", "-rf", str(out_dir)], check=True)
             cmd = command(n, recipe, config, [*over, f"max_steps={a.warmup + a.steps}", "save_every_n_steps=null"],
                           out_dir)
-            rc, wall = launch(cmd, out_dir.with_suffix(".log"), a.timeout)
+            at: dict[int, float] = {}
+            rc, wall = launch(cmd, out_dir.with_suffix(".log"), a.timeout, at)
             steps = metrics(out_dir)
             timed = [s["tokens_per_s"] for s in steps if s["step"] > a.warmup]
-            # on-policy rows mix steps that sample and steps that do not: the median is one kind's rate; the
-            # harmonic mean of the steps' rates is the run's (tokens over time, where steps carry alike many)
+            # on-policy rows mix steps that sample and steps that do not (the median is one kind's rate) and their
+            # passes' shapes change the tokens a step counts: seconds per step over the timed steps compare runs
+            last = max(at, default=0)
             row = {"row": name, "nproc": n, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[3:]),
                    "tokens_per_s": statistics.median(timed) if timed else None,
-                   "tokens_per_s_window": len(timed) / sum(1 / t for t in timed) if timed else None,
+                   "step_s_mean": (at[last] - at[a.warmup]) / (last - a.warmup) if a.warmup in at and last > a.warmup
+                   else None,
                    "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup]),
                    "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
                    **log_facts(out_dir.with_suffix(".log"))}
@@ -263,9 +278,9 @@ def cmd_table(a) -> None:
     for r in scaling:
         tps = r.get("tokens_per_s")
         base = one.get(r["row"].removesuffix("_shard")) if r["nproc"] > 1 else None
-        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f}; harmonic mean "
-                                    f"{r['tokens_per_s_window']:,.0f})" if r.get("sampled_tokens_per_s")
-                                    and r.get("tokens_per_s_window") else "") if tps else f"failed rc {r['rc']}"
+        tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f}; {r['step_s_mean']:.3f} s/step)"
+                                    if r.get("sampled_tokens_per_s") and r.get("step_s_mean") else "") if tps \
+            else f"failed rc {r['rc']}"
         print(f"| {r['row']} | {r['nproc']} | {tps_cell} | "
               f"{f'{tps / base:.2f}x' if tps and base else '-'} | {r.get('peak_gib') or '-'} | "
               f"{r.get('first_step_s') or '-'} | {r.get('placement') or '-'} |")

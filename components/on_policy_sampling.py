@@ -185,7 +185,7 @@ def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Seque
     passes = -(-len(rows) // batch_size)
     if agree is not None:
         passes = int(agree(torch.tensor([[passes]]))[0, 0])
-    while len(rows) < passes and max(map(len, rows)) > 1:  # samples in every pass: split a row of several
+    while rows and len(rows) < passes and max(map(len, rows)) > 1:  # samples in every pass: split a row of several
         fullest = max(rows, key=len)
         rows.insert(rows.index(fullest) + 1, [fullest.pop()])
     empty = {"tokens": [pad_id] * max_seq_len, "labels": [IGNORE_INDEX] * max_seq_len, "seq_lens": [max_seq_len]}

@@ -183,7 +183,8 @@ def main(cfg: KDConfig) -> None:
         qat_files = prepare_qat_student(student, qat, rt.device)  # KD-QAT (null: none)
         vocab = loss_vocab(rt, sargs.vocab_size, targs, tokenizer.vocab_size, student_dir, teacher_dir, cache)
         tokens = micro_batch_tokens(cfg)  # activation checkpointing `auto` sizes for the largest micro-batch
-        if prompt_set is not None:  # on-policy rows of the prompt set: batch_size x prompts_per_row of them
+        if prompt_set is not None and not loader.drop_last:  # the prompt set's batch_size x prompts_per_row samples
+            # in their own layouts (with the loader's one shape they train in it: OnPolicy)
             tokens = max(tokens, prompt_set.micro_batch_tokens(cfg.batch_size * on_policy.prompts_per_row,
                                                                on_policy.max_new_tokens))
         # several processes sample (kd.on_policy) with the compiled step on an unsharded twin of the student: its

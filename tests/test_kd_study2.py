@@ -181,6 +181,8 @@ def test_a_probes_step_time_weighs_the_on_policy_steps_by_their_share_and_skips_
     assert onp.step_seconds(rows, times, first=25) == pytest.approx(0.05 * 0.5 + 0.95 * 0.07)
     off_policy = [{"step": r["step"]} for r in rows]
     assert onp.step_seconds(off_policy, times, first=25) == pytest.approx(0.07)  # 2-step spans: stalls skipped
+    every = [{"step": k, "on_policy_batches": 1} for k in range(1, 101)]  # fraction 1.0: no off-policy step
+    assert onp.step_seconds(every, times, first=25) == pytest.approx(0.07)
     study = _study()[0]
     s = study.Scale(teacher="t", rows=["onp5c", "onp50c"])
     ref = next(j for j in study.training_jobs(s, Path("o"), [0, 1]) if j.name == "kd_r1")
