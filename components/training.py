@@ -218,8 +218,11 @@ class Throughput:
         return time.perf_counter() - self.start
 
     def rate(self, window: list[dict], rt: Runtime) -> float:
-        """Tokens of the step's window on all ranks (padding included) per second since `begin`."""
-        tokens = sum(b["tokens"].numel() for b in window) * rt.world_size
+        """Tokens of the step's window on all ranks per second since `begin`: the positions of every row that trains
+        something (a packed row's padding included; the empty rows that fill an on-policy pass to the loader's
+        shape not)."""
+        tokens = sum(int((b["labels"] != IGNORE_INDEX).any(-1).sum()) * b["tokens"].shape[-1] for b in window)
+        tokens *= rt.world_size
         return tokens / max(time.perf_counter() - self.start, 1e-9)
 
 
