@@ -174,6 +174,24 @@ def test_packed_completion_batch_trains_what_one_prompt_per_row_trains():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-7, atol=1e-10, msg=n)
 
 
+def _trained(batches: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The summed on-policy loss (reverse KL) of `batches` and the student's weight gradients, one pass per batch
+    (packed rows get their attention mask from input_pos in to_device); the same two models every call."""
+    from llm_recipe.components.training import hidden_states, to_device
+
+    student, teacher = _model(1), _model(0)
+    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
+    total = 0.0
+    for b in batches:
+        b = to_device(b, torch.device("cpu"))
+        with torch.no_grad():
+            target = LiveTeacher(hidden_states(teacher, b), teacher.output)
+        parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0, num_chunks=2)
+        parts["loss"].backward()
+        total = total + parts["loss"].detach()
+    return total, {n: p.grad.clone() for n, p in student.named_parameters()}
+
+
 def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_same_gradient():
     """A step's on-policy micro-batches of one sample per row join while their rows x widest row fit a data
     micro-batch's positions (capacity): 3 of 3 rows x 7 fit 20 rows x 7 but not 18 x 7 (then 2 + 1), a packed one
@@ -181,7 +199,6 @@ def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_sa
     the same weight gradients as the micro-batches one by one. With `agree` (several ranks), the reduced sizes
     decide: a wider micro-batch on another rank keeps them apart."""
     from llm_recipe.components.on_policy_sampling import joined_runs, training_batches
-    from llm_recipe.components.training import hidden_states, to_device
 
     assert joined_runs([[3, 7, 0], [3, 7, 0], [3, 7, 0]], 63) == [[0, 1, 2]]
     assert joined_runs([[3, 7, 0], [3, 7, 0], [3, 7, 0]], 42) == [[0, 1], [2]]
@@ -197,23 +214,7 @@ def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_sa
                                                                                            [0, 0, 0]])))
     assert [run for run, _ in wider] == [[0], [1, 2]]  # (3 + 2) x 12 > 56; (2 + 1) x 12 fits
 
-    student, teacher = _model(1), _model(0)
-    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
-
-    def trained(batches):
-        student.zero_grad()
-        total = 0.0
-        for b in batches:
-            b = to_device(b, torch.device("cpu"))
-            with torch.no_grad():
-                target = LiveTeacher(hidden_states(teacher, b), teacher.output)
-            parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0,
-                              num_chunks=2)
-            parts["loss"].backward()
-            total = total + parts["loss"].detach()
-        return total, {n: p.grad.clone() for n, p in student.named_parameters()}
-
-    (loss_joined, grads_joined), (loss_alone, grads_alone) = trained([batch]), trained([b for _, b in alone])
+    (loss_joined, grads_joined), (loss_alone, grads_alone) = _trained([batch]), _trained([b for _, b in alone])
     torch.testing.assert_close(loss_joined, loss_alone, rtol=1e-9, atol=1e-12)
     for n, g in grads_alone.items():
         torch.testing.assert_close(grads_joined[n], g, rtol=1e-7, atol=1e-10, msg=n)
@@ -226,7 +227,6 @@ def test_loader_shaped_batches_train_every_sample_in_the_loaders_shape_with_the_
     those of each micro-batch one sample per row. With `agree` asking for more passes (another rank's), rows of
     several sequences split so that every pass holds samples; beyond that a pass holds only empty rows."""
     from llm_recipe.components.on_policy_sampling import in_window, loader_shaped_batches
-    from llm_recipe.components.training import hidden_states, to_device
 
     samples = [(PROMPTS, COMPLETIONS, [2, 1]), ([[1, 4], [1, 9, 9]], [[5, 6], [7]], [2]), (PROMPTS[:1], [[2]], [1])]
     passes = loader_shaped_batches(samples, pad_id=0, max_seq_len=16, batch_size=2)
@@ -248,23 +248,7 @@ def test_loader_shaped_batches_train_every_sample_in_the_loaders_shape_with_the_
     assert in_window(window, [1, 3, 4], ["a", "b"]) == ["d0", "a", "d2", "b"]
     assert in_window(window, [1, 3], ["a", "b", "c"]) == ["d0", "a", "d2", "b", "c", "m4"]
 
-    student, teacher = _model(1), _model(0)
-    loss_fn = on_policy_kd_loss(OnPolicySettings(loss="reverse_kl"), OmegaConf.create({"temperature": 1.0}))
-
-    def trained(batches):
-        student.zero_grad()
-        total = 0.0
-        for b in batches:
-            b = to_device(b, torch.device("cpu"))  # packed rows get their attention mask from input_pos here
-            with torch.no_grad():
-                target = LiveTeacher(hidden_states(teacher, b), teacher.output)
-            parts = kd_and_ce(hidden_states(student, b), student.output, b["labels"], target, loss_fn, 1.0,
-                              num_chunks=2)
-            parts["loss"].backward()
-            total = total + parts["loss"].detach()
-        return total, {n: p.grad.clone() for n, p in student.named_parameters()}
-
-    (loss, grads), (loss_alone, grads_alone) = trained(most), trained(alone)
+    (loss, grads), (loss_alone, grads_alone) = _trained(most), _trained(alone)
     torch.testing.assert_close(loss, loss_alone, rtol=1e-9, atol=1e-12)
     for n, g in grads_alone.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-7, atol=1e-10, msg=n)
