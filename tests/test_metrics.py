@@ -136,3 +136,17 @@ def test_check_finite(tmp_path):
     assert isinstance(e.value, RecipeError) and "lower the learning rate" in str(e.value)
     with pytest.raises(NonFiniteLossError, match="loss became inf at step 2; no checkpoint was saved yet"):
         check_finite(float("inf"), 2)
+
+
+def test_tokens_per_s_counts_rows_that_train_and_their_padding_but_not_empty_rows(monkeypatch):
+    """A step of one packed data micro-batch (2 rows of 8, the second ending in padding) and one on-policy pass in
+    the loader's shape with one empty row: 3 rows x 8 positions x 2 ranks in 2 s = 24 tokens/s."""
+    from llm_recipe.components import training
+
+    now = iter([10.0, 12.0])
+    monkeypatch.setattr(training.time, "perf_counter", lambda: next(now))
+    data = {"tokens": torch.ones(2, 8, dtype=torch.long), "labels": torch.tensor([[1] * 8, [1] * 5 + [-100] * 3])}
+    shaped = {"tokens": torch.ones(2, 8, dtype=torch.long), "labels": torch.tensor([[-100] * 4 + [1] * 4, [-100] * 8])}
+    clock = training.Throughput()
+    clock.begin()
+    assert clock.rate([data, shaped], types.SimpleNamespace(world_size=2)) == 24.0
