@@ -487,7 +487,7 @@ def test_a_kv_budget_of_a_whole_step_samples_it_in_one_loop_and_changes_no_numbe
 
 
 @pytest.mark.slow  # ~1 min each: a torchrun launch of 2 processes and the 1-process reference
-@pytest.mark.parametrize("prompts", ["rows", "prompt_set", "joined"])
+@pytest.mark.parametrize("prompts", ["rows", "prompt_set", "joined", "compiled"])
 def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_docs, prompts):
     """2 CPU processes (gloo; the student and the teacher sharded with FSDP2) sample, score and train what one
     process with the 2-row batches of both does: the same on-policy steps, prompts (several per packed row, or
@@ -500,14 +500,19 @@ def test_two_processes_match_one_with_twice_the_batch(tmp_path, models, short_do
     # joined: both micro-batches of a step on-policy, each rank's two (6 x 16) trained in one pass as the one
     # process's (12 x 16; training_batches), the sizes agreed over the ranks; one step (the 15 training rows end an
     # epoch in the second, which 1 and 2 processes deal differently)
+    # compiled: packed data and compiled layers, so the samples train in the loader's shape, as many passes on
+    # each rank as the rank with the most rows needs (loader_shaped_batches)
     case = {"rows": ["kd.on_policy.held_out=5", "max_steps=3"], "prompt_set": [prompt_set, "max_steps=3"],
             "joined": ["kd.on_policy.held_out=5", "kd.on_policy.fraction=1.0", "gradient_accumulation_steps=2",
-                       "max_steps=1"]}[prompts]
+                       "max_steps=1"],
+            "compiled": ["kd.on_policy.held_out=5", "kd.on_policy.fraction=1.0", "gradient_accumulation_steps=2",
+                         "max_steps=1", "compile=true"]}[prompts]
     args = [*_kd(models, "student.keep_layers=[0,3]", "teacher.placement=shard", *short_docs, *case),
             "max_grad_norm=1.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*args, "batch_size=4", f"output_dir={one}"]) == 0
-    _assert_two_processes_match_one(args, one, two, tmp_path)
+    printed = _assert_two_processes_match_one(args, one, two, tmp_path)
+    assert ("trained in passes of a data micro-batch's shape" in printed) == (prompts == "compiled")
     if prompts == "rows":
         assert 12 < json.loads((one / "on_policy_eval.json").read_text())["held_out_rows"] <= 18
 
