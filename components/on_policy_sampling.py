@@ -6,6 +6,7 @@ draws (up to the logits' rounding in another batch); and the batches the samples
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -163,16 +164,17 @@ def joined_runs(sizes: Sequence[Sequence[int]], capacity: int) -> list[list[int]
 def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], object]],
                           pad_id: int, max_seq_len: int, batch_size: int,
                           agree: Callable[[Tensor], Tensor] | None = None) -> list[dict[str, Tensor]]:
-    """A step's on-policy samples (each micro-batch's (prompts, completions, _)) in passes of exactly the loader's
-    shape, batch_size rows of max_seq_len with `input_pos` restarting at each sequence: what `training_batches`
-    makes instead when every data micro-batch has that one shape (packed data, compiled layers). Why: any other
-    shape makes the compiled layers recompile, and from a second shape on Dynamo compiles them for dynamic sizes, a
-    graph it then also picks for every later data micro-batch (the most recently used entry is tried first): on one
-    H200 the SmolLM2 study's off-policy steps ran ~25% slower after the first on-policy step. Sequences go first
-    fit into rows, in order; the rows are cut into as many passes as the most any rank needs (`agree`: the counts
-    reduced to the largest over ranks, since each pass runs FSDP's collectives), rows of several split where a
-    rank has fewer rows than passes (a pass without samples only where it has fewer samples), the rest of a pass
-    empty rows."""
+    """A step's on-policy samples (each micro-batch's (prompts, completions, _)) in passes of the loader's rows of
+    max_seq_len with `input_pos` restarting at each sequence, batch_size rows or half of them (rounded up): what
+    `training_batches` makes instead when every data micro-batch has one shape (packed data, compiled layers). Why:
+    from a second shape on, Dynamo compiles the layers for dynamic sizes and then also picks that graph for every
+    later data micro-batch (the most recently used entry is tried first): on one H200 the SmolLM2 study's off-policy
+    steps ran ~25% slower after the first on-policy step. With two shapes, compiled static (`static_shapes`), the
+    data micro-batches keep their graph, and a step whose samples fill one row of two does not compute an empty one.
+    Sequences go first fit into rows, in order; the rows are cut into as many passes as the most any rank needs
+    (`agree`: the counts reduced to the largest over ranks, since each pass runs FSDP's collectives), rows of several
+    split where a rank has fewer rows than passes (a pass without samples only where it has fewer samples), the
+    rest of a pass empty rows."""
     seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c), "prompt": len(p)}  # collate shifts
             for prompts, completions, _ in samples for p, c in zip(prompts, completions, strict=True)]
     rows: list[list[dict]] = []  # first fit: each sequence into the first row with room
@@ -189,14 +191,23 @@ def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Seque
         fullest = max(rows, key=len)
         rows.insert(rows.index(fullest) + 1, [fullest.pop()])
     empty = {"tokens": [pad_id] * max_seq_len, "labels": [IGNORE_INDEX] * max_seq_len, "seq_lens": [max_seq_len]}
-    out, start = [], 0
+    half, out, start = -(-batch_size // 2), [], 0
     for i in range(passes):
         chunk = rows[start : start + len(rows) // passes + (i < len(rows) % passes)]
         start += len(chunk)
         packed = [PackedDataset(r, max_seq_len, pad_id, open_rows=1).rows[0] for r in chunk]
-        out.append({**collate_packed(packed + [empty] * (batch_size - len(chunk))),
+        height = half if len(chunk) <= half else batch_size
+        out.append({**collate_packed(packed + [empty] * (height - len(chunk))),
                     "prompt_lens": torch.tensor([s["prompt"] for r in chunk for s in r])})
     return out
+
+
+def static_shapes() -> contextlib.AbstractContextManager:
+    """Dynamo specializes what it compiles in this context to the shapes it sees (automatic dynamic shapes off), for
+    the kd loop with `loader_shaped_batches`: the layers then hold one static graph per pass shape, two with the
+    data micro-batches' (3 entries each: the teacher, the student's first layer and the others; Dynamo's limit is
+    8 per function), and none for dynamic sizes."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
 
 
 def in_window(window: list[dict], chosen: Sequence[int], passes: list[dict]) -> list[dict]:

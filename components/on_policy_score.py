@@ -56,10 +56,10 @@ def _score_chunk(student: nn.Module, teacher: nn.Module, chunk: list[list[int]],
     metric, device = build_kd_loss("reverse_kl", 1.0), student.tok_embeddings.weight.device
     out: dict[str, list[float]] = {"reverse_kl_sum": [], "teacher_nll_sum": [], "tokens": []}
     b = to_device(completion_batch(chunk, completions, pad_id), device)
-    with torch.inference_mode():
+    # eager, both: the compiled layers would compile a variant of another shape (for dynamic sizes) for this pass
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
         t_hidden = hidden_states(teacher, b)
-    # not inference mode: a sharded student's gathered weights stay normal tensors; eager: the compiled training
-    # layers would compile a no-grad variant for this one pass at the end
+    # not inference mode: a sharded student's gathered weights stay normal tensors
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         s_hidden = hidden_states(student, b)
         for r in range(len(chunk)):  # one prompt at a time: its own sums (a row is one prompt's sample)

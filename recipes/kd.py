@@ -10,6 +10,7 @@ Setup checks what it can before any weights load (data files, the tokenized data
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from llm_recipe.components.on_policy import (
     load_prompt_set,
     twin_structure_for,
 )
+from llm_recipe.components.on_policy_sampling import static_shapes
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
     KD_QAT_KEYS,
@@ -218,7 +220,8 @@ def main(cfg: KDConfig) -> None:
     student.train()
     with (MetricLogger(cfg.output_dir, steps, rt.is_main, cfg.tensorboard, cfg.wandb, start_step=start) as logger,
           StopRequest.install(ranks=rt.world_size, main=rt.is_main) as stop,  # Ctrl-C: checkpoint, exit
-          Where(rt.device) as where):  # out of memory: the error names the step and micro-batch shape
+          Where(rt.device) as where,  # out of memory: the error names the step and micro-batch shape
+          static_shapes() if op is not None and op.loader_shape else nullcontext()):  # on-policy passes' own graphs
         for window in windows(loader, accum, steps - start):  # one window per optimizer step
             where.at(f"at step {step + 1}")
             clock.begin()

@@ -221,27 +221,30 @@ def test_consecutive_short_on_policy_micro_batches_train_as_one_pass_with_the_sa
 
 
 def test_loader_shaped_batches_train_every_sample_in_the_loaders_shape_with_the_same_gradient():
-    """Where every data micro-batch is batch_size x max_seq_len, a step's samples (3 micro-batches here, 6
-    sequences of 7, 7, 7, 4, 4 and 5 tokens) train first fit in passes of exactly that shape (2 x 16: rows of
-    7 + 7, 7 + 4 + 4 and 5 tokens, two passes), each sequence attending only to itself; the summed loss and the weight gradients equal
-    those of each micro-batch one sample per row. With `agree` asking for more passes (another rank's), rows of
-    several sequences split so that every pass holds samples; beyond that a pass holds only empty rows."""
+    """Where every data micro-batch is batch_size x max_seq_len (4 x 16 here), a step's samples (3 micro-batches,
+    6 sequences of 7, 7, 7, 4, 4 and 5 tokens) train first fit in rows of max_seq_len (7 + 7, 7 + 4 + 4 and 5
+    tokens), in passes of batch_size rows or half of them, each sequence attending only to itself; the summed
+    loss and the weight gradients equal those of each micro-batch one sample per row. With `agree` asking for more
+    passes (another rank's), rows of several sequences split so that every pass holds samples; beyond that a pass
+    holds only empty rows."""
     from llm_recipe.components.on_policy_sampling import in_window, loader_shaped_batches
 
     samples = [(PROMPTS, COMPLETIONS, [2, 1]), ([[1, 4], [1, 9, 9]], [[5, 6], [7]], [2]), (PROMPTS[:1], [[2]], [1])]
-    passes = loader_shaped_batches(samples, pad_id=0, max_seq_len=16, batch_size=2)
-    assert [tuple(b["tokens"].shape) for b in passes] == [(2, 16), (2, 16)]
+    passes = loader_shaped_batches(samples, pad_id=0, max_seq_len=16, batch_size=4)
+    assert [tuple(b["tokens"].shape) for b in passes] == [(4, 16)]  # 3 rows: more than half
     assert all(set(b) == {"tokens", "labels", "input_pos", "prompt_lens"} for b in passes)
-    assert [b["prompt_lens"].tolist() for b in passes] == [[4, 2, 6, 2, 3], [4]]
+    assert passes[0]["prompt_lens"].tolist() == [4, 2, 6, 2, 3, 4]
     assert passes[0]["tokens"][0, :14].tolist() == [*PROMPTS[0], *COMPLETIONS[0], *PROMPTS[1], *COMPLETIONS[1]]
-    assert passes[1]["tokens"][1].tolist() == [0] * 16  # the second pass's empty row
+    assert passes[0]["tokens"][3].tolist() == [0] * 16  # an empty row
     alone = [completion_batch(p, c, pad_id=0) for p, c, _ in samples]
     targets = lambda bs: [int(y) for b in bs for y in b["labels"].flatten() if y != IGNORE]  # noqa: E731
     assert targets(passes) == targets(alone)
-    more = loader_shaped_batches(samples, 0, 16, 2, agree=lambda n: n.maximum(torch.tensor([[5]])))
+    two = loader_shaped_batches(samples, 0, 16, 4, agree=lambda n: n.maximum(torch.tensor([[2]])))
+    assert [tuple(b["tokens"].shape) for b in two] == [(2, 16), (2, 16)] and targets(two) == targets(alone)
+    more = loader_shaped_batches(samples, 0, 16, 4, agree=lambda n: n.maximum(torch.tensor([[5]])))
     assert len(more) == 5 and all(b["tokens"].shape == (2, 16) for b in more)
     assert all((b["labels"] != IGNORE).any() for b in more) and targets(more) == targets(alone)
-    most = loader_shaped_batches(samples, 0, 16, 2, agree=lambda n: n.maximum(torch.tensor([[7]])))
+    most = loader_shaped_batches(samples, 0, 16, 4, agree=lambda n: n.maximum(torch.tensor([[7]])))
     assert [int((b["labels"] != IGNORE).sum() > 0) for b in most] == [1] * 6 + [0]  # 6 sequences, 7 passes
     assert targets(most) == targets(alone)
     window = ["d0", "m1", "d2", "m3", "m4"]
