@@ -33,8 +33,8 @@ Prompts per micro-batch: a packed row holds many documents, and each of them (up
 the row's prompts and their completions fit in max_seq_len) gives a prompt, so one micro-batch samples up to
 batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not).
 Where every data micro-batch has one shape (packed data, compiled layers), a step's samples train first fit into
-passes of that shape (`loader_shaped_batches`: another shape would recompile the layers for dynamic sizes, which
-data micro-batches then run too). Elsewhere they train one per row, padded to the longest, or packed back into
+passes of that shape or half its rows, compiled static (`loader_shaped_batches`, `static_shapes`: else the layers
+recompile for dynamic sizes, which data micro-batches then run too). Elsewhere they train one per row, padded to the longest, or packed back into
 their rows (`packed_completion_batch`), whichever holds fewer tokens, and consecutive ones of one sample per row
 join while they fit a data micro-batch's positions (`training_batches`: the same gradient in fewer passes). The
 on-policy micro-batches of one optimizer step are sampled together (`sampling_groups`: while their decode batch
