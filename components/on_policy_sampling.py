@@ -178,12 +178,15 @@ def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Seque
     seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c), "prompt": len(p)}  # collate shifts
             for prompts, completions, _ in samples for p, c in zip(prompts, completions, strict=True)]
     rows: list[list[dict]] = []  # first fit: each sequence into the first row with room
+    used: list[int] = []
     for s in seqs:
-        fit = next((r for r in rows if sum(len(x["tokens"]) for x in r) + len(s["tokens"]) <= max_seq_len), None)
-        if fit is None:
-            rows.append([s])
-        else:
-            fit.append(s)
+        n = len(s["tokens"])
+        i = next((i for i, u in enumerate(used) if u + n <= max_seq_len), len(rows))
+        if i == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[i].append(s)
+        used[i] += n
     passes = -(-len(rows) // batch_size)
     if agree is not None:
         passes = int(agree(torch.tensor([[passes]]))[0, 0])
