@@ -369,9 +369,9 @@ class OnPolicy:
 
     def sample_window(self, model: nn.Module, window: list[dict], step: int) -> list[dict]:
         """The window with its on-policy micro-batches (`is_on_policy`) replaced by batches of prompt + the
-        student's sample (host tensors, like the loader's), laid out by `loader_shaped_batches` or `training_batches`
-        (so the window may come back shorter, or longer); `step` counts finished optimizer steps. Their prompts are sampled in
-        `sampling_groups`, each with the noise of its own micro-batch and slot."""
+        student's sample (host tensors, like the loader's), laid out by `loader_shaped_batches` or
+        `training_batches` (the window may come back shorter or longer); `step` counts finished optimizer steps.
+        Their prompts are sampled in `sampling_groups`, each with the noise of its own micro-batch and slot."""
         chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
         if not chosen:
             return window

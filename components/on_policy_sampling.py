@@ -208,8 +208,8 @@ def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Seque
 def static_shapes() -> contextlib.AbstractContextManager:
     """Dynamo specializes what it compiles in this context to the shapes it sees (automatic dynamic shapes off), for
     the kd loop with `loader_shaped_batches`: the layers then hold one static graph per pass shape, two with the
-    data micro-batches' (3 entries each: the teacher, the student's first layer and the others; Dynamo's limit is
-    8 per function), and none for dynamic sizes."""
+    data micro-batches' (2-3 entries each: the teacher, the student's layers, its first layer apart on a GPU;
+    Dynamo's limit is 8 per function), and none for dynamic sizes."""
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
 
 
