@@ -199,7 +199,8 @@ def main(cfg: KDConfig) -> None:
     with setup.phase("optimizer"):
         # loader.drop_last: its batches all have one shape (packed and compiled), which the samples' passes then take
         op = (OnPolicy(on_policy, cfg, rt, tokenizer, vocab, chunks, prompt_set, held, student=student,
-                       train_tokens=tokens, twin=twin, loader_shape=loader.drop_last) if on_policy is not None else None)
+                       train_tokens=tokens, twin=twin, loader_shape=loader.drop_last)
+              if on_policy is not None else None)
         twin = None  # the twin is the plan's structure filled in: `op` holds it and frees it after the held-out score
         steps = total_steps(cfg, loader)
         optimizer, scheduler = setup_optimizer(cfg, student, rt, steps)
