@@ -34,13 +34,12 @@ the row's prompts and their completions fit in max_seq_len) gives a prompt, so o
 batch_size x prompts_per_row prompts at once (a batch that keeps a GPU busy, where one prompt per row did not).
 Where every data micro-batch has one shape (packed data, compiled layers), a step's samples train first fit into
 passes of that shape or half its rows, compiled static (`loader_shaped_batches`, `static_shapes`: else the layers
-recompile for dynamic sizes, which data micro-batches then run too). Elsewhere they train one per row, padded to
-the longest, or packed back into their rows (`packed_completion_batch`), whichever holds fewer tokens, and
-consecutive ones of one sample per row join while they fit a data micro-batch's positions (`training_batches`:
-the same gradient in fewer passes). The
-on-policy micro-batches of one optimizer step are sampled together (`sampling_groups`: while their decode batch
-spans no more tokens than one micro-batch's prompts may at max_seq_len): a decode step costs about as much for 64
-prompts as for 16. Each prompt keeps the noise of its own micro-batch and slot.
+recompile for dynamic sizes, which data micro-batches then run too). Elsewhere they train one per row, padded to the
+longest, or packed back into their rows (`packed_completion_batch`), whichever holds fewer tokens, and consecutive
+ones of one sample per row join while they fit a data micro-batch's positions (`training_batches`: the same gradient
+in fewer passes). The on-policy micro-batches of one optimizer step are sampled together (`sampling_groups`: while
+their decode batch spans no more tokens than one micro-batch's prompts may at max_seq_len): a decode step costs
+about as much for 64 prompts as for 16. Each prompt keeps the noise of its own micro-batch and slot.
 
 Sampling speed (`decode_path`): on one CUDA process with `compile: true` the one-token decode step is compiled over
 the whole model and replayed as a CUDA graph per prompt-width bucket (`StaticDecode`, KV caches kept between steps;
