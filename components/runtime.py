@@ -32,6 +32,7 @@ from .errors import RecipeError
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_SPELLING = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # eval's dtype (config.json's torch_dtype)
 
 
 @dataclass
@@ -286,7 +287,8 @@ def check_device(device: str, dtype: str, processes: int = 1) -> torch.device:
     """The device `device` names (auto: cuda when available) after checking that it exists here, that `dtype`
     runs on it and, for `processes` ranks of one node on CUDA, that each has a GPU. A RecipeError names the value.
     `recipe run` calls it before torchrun starts the ranks (one line, not one per rank); `setup_runtime` in each."""
-    if dtype not in DTYPES:
+    torch_dtype = DTYPES.get(HF_SPELLING.get(dtype, dtype))
+    if torch_dtype is None:
         raise RecipeError(f"dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -302,13 +304,12 @@ def check_device(device: str, dtype: str, processes: int = 1) -> torch.device:
     if dev.type == "cuda" and processes > torch.cuda.device_count():
         raise RecipeError(f"{processes} processes on device={device!r}, but only {torch.cuda.device_count()} GPU(s) "
                           "are visible: one GPU per process (--nproc-per-node)")
-    torch_dtype = DTYPES[dtype]
     if dev.type == "cuda" and torch_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise RecipeError(
-            f"dtype=bf16 but {torch.cuda.get_device_name(dev)} has no bf16 support: use dtype=fp32 (or fp16)"
+            f"dtype={dtype} but {torch.cuda.get_device_name(dev)} has no bf16 support: use dtype=fp32 (or fp16)"
         )
     if dev.type == "cpu" and torch_dtype is torch.float16:
-        raise RecipeError("dtype=fp16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
+        raise RecipeError(f"dtype={dtype} needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
     return dev
 
 
@@ -334,7 +335,7 @@ def setup_runtime(
         dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = DTYPES[HF_SPELLING.get(dtype, dtype)]
     if dev.type == "cpu" and torch_dtype is torch.bfloat16:
         if rank == 0:
             log.warning("dtype=bf16 on CPU: running in fp32 instead (bf16 is emulated and slower on CPU)")

@@ -531,6 +531,10 @@ def test_a_device_the_host_lacks_is_one_line_before_torchrun_starts(tmp_path, ca
     assert run("device=cuda") == (1, "recipe: error: 2 processes on device='cuda', but only 1 GPU(s) are visible: "
                                      "one GPU per process (--nproc-per-node)")
     assert not (tmp_path / "out").exists()
+    # eval spells its dtype as config.json does (float32, float16): the same check reads it (it refused float32)
+    code, _, err = cli_captured(capsys, ["run", "--nproc-per-node", "2", "--standalone", "eval", "--config",
+                                         "eval/smollm2", f"output_dir={tmp_path}/eval", "device=cpu", "dtype=float16"])
+    assert (code, err.strip()) == (1, "recipe: error: dtype=float16 needs a CUDA GPU: use dtype=fp32 (or bf16) on CPU")
 
 
 def test_a_missing_data_file_or_uncreatable_folder_is_one_line_before_torchrun_starts(tmp_path, capsys, monkeypatch):
