@@ -106,13 +106,19 @@ def packed_completion_batch(prompts: Sequence[Sequence[int]], completions: Seque
     packed, steps 1.28x slower)."""
     if per_row is not None and sum(per_row) != len(prompts):
         raise ValueError(f"packed_completion_batch: rows of {list(per_row)} prompts for {len(prompts)} prompts")
-    seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c)}  # labels are shifted by collate
-            for p, c in zip(prompts, completions, strict=True)]
+    seqs = [_sequence(p, c) for p, c in zip(prompts, completions, strict=True)]
     rows, start = [], 0
     for n in per_row if per_row is not None else [len(seqs)]:
         rows += PackedDataset(seqs[start : start + n], max_seq_len, pad_id, open_rows=max(1, n)).rows
         start += n
     return {**collate_packed(rows), "prompt_lens": torch.tensor([len(p) for p in prompts])}
+
+
+def _sequence(prompt: Sequence[int], completion: Sequence[int]) -> dict:
+    """prompt + completion as an example PackedDataset packs: labels on the completion only (collate shifts them)
+    and the prompt's length."""
+    return {"tokens": [*prompt, *completion], "labels": [IGNORE_INDEX] * len(prompt) + list(completion),
+            "prompt": len(prompt)}
 
 
 def training_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[int] | None]],
@@ -175,8 +181,7 @@ def loader_shaped_batches(samples: Sequence[tuple[Sequence[Sequence[int]], Seque
     (`agree`: the counts reduced to the largest over ranks, since each pass runs FSDP's collectives), rows of several
     split where a rank has fewer rows than passes (a pass without samples only where it has fewer samples), the
     rest of a pass empty rows."""
-    seqs = [{"tokens": [*p, *c], "labels": [IGNORE_INDEX] * len(p) + list(c), "prompt": len(p)}  # collate shifts
-            for prompts, completions, _ in samples for p, c in zip(prompts, completions, strict=True)]
+    seqs = [_sequence(p, c) for prompts, completions, _ in samples for p, c in zip(prompts, completions, strict=True)]
     rows: list[list[dict]] = []  # first fit: each sequence into the first row with room
     used: list[int] = []
     for s in seqs:
