@@ -138,14 +138,25 @@ def probe_jobs(s, out: Path, ref: Job, variants: list[tuple[str, str, list[str]]
 
 
 def equal_time_steps(s, out: Path) -> dict | None:
-    """out/onp_steps.json from the probes: steps = kd_r1's steps x kd_r1's step time / the row's step time."""
+    """out/onp_steps.json from the probes: steps = kd_r1's steps x an off-policy step's time / the row's step time.
+    An off-policy step is the work of one of kd_r1's steps, timed inside the row's own probe (its median), so the
+    machine's drift between two probes cancels: kd_r1's probe and the rows' differed by 10-20% in one lease with
+    bit-identical losses (session 64). `off_vs_reference` shows what the rule leaves out: a row's off-policy steps
+    against kd_r1's (1.0 when on-policy passes leave the data passes alone; session 63's probes read 1.35)."""
     probes = {p.stem: json.loads(p.read_text()) for p in sorted((out / "probe").glob("*.json"))}
     if REFERENCE not in probes:
         return None
     t_ref = probes[REFERENCE]["step_s"]
+
+    def off_step(p: dict) -> float:  # what one of kd_r1's steps costs, timed in the row's own run where it can be
+        return p.get("off_step_s") or t_ref
+
     plan = {"reference": REFERENCE, "reference_steps": s.steps, "probe": probes,
-            "rule": "steps = reference_steps x reference step_s / row step_s (steady state, each row alone)",
-            "steps": {r: max(1, round(s.steps * t_ref / p["step_s"])) for r, p in probes.items() if r in ONP_ROWS}}
+            "rule": "steps = reference_steps x row's median off-policy step / row step_s (its own run; without "
+                    "off-policy steps: reference step_s)",
+            "steps": {r: max(1, round(s.steps * off_step(p) / p["step_s"])) for r, p in probes.items() if r in ONP_ROWS},
+            "off_vs_reference": {r: round(p["off_step_s"] / t_ref, 3) for r, p in probes.items()
+                                 if r in ONP_ROWS and p.get("off_step_s")}}
     (out / STEPS_FILE).write_text(json.dumps(plan, indent=2) + "\n")
     return plan
 
@@ -205,6 +216,7 @@ def probe(name: str, out: Path, argv: list[str]) -> int:
         return sum(vals) / len(vals) if vals else None
 
     result = {"row": name, "steps": last, "timed_steps": f"{first + 1}-{last}", "step_s": step_seconds(rows, times, first),
+              "off_step_s": off_policy_step_seconds(rows, times, first),
               "step_s_mean": (times[last] - times[first]) / (last - first), "tokens_per_s": mean("tokens_per_s"),
               "sampling_share": mean("sampling_share"), "sampled_tokens_per_s": mean("sampled_tokens_per_s"),
               "cmd": shlex.join(["recipe", *argv[3:]])}
@@ -219,14 +231,27 @@ def step_seconds(rows: list[dict], times: dict[int, float], first: int) -> float
     so a one-off stall (a compile, a new decode width's CUDA graph) moves neither; the weights, so a share of 0.05
     counts its on-policy steps (a median over all steps would see only off-policy ones). Fewer than 3 on-policy
     steps to time (or none in the run): the median over 2-step spans, the rule before (fraction 0.5 alternates)."""
-    on = {r["step"] for r in rows if r.get("on_policy_batches")}
-    span = {k: times[k] - times[k - 1] for k in range(first + 1, max(times) + 1) if k in times and k - 1 in times}
+    on, span = _spans(rows, times, first)
     timed_on = [d for k, d in span.items() if k in on and k != min(on)]
     if len(timed_on) < 3:
         spans = [(times[k + 2] - times[k]) / 2 for k in range(first, max(times) - 1) if k in times and k + 2 in times]
         return max(statistics.median(spans), 1e-9)
     share, off = len(on) / len(rows), [d for k, d in span.items() if k not in on]
     return share * statistics.median(timed_on) + (1 - share) * (statistics.median(off) if off else 0.0)
+
+
+def off_policy_step_seconds(rows: list[dict], times: dict[int, float], first: int) -> float | None:
+    """The median off-policy step of an on-policy row's probe (the work of one of kd_r1's steps, timed in the same
+    run); None for kd_r1 itself, for a run with no off-policy step, or with fewer than 3 to time."""
+    on, span = _spans(rows, times, first)
+    off = [d for k, d in span.items() if k not in on]
+    return statistics.median(off) if on and len(off) >= 3 else None
+
+
+def _spans(rows: list[dict], times: dict[int, float], first: int) -> tuple[set[int], dict[int, float]]:
+    """The steps that went on-policy, and each steady step's duration (metrics line to metrics line)."""
+    on = {r["step"] for r in rows if r.get("on_policy_batches")}
+    return on, {k: times[k] - times[k - 1] for k in range(first + 1, max(times) + 1) if k in times and k - 1 in times}
 
 
 def chat_prompts(tokenizer, n: int) -> list[tuple[int, list[int]]]:
@@ -304,7 +329,9 @@ def merge(out: Path, ev: dict, result: dict, lines: list[str], variants: list[tu
         result["on_policy_steps"] = plan = json.loads(steps.read_text())
         lines += ["", f"equal GPU time: {plan['rule']}; step_s " + ", ".join(
             f"{r} {p['step_s']:.4f}" for r, p in plan["probe"].items()) + "; steps " + ", ".join(
-            f"{r} {n}" for r, n in plan["steps"].items()) + f" ({REFERENCE} {plan['reference_steps']})"]
+            f"{r} {n}" for r, n in plan["steps"].items()) + f" ({REFERENCE} {plan['reference_steps']})"
+            + "".join(f"; off-policy step / {REFERENCE}'s: " + ", ".join(f"{r} {v}" for r, v in ratios.items())
+                      for ratios in [plan.get("off_vs_reference") or {}] if ratios)]
     if table:
         lines += ["", "held-out on-policy metric (student samples, teacher scores; lower is better):",
                   "| row | reverse KL per token | teacher NLL per token | prompts |", "| --- | --- | --- | --- |",

@@ -183,6 +183,9 @@ def test_a_probes_step_time_weighs_the_on_policy_steps_by_their_share_and_skips_
     assert onp.step_seconds(off_policy, times, first=25) == pytest.approx(0.07)  # 2-step spans: stalls skipped
     every = [{"step": k, "on_policy_batches": 1} for k in range(1, 101)]  # fraction 1.0: no off-policy step
     assert onp.step_seconds(every, times, first=25) == pytest.approx(0.07)
+    assert onp.off_policy_step_seconds(rows, times, first=25) == pytest.approx(0.07)  # the 5.0 s stall: not a median
+    assert onp.off_policy_step_seconds(off_policy, times, first=25) is None  # kd_r1: its step_s is the reference
+    assert onp.off_policy_step_seconds(every, times, first=25) is None
     study = _study()[0]
     s = study.Scale(teacher="t", rows=["onp5c", "onp50c"])
     ref = next(j for j in study.training_jobs(s, Path("o"), [0, 1]) if j.name == "kd_r1")
@@ -236,6 +239,20 @@ def test_a_cache_variant_builds_its_own_cache_with_its_cache_keys(tmp_path):
         f"teacher.logits_dir={tmp_path / 'kd_logits_kd_cache_s32'}"]
     assert not any(a.startswith("cache.") for a in row.argv) and row.deps == ["prune", "kd_logits_kd_cache_s32"]
     assert by["kd_cache8"].argv[-1] == "kd.kd_ratio=1.0"
+
+
+def test_equal_gpu_time_reads_an_off_policy_step_inside_the_rows_own_probe(tmp_path):
+    """The machine ran 25% slower during kd_r1's probe than during the row's (session 64: bit-identical losses, step
+    times 10-20% apart): the row's steps come from its own off-policy steps, so the drift cancels; a row with no
+    off-policy step (fraction 1.0) falls back on kd_r1's probe; the ratio the rule leaves out is kept and shown."""
+    study, onp = _study()
+    s = study.Scale(teacher=str(tmp_path / "teacher"), steps=400, rows=["onp10c", "onp100c"])
+    (tmp_path / "probe").mkdir()
+    for row, step_s, off in (("kd_r1", 0.1, None), ("onp10c", 0.088, 0.08), ("onp100c", 0.4, None)):
+        (tmp_path / "probe" / f"{row}.json").write_text(json.dumps({"row": row, "step_s": step_s, "off_step_s": off}))
+    plan = onp.equal_time_steps(s, tmp_path)
+    assert plan["steps"] == {"onp10c": round(400 * 0.08 / 0.088), "onp100c": 100}  # 364, not 455 by kd_r1's probe
+    assert plan["off_vs_reference"] == {"onp10c": 0.8}
 
 
 def test_chat_prompt_rows_sample_chat_prompts_apart_from_the_evaluated_ones(tmp_path, monkeypatch):
