@@ -327,11 +327,12 @@ def merge(out: Path, ev: dict, result: dict, lines: list[str], variants: list[tu
     steps = out / STEPS_FILE
     if steps.is_file():
         result["on_policy_steps"] = plan = json.loads(steps.read_text())
+        ratios = plan.get("off_vs_reference") or {}  # absent in plans written before session 64
         lines += ["", f"equal GPU time: {plan['rule']}; step_s " + ", ".join(
             f"{r} {p['step_s']:.4f}" for r, p in plan["probe"].items()) + "; steps " + ", ".join(
             f"{r} {n}" for r, n in plan["steps"].items()) + f" ({REFERENCE} {plan['reference_steps']})"
-            + "".join(f"; off-policy step / {REFERENCE}'s: " + ", ".join(f"{r} {v}" for r, v in ratios.items())
-                      for ratios in [plan.get("off_vs_reference") or {}] if ratios)]
+            + (f"; off-policy step / {REFERENCE}'s: " + ", ".join(f"{r} {v}" for r, v in ratios.items()) if ratios
+               else "")]
     if table:
         lines += ["", "held-out on-policy metric (student samples, teacher scores; lower is better):",
                   "| row | reverse KL per token | teacher NLL per token | prompts |", "| --- | --- | --- | --- |",

