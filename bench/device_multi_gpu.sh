@@ -117,7 +117,7 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
-        onpolicy)  # on-policy KD (the default share and 0.5) on 1 GPU and N (the twin on each), recompiles logged;
+        onpolicy)  # on-policy KD (0.1 and 0.5; kd_on_policy_2pct: the default) on 1 GPU and N (the twin on each), recompiles logged;
                    # ONPOLICY_STEPS: timed steps (default 8: at 0.1 a median of 8 noisy steps; 37 settle it)
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
                 --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} --steps ${ONPOLICY_STEPS:-8} ;;
