@@ -2,7 +2,7 @@
 components/on_policy.py).
 
 - `is_on_policy` / `on_policy_index`: micro-batch k goes on-policy when floor(k * fraction + phase) steps up; the
-  count below k says which prompts it is dealt.
+  count below k says which prompts it is dealt; `on_policy_plan` says how many a run holds.
 - Prompts from the training rows (the default): `row_prompts` / `prompts_of`, one per document of a packed row.
 - Prompts from a set of their own (`kd.on_policy.prompts`): `load_prompt_set` tokenizes it, one prompt per row
   (an instruct/chat row may be prompt-only: no response), and `deal_prompts` deals the rows statelessly
@@ -49,6 +49,21 @@ def on_policy_index(seed: int, k: int, fraction: float) -> int:
     for an on-policy micro-batch, its 0-based rank among them (m: which prompts it is dealt)."""
     phase = _key("phase", seed) / 2**63
     return math.floor(k * fraction + phase)
+
+
+def on_policy_plan(seed: int, fraction: float, accum: int, start: int, steps: int) -> str | None:
+    """The line a run logs before its first step: how many of its micro-batches (steps start+1..steps) go on-policy;
+    a warning when a share above 0 puts none there (a small share in a short run), so an off-policy run does not pass
+    for an on-policy one. None with fraction 0 (the off-policy baseline, asked for)."""
+    if fraction == 0:
+        return None
+    total = (steps - start) * accum
+    n = on_policy_index(seed, steps * accum, fraction) - on_policy_index(seed, start * accum, fraction)
+    if n == 0:
+        return (f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} micro-batches "
+                f"({steps - start} steps x {accum}) on-policy, so it trains off-policy (only the held-out score "
+                f"samples): raise kd.on_policy.fraction to {1 / max(total, 1):.2g} or more, or run more steps")
+    return f"on-policy: {n} of this run's {total} micro-batches (kd.on_policy.fraction={fraction:g}, spread evenly)"
 
 
 def sampling_groups(sizes: Sequence[Sequence[int]], max_rows: int, max_tokens: int) -> list[list[int]]:

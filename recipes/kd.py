@@ -35,6 +35,7 @@ from llm_recipe.components.on_policy import (
     load_prompt_set,
     twin_structure_for,
 )
+from llm_recipe.components.on_policy_prompts import on_policy_plan
 from llm_recipe.components.on_policy_sampling import static_shapes
 from llm_recipe.components.oom import Where
 from llm_recipe.components.quantization import (
@@ -209,6 +210,9 @@ def main(cfg: KDConfig) -> None:
                            adapters=lora is not None)
         start = state.restore(resume_from, steps) if resume_from is not None else 0
         discard_overwritten(cfg.output_dir)  # setup passed: the outputs overwrite=true set aside go now
+    if on_policy is not None and rt.is_main and (plan := on_policy_plan(cfg.seed, on_policy.fraction, accum, start,
+                                                                          steps)):
+        print(plan, flush=True)  # how many micro-batches sample; a warning when a small share puts none there
 
     # The loop. A step accumulates `gradient_accumulation_steps` micro-batches. Each one's losses (CE on labels,
     # KD against the frozen teacher) are computed from final hidden states chunk by chunk, with the student's

@@ -97,13 +97,15 @@ ON_POLICY_KEYS = {"on_policy_loss", "on_policy_batches", "on_policy_prompts", "o
     pytest.param("lora", marks=pytest.mark.slow),
     pytest.param("qat", marks=pytest.mark.slow),
 ])
-def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, models, student):
+def test_kd_recipe_logs_on_policy_metrics_and_scores_held_out_prompts(tmp_path, models, student, capsys):
     extra = {"full": ["student.keep_layers=[0,3]"],  # pruned, full, fused loss
              "lora": ["lora={rank: 4, alpha: 8.0, targets: [q_proj, v_proj, lm_head]}"],  # checkpointed loss
              "qat": ["qat={scheme: 8da4w, group_size: 32}"]}[student]  # KD-QAT
     out = tmp_path / "out"
     assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *extra), "max_steps=4",
                                                        f"output_dir={out}"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert "on-policy: 2 of this run's 4 micro-batches (kd.on_policy.fraction=0.5, spread evenly)" in said
     rows = rc.assert_metrics(out, 4, {"loss", "lr", *ON_POLICY_KEYS})
     on = [r for r in rows if r["on_policy_batches"]]
     assert len(on) == 2 and all(r["on_policy_batches"] == 1 for r in on)  # fraction 0.5 of 4 micro-batches
@@ -716,6 +718,22 @@ def test_fraction_zero_trains_off_policy_and_scores_the_held_out_prompts(tmp_pat
     held = json.loads((out / "on_policy_eval.json").read_text())
     assert held["held_out_rows"] == 3 and held["reverse_kl_per_token"] > 0
     assert held["prompts"] == 3 and len(held["per_prompt"]["reverse_kl"]) == 3
+
+
+def test_a_share_too_small_for_the_run_says_so_before_the_first_step(tmp_path, models, capsys):
+    """The default share (0.02) over a 3-step run of one micro-batch a step puts no micro-batch on-policy (seed 0's
+    phase): the run still trains and scores, and the log says, before the first step, that it trained off-policy
+    and what share would sample, instead of passing for an on-policy run."""
+    out = tmp_path / "out"
+    assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models), "kd.on_policy.fraction=0.02", "max_steps=3",
+                                                       f"output_dir={out}"]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "kd.on_policy.fraction" in ln]
+    assert said == ["warning: kd.on_policy.fraction=0.02 puts none of this run's 3 micro-batches (3 steps x 1) "
+                    "on-policy, so it trains off-policy (only the held-out score samples): raise "
+                    "kd.on_policy.fraction to 0.33 or more, or run more steps"]
+    rows = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
+    assert all(r["on_policy_batches"] == 0 for r in rows)
+    assert json.loads((out / "on_policy_eval.json").read_text())["prompts"] == 3
 
 
 def test_teacher_embedding_on_the_host_changes_no_number(tmp_path, models, monkeypatch, capsys):

@@ -38,6 +38,33 @@ def test_on_policy_index_counts_the_on_policy_micro_batches_before(fraction):
         assert [on_policy_index(seed, k, fraction) for k in range(300)] == [sum(picks[:k]) for k in range(300)]
 
 
+@pytest.mark.parametrize("fraction,accum", [(0.02, 8), (0.02, 1), (0.1, 8), (0.5, 3), (1.0, 2)])
+def test_the_run_plan_counts_the_micro_batches_that_go_on_policy(fraction, accum):
+    """The line before the first step counts exactly the micro-batches is_on_policy picks in steps start+1..steps
+    (a resume counts its own); none at a share above 0 is a warning that names the key and a share that would do."""
+    from llm_recipe.components.on_policy_prompts import on_policy_plan
+
+    warned = 0
+    for seed in range(6):
+        for start, steps in ((0, 10), (0, 120), (37, 64)):
+            picked = sum(is_on_policy(seed, step, m, accum, fraction) for step in range(start, steps)
+                         for m in range(accum))
+            line = on_policy_plan(seed, fraction, accum, start, steps)
+            total = (steps - start) * accum
+            if picked:
+                assert line == (f"on-policy: {picked} of this run's {total} micro-batches "
+                                f"(kd.on_policy.fraction={fraction:g}, spread evenly)")
+            else:
+                warned += 1
+                assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} "
+                                       f"micro-batches ({steps - start} steps x {accum}) on-policy")
+                assert f"raise kd.on_policy.fraction to {1 / total:.2g} or more" in line
+    # only a small share over few micro-batches puts none there: 0.02 of 10 or 27 steps of one micro-batch, for
+    # most seeds (the phase decides), never 8 micro-batches a step or 120 steps
+    assert (warned > 0) == ((fraction, accum) == (0.02, 1))
+    assert on_policy_plan(0, 0.0, 8, 0, 100) is None  # fraction 0: the off-policy baseline, asked for
+
+
 def test_dealing_cuts_each_pass_into_whole_micro_batches_and_two_ranks_take_what_one_takes_with_twice_the_batch():
     """A pass of n = 13 rows holds n // 6 = 2 micro-batches of 6 (2 ranks x 3, or 1 x 6): the m-th on-policy
     micro-batch of 2 ranks of 3 prompts each is the m-th of one process with 6, rank 0 first; a pass deals 12
