@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from .checkpoint.atomic import atomic_write_bytes
 from .data.dataset import DatasetConfig, TokenizedDataset
@@ -312,7 +313,7 @@ class OnPolicy:
                           "end-of-run score is not of unseen prompts; for that, give the prompts rows of their own, "
                           "or slice them off with the two splits (e.g. dataset.split='train[:-100]', "
                           f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
-        self._batches_logged, self.step_seconds = 0, 0.0
+        self._batches_logged, self.step_seconds, self._compiled_once = 0, 0.0, False
         self._reset()
 
     # ------------------------------------------------------------------ data
@@ -376,6 +377,10 @@ class OnPolicy:
         if not chosen:
             return window
         start, width = time.perf_counter(), self.rows * self.rt.world_size
+        if self.static is not None and not self._compiled_once and step > 0 and self.rt.is_main:  # a small share's
+            # first sampling comes after step 1 (whose compile setup's log explains): say why this step stalls
+            tqdm.write(f"on-policy: step {step + 1} samples first: compiling the decode step (once)")
+        self._compiled_once = True
         if self.twin is not None:  # the step's starting weights, gathered into the twin or merged into the copy
             self.twin.refresh(model, _key(self.seed, step, "merge"))
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])

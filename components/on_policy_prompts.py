@@ -51,6 +51,14 @@ def on_policy_index(seed: int, k: int, fraction: float) -> int:
     return math.floor(k * fraction + phase)
 
 
+def share_for_one(micro_batches: int) -> float:
+    """The smallest share of two significant digits that puts at least one of `micro_batches` on-policy (any k
+    consecutive micro-batches hold at least floor(k * fraction)): 1/3 -> 0.34, not 0.33."""
+    need = 1 / max(micro_batches, 1)
+    share = float(f"{need:.2g}")
+    return share if share >= need else float(f"{share + 10 ** (math.floor(math.log10(share)) - 1):.2g}")
+
+
 def on_policy_plan(seed: int, fraction: float, accum: int, start: int, steps: int) -> str | None:
     """The line a run logs before its first step: how many of its micro-batches (steps start+1..steps) go on-policy;
     a warning when a share above 0 puts none there (a small share in a short run), so an off-policy run does not pass
@@ -62,7 +70,7 @@ def on_policy_plan(seed: int, fraction: float, accum: int, start: int, steps: in
     if n == 0:
         return (f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} micro-batches "
                 f"({steps - start} steps x {accum}) on-policy, so it trains off-policy (only the held-out score "
-                f"samples): raise kd.on_policy.fraction to {1 / max(total, 1):.2g} or more, or run more steps")
+                f"samples): raise kd.on_policy.fraction to {share_for_one(total):g} or more, or run more steps")
     return f"on-policy: {n} of this run's {total} micro-batches (kd.on_policy.fraction={fraction:g}, spread evenly)"
 
 

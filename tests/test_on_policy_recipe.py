@@ -693,17 +693,22 @@ def _assert_two_processes_match_one(args: list[str], one: Path, two: Path, cwd: 
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: Inductor compiles the layers and the decode step for the CPU
-def test_compiled_sampling_in_the_kd_recipe(tmp_path, models, short_docs):
+def test_compiled_sampling_in_the_kd_recipe(tmp_path, models, short_docs, capsys):
     """`kd.on_policy.decode=compiled` with `compile=true` on CPU: the recipe's wiring of the compiled decode step
     (Inductor's CPU kernels, not CUDA graphs) between compiled training layers: it samples several prompts per row
-    and the run finishes with the held-out score, the same number of prompts as eager sampling."""
+    and the run finishes with the held-out score, the same number of prompts as eager sampling. Seed 0 first
+    samples at step 2, so the compiled run says that step stalls to compile the decode step (eager: nothing to say)."""
     runs = {}
     for decode in ("eager", "compiled"):
         out = tmp_path / decode
         assert rc.run_in_process("kd", "kd/smollm2_demo", [*_kd(models, *short_docs), "max_steps=3", "compile=true",
                                                            f"kd.on_policy.decode={decode}", f"output_dir={out}"]) == 0
         runs[decode] = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
+        assert [r["on_policy_batches"] for r in runs[decode]] == [0, 1, 0]
         assert json.loads((out / "on_policy_eval.json").read_text())["sampled_tokens"] > 0
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "compiling the decode step" in ln]
+        assert said == (["on-policy: step 2 samples first: compiling the decode step (once)"]
+                        if decode == "compiled" else [])
     prompts = [[r["on_policy_prompts"] for r in runs[d]] for d in ("eager", "compiled")]
     assert prompts[0] == prompts[1] and max(prompts[0]) > 2
 
@@ -730,7 +735,7 @@ def test_a_share_too_small_for_the_run_says_so_before_the_first_step(tmp_path, m
     said = [ln for ln in capsys.readouterr().out.splitlines() if "kd.on_policy.fraction" in ln]
     assert said == ["warning: kd.on_policy.fraction=0.02 puts none of this run's 3 micro-batches (3 steps x 1) "
                     "on-policy, so it trains off-policy (only the held-out score samples): raise "
-                    "kd.on_policy.fraction to 0.33 or more, or run more steps"]
+                    "kd.on_policy.fraction to 0.34 or more, or run more steps"]
     rows = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
     assert all(r["on_policy_batches"] == 0 for r in rows)
     assert json.loads((out / "on_policy_eval.json").read_text())["prompts"] == 3

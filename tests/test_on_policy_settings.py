@@ -58,11 +58,22 @@ def test_the_run_plan_counts_the_micro_batches_that_go_on_policy(fraction, accum
                 warned += 1
                 assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} "
                                        f"micro-batches ({steps - start} steps x {accum}) on-policy")
-                assert f"raise kd.on_policy.fraction to {1 / total:.2g} or more" in line
+                share = float(line.split("raise kd.on_policy.fraction to ")[1].split(" or more")[0])
+                assert on_policy_plan(seed, share, accum, start, steps).startswith("on-policy: ")  # it does sample
+                assert share <= 1.1 / total  # and is not much more than needed
     # only a small share over few micro-batches puts none there: 0.02 of 10 or 27 steps of one micro-batch, for
     # most seeds (the phase decides), never 8 micro-batches a step or 120 steps
     assert (warned > 0) == ((fraction, accum) == (0.02, 1))
     assert on_policy_plan(0, 0.0, 8, 0, 100) is None  # fraction 0: the off-policy baseline, asked for
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 7, 10, 27, 70, 99, 101, 333, 1000, 4999])
+def test_the_share_a_warning_suggests_samples_at_least_once_in_any_phase(micro_batches):
+    from llm_recipe.components.on_policy_prompts import share_for_one
+
+    share = share_for_one(micro_batches)
+    assert share * micro_batches >= 1 and float(f"{share:.2g}") == share
+    assert all(sum(is_on_policy(seed, k, 0, 1, share) for k in range(micro_batches)) >= 1 for seed in range(20))
 
 
 def test_dealing_cuts_each_pass_into_whole_micro_batches_and_two_ranks_take_what_one_takes_with_twice_the_batch():
