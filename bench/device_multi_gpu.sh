@@ -117,14 +117,14 @@ runner)  # the phases one after another (the GPUs are never shared between two m
             # recompiles logged too: a rank that recompiles mid-run stalls every rank at the step's reduce-scatter
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" --rows kd_lora
             kill $! ;;
-        onpolicy)  # on-policy KD (0.1 and 0.5; kd_on_policy_2pct: the default) on 1 GPU and N (the twin on each), recompiles logged;
-                   # ONPOLICY_STEPS: timed steps (default 8: at 0.1 a median of 8 noisy steps; 37 settle it)
+        onpolicy)  # on-policy KD (the default 0.02 and 0.5) on 1 GPU and N (the twin on each), recompiles logged;
+                   # ONPOLICY_STEPS: timed steps (default 37: at 0.02 one step in 6-7 samples; 8 held 1-2)
             TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling --models $B --out $M --nprocs "$nprocs" \
-                --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} --steps ${ONPOLICY_STEPS:-8} ;;
+                --rows ${ONPOLICY_ROWS:-kd_on_policy_2pct,kd_on_policy_half} --steps ${ONPOLICY_STEPS:-37} ;;
         onpolicy_before)  # the same rows with the earlier commit's package (`start` installed it)
             PYTHONPATH=/tmp/site_before:/tmp/site TORCH_LOGS=recompiles python3 bench/multi_gpu.py scaling \
-                --models $B --out $M/before --nprocs "$nprocs" --rows ${ONPOLICY_ROWS:-kd_on_policy,kd_on_policy_half} \
-                --steps ${ONPOLICY_STEPS:-8}
+                --models $B --out $M/before --nprocs "$nprocs" --rows ${ONPOLICY_ROWS:-kd_on_policy_2pct,kd_on_policy_half} \
+                --steps ${ONPOLICY_STEPS:-37}
             python3 bench/multi_gpu.py table --out $M/before ;;
         recipes) python3 bench/multi_gpu.py recipes --models $B --out $M --nproc "$n" --hf-path /tmp/peft ${4:+--rows "$4"} ;;
         fault) python3 bench/multi_gpu.py fault --models $B --out $M --nproc "$n" ;;

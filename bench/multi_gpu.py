@@ -139,11 +139,16 @@ def append(path: Path, row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def first_sampling_step(steps: list[dict]) -> int | None:
+    """The run's first step with an on-policy micro-batch (its decode step and sample passes compile there)."""
+    return next((s["step"] for s in steps if s.get("on_policy_batches")), None)
+
+
 def steady_step_seconds(at: dict[int, float], steps: list[dict], warmup: int) -> float | None:
     """Mean seconds per timed step without the run's first on-policy step when it falls among them: at a small share
-    (0.02: session 65) the first one comes after the warm-up and compiles the decode step (~25 s, once), which
-    step_s_mean counts. Step k's seconds are the gap between its metrics line and the one before."""
-    first_on = next((s["step"] for s in steps if s.get("on_policy_batches")), None)
+    (0.02: session 65) the first one comes after the warm-up and compiles (26 s, once), which step_s_mean counts.
+    Step k's seconds are the gap between its metrics line and the one before."""
+    first_on = first_sampling_step(steps)
     gaps = [at[k] - at[k - 1] for k in sorted(at) if k > warmup and k - 1 in at and k != first_on]
     return sum(gaps) / len(gaps) if gaps else None
 
@@ -169,7 +174,9 @@ def cmd_scaling(a) -> None:
                    "step_s_mean": (at[last] - at[a.warmup]) / (last - a.warmup) if a.warmup in at and last > a.warmup
                    else None,
                    "step_s_steady": steady_step_seconds(at, steps, a.warmup),
-                   "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup]),
+                   # without the first sampling step, whose compile a small share puts after the warm-up
+                   "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup
+                                                                 and s["step"] != first_sampling_step(steps)]),
                    "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
                    **log_facts(out_dir.with_suffix(".log"))}
             if rc:
@@ -290,7 +297,8 @@ def cmd_table(a) -> None:
     for r in scaling:
         tps = r.get("tokens_per_s")
         base = one.get(r["row"].removesuffix("_shard")) if r["nproc"] > 1 else None
-        steady = f", {r['step_s_steady']:.3f} without the first sampling" if r.get("step_s_steady") else ""
+        steady = (f", {r['step_s_steady']:.3f} without the first sampling step" if r.get("step_s_steady")
+                  and r.get("step_s_mean") and abs(r["step_s_steady"] / r["step_s_mean"] - 1) > 0.01 else "")
         tps_cell = f"{tps:,.0f}" + (f" (sampled {r['sampled_tokens_per_s']:,.0f}; {r['step_s_mean']:.3f} s/step"
                                     f"{steady})" if r.get("sampled_tokens_per_s") and r.get("step_s_mean") else "") \
             if tps else f"failed rc {r['rc']}"

@@ -313,7 +313,9 @@ class OnPolicy:
                           "end-of-run score is not of unseen prompts; for that, give the prompts rows of their own, "
                           "or slice them off with the two splits (e.g. dataset.split='train[:-100]', "
                           f"{PROMPTS_KEY}.split='train[-100:]')", flush=True)
-        self._batches_logged, self.step_seconds, self._compiled_once = 0, 0.0, False
+        self._batches_logged, self.step_seconds = 0, 0.0
+        self._first_step: int | None = None  # this process's first step, and whether it has sampled yet
+        self._sampled_once = False
         self._reset()
 
     # ------------------------------------------------------------------ data
@@ -374,13 +376,16 @@ class OnPolicy:
         `training_batches` (the window may come back shorter or longer); `step` counts finished optimizer steps.
         Their prompts are sampled in `sampling_groups`, each with the noise of its own micro-batch and slot."""
         chosen = [m for m in range(len(window)) if is_on_policy(self.seed, step, m, self.accum, self.s.fraction)]
+        self._first_step = step if self._first_step is None else self._first_step
         if not chosen:
             return window
         start, width = time.perf_counter(), self.rows * self.rt.world_size
-        if self.static is not None and not self._compiled_once and step > 0 and self.rt.is_main:  # a small share's
-            # first sampling comes after step 1 (whose compile setup's log explains): say why this step stalls
-            tqdm.write(f"on-policy: step {step + 1} samples first: compiling the decode step (once)")
-        self._compiled_once = True
+        if self.static is not None and not self._sampled_once and step > self._first_step and self.rt.is_main:
+            # a small share samples first after this process's first step (whose compiles setup's log explains):
+            # say why this step stalls
+            tqdm.write(f"on-policy: step {step + 1} is this process's first to sample: compiling the decode step "
+                       "and the layers for the samples' passes (once)")
+        self._sampled_once = True
         if self.twin is not None:  # the step's starting weights, gathered into the twin or merged into the copy
             self.twin.refresh(model, _key(self.seed, step, "merge"))
         dealt = [self._dealt(step, m) if self.prompt_set is not None else self._prompts_of_rows(window[m])

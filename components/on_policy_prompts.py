@@ -62,16 +62,17 @@ def share_for_one(micro_batches: int) -> float:
 def on_policy_plan(seed: int, fraction: float, accum: int, start: int, steps: int) -> str | None:
     """The line a run logs before its first step: how many of its micro-batches (steps start+1..steps) go on-policy;
     a warning when a share above 0 puts none there (a small share in a short run), so an off-policy run does not pass
-    for an on-policy one. None with fraction 0 (the off-policy baseline, asked for)."""
-    if fraction == 0:
-        return None
+    for an on-policy one. None with fraction 0 (the off-policy baseline, asked for) or nothing left to train."""
     total = (steps - start) * accum
+    if fraction == 0 or total <= 0:
+        return None
     n = on_policy_index(seed, steps * accum, fraction) - on_policy_index(seed, start * accum, fraction)
+    which = "this run's" if start == 0 else f"the {steps - start} steps left's"
     if n == 0:
-        return (f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} micro-batches "
-                f"({steps - start} steps x {accum}) on-policy, so it trains off-policy (only the held-out score "
-                f"samples): raise kd.on_policy.fraction to {share_for_one(total):g} or more, or run more steps")
-    return f"on-policy: {n} of this run's {total} micro-batches (kd.on_policy.fraction={fraction:g}, spread evenly)"
+        return (f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} {total} micro-batches "
+                f"({steps - start} steps x {accum}) on-policy, so they train off-policy (only the held-out score "
+                f"samples): raise kd.on_policy.fraction to at least {share_for_one(total):g}, or run more steps")
+    return f"on-policy: {n} of {which} {total} micro-batches (kd.on_policy.fraction={fraction:g}, spread evenly)"
 
 
 def sampling_groups(sizes: Sequence[Sequence[int]], max_rows: int, max_tokens: int) -> list[list[int]]:

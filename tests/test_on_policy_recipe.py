@@ -707,8 +707,8 @@ def test_compiled_sampling_in_the_kd_recipe(tmp_path, models, short_docs, capsys
         assert [r["on_policy_batches"] for r in runs[decode]] == [0, 1, 0]
         assert json.loads((out / "on_policy_eval.json").read_text())["sampled_tokens"] > 0
         said = [ln for ln in capsys.readouterr().out.splitlines() if "compiling the decode step" in ln]
-        assert said == (["on-policy: step 2 samples first: compiling the decode step (once)"]
-                        if decode == "compiled" else [])
+        assert said == (["on-policy: step 2 is this process's first to sample: compiling the decode step and the "
+                         "layers for the samples' passes (once)"] if decode == "compiled" else [])
     prompts = [[r["on_policy_prompts"] for r in runs[d]] for d in ("eager", "compiled")]
     assert prompts[0] == prompts[1] and max(prompts[0]) > 2
 
@@ -734,8 +734,8 @@ def test_a_share_too_small_for_the_run_says_so_before_the_first_step(tmp_path, m
                                                        f"output_dir={out}"]) == 0
     said = [ln for ln in capsys.readouterr().out.splitlines() if "kd.on_policy.fraction" in ln]
     assert said == ["warning: kd.on_policy.fraction=0.02 puts none of this run's 3 micro-batches (3 steps x 1) "
-                    "on-policy, so it trains off-policy (only the held-out score samples): raise "
-                    "kd.on_policy.fraction to 0.34 or more, or run more steps"]
+                    "on-policy, so they train off-policy (only the held-out score samples): raise "
+                    "kd.on_policy.fraction to at least 0.34, or run more steps"]
     rows = rc.assert_metrics(out, 3, {"loss", *ON_POLICY_KEYS})
     assert all(r["on_policy_batches"] == 0 for r in rows)
     assert json.loads((out / "on_policy_eval.json").read_text())["prompts"] == 3

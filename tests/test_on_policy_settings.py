@@ -41,7 +41,8 @@ def test_on_policy_index_counts_the_on_policy_micro_batches_before(fraction):
 @pytest.mark.parametrize("fraction,accum", [(0.02, 8), (0.02, 1), (0.1, 8), (0.5, 3), (1.0, 2)])
 def test_the_run_plan_counts_the_micro_batches_that_go_on_policy(fraction, accum):
     """The line before the first step counts exactly the micro-batches is_on_policy picks in steps start+1..steps
-    (a resume counts its own); none at a share above 0 is a warning that names the key and a share that would do."""
+    (a resume counts the steps it has left); none at a share above 0 is a warning that names the key and a share
+    that would sample; nothing to say at fraction 0 or with no step left (a resume of a finished run)."""
     from llm_recipe.components.on_policy_prompts import on_policy_plan
 
     warned = 0
@@ -51,29 +52,35 @@ def test_the_run_plan_counts_the_micro_batches_that_go_on_policy(fraction, accum
                          for m in range(accum))
             line = on_policy_plan(seed, fraction, accum, start, steps)
             total = (steps - start) * accum
+            which = "this run's" if start == 0 else f"the {steps - start} steps left's"
             if picked:
-                assert line == (f"on-policy: {picked} of this run's {total} micro-batches "
+                assert line == (f"on-policy: {picked} of {which} {total} micro-batches "
                                 f"(kd.on_policy.fraction={fraction:g}, spread evenly)")
             else:
                 warned += 1
-                assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of this run's {total} "
+                assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} {total} "
                                        f"micro-batches ({steps - start} steps x {accum}) on-policy")
-                share = float(line.split("raise kd.on_policy.fraction to ")[1].split(" or more")[0])
+                share = float(line.split("raise kd.on_policy.fraction to at least ")[1].split(",")[0])
                 assert on_policy_plan(seed, share, accum, start, steps).startswith("on-policy: ")  # it does sample
                 assert share <= 1.1 / total  # and is not much more than needed
     # only a small share over few micro-batches puts none there: 0.02 of 10 or 27 steps of one micro-batch, for
     # most seeds (the phase decides), never 8 micro-batches a step or 120 steps
     assert (warned > 0) == ((fraction, accum) == (0.02, 1))
     assert on_policy_plan(0, 0.0, 8, 0, 100) is None  # fraction 0: the off-policy baseline, asked for
+    assert on_policy_plan(0, fraction, accum, 64, 64) is None  # resumed at its last step: nothing left to train
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 7, 10, 27, 70, 99, 101, 333, 1000, 4999])
 def test_the_share_a_warning_suggests_samples_at_least_once_in_any_phase(micro_batches):
+    """The share a warning suggests has two significant digits and puts at least one micro-batch on-policy in any
+    run of that many micro-batches, whatever the seed's phase and wherever the run starts (a resume)."""
     from llm_recipe.components.on_policy_prompts import share_for_one
 
     share = share_for_one(micro_batches)
     assert share * micro_batches >= 1 and float(f"{share:.2g}") == share
-    assert all(sum(is_on_policy(seed, k, 0, 1, share) for k in range(micro_batches)) >= 1 for seed in range(20))
+    for seed in range(20):
+        for first in (0, 1, 13, 977):
+            assert sum(is_on_policy(seed, first + k, 0, 1, share) for k in range(micro_batches)) >= 1
 
 
 def test_dealing_cuts_each_pass_into_whole_micro_batches_and_two_ranks_take_what_one_takes_with_twice_the_batch():
