@@ -67,12 +67,12 @@ def on_policy_plan(seed: int, fraction: float, accum: int, start: int, steps: in
     if fraction == 0 or total <= 0:
         return None
     n = on_policy_index(seed, steps * accum, fraction) - on_policy_index(seed, start * accum, fraction)
-    which = "this run's" if start == 0 else f"the {steps - start} steps left's"
+    which = f"this run's {total} micro-batches" if start == 0 else f"the {total} micro-batches of the steps left"
     if n == 0:
-        return (f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} {total} micro-batches "
-                f"({steps - start} steps x {accum}) on-policy, so they train off-policy (only the held-out score "
-                f"samples): raise kd.on_policy.fraction to at least {share_for_one(total):g}, or run more steps")
-    return f"on-policy: {n} of {which} {total} micro-batches (kd.on_policy.fraction={fraction:g}, spread evenly)"
+        return (f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} ({steps - start} steps x {accum}) "
+                f"on-policy, so they train off-policy (only the held-out score samples): raise "
+                f"kd.on_policy.fraction to at least {share_for_one(total):g}, or run more steps")
+    return f"on-policy: {n} of {which} (kd.on_policy.fraction={fraction:g}, spread evenly)"
 
 
 def sampling_groups(sizes: Sequence[Sequence[int]], max_rows: int, max_tokens: int) -> list[list[int]]:

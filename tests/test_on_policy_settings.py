@@ -52,14 +52,15 @@ def test_the_run_plan_counts_the_micro_batches_that_go_on_policy(fraction, accum
                          for m in range(accum))
             line = on_policy_plan(seed, fraction, accum, start, steps)
             total = (steps - start) * accum
-            which = "this run's" if start == 0 else f"the {steps - start} steps left's"
+            which = (f"this run's {total} micro-batches" if start == 0
+                     else f"the {total} micro-batches of the steps left")
             if picked:
-                assert line == (f"on-policy: {picked} of {which} {total} micro-batches "
+                assert line == (f"on-policy: {picked} of {which} "
                                 f"(kd.on_policy.fraction={fraction:g}, spread evenly)")
             else:
                 warned += 1
-                assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} {total} "
-                                       f"micro-batches ({steps - start} steps x {accum}) on-policy")
+                assert line.startswith(f"warning: kd.on_policy.fraction={fraction:g} puts none of {which} "
+                                       f"({steps - start} steps x {accum}) on-policy")
                 share = float(line.split("raise kd.on_policy.fraction to at least ")[1].split(",")[0])
                 assert on_policy_plan(seed, share, accum, start, steps).startswith("on-policy: ")  # it does sample
                 assert share <= 1.1 / total  # and is not much more than needed
