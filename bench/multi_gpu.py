@@ -168,15 +168,15 @@ def cmd_scaling(a) -> None:
             timed = [s["tokens_per_s"] for s in steps if s["step"] > a.warmup]
             # on-policy rows mix steps that sample and steps that do not (the median is one kind's rate) and their
             # passes' shapes change the tokens a step counts: seconds per step over the timed steps compare runs
-            last = max(at, default=0)
+            last, first_on = max(at, default=0), first_sampling_step(steps)
             row = {"row": name, "nproc": n, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[3:]),
                    "tokens_per_s": statistics.median(timed) if timed else None,
                    "step_s_mean": (at[last] - at[a.warmup]) / (last - a.warmup) if a.warmup in at and last > a.warmup
                    else None,
                    "step_s_steady": steady_step_seconds(at, steps, a.warmup),
                    # without the first sampling step, whose compile a small share puts after the warm-up
-                   "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps if s["step"] > a.warmup
-                                                                 and s["step"] != first_sampling_step(steps)]),
+                   "sampled_tokens_per_s": sampled_tokens_per_s([s for s in steps
+                                                                 if s["step"] > a.warmup and s["step"] != first_on]),
                    "peak_gib": max((s.get("peak_memory_gib") or 0 for s in steps), default=None),
                    **log_facts(out_dir.with_suffix(".log"))}
             if rc:
